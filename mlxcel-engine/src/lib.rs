@@ -1,0 +1,1 @@
+//! The mlxcel Engine: generation, KV caches and sampling.

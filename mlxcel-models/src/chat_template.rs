@@ -1,0 +1,1 @@
+//! Hugging Face chat templates rendered with minijinja.

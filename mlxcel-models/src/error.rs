@@ -1,0 +1,63 @@
+//! The one error type of `mlxcel-models`.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while reading, converting or running a checkpoint.
+///
+/// Every variant names the file and, where there is one, the tensor involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{path}: {message}")]
+    InvalidFile { path: PathBuf, message: String },
+    #[error("{path}: missing tensor `{tensor}`")]
+    MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: tensor `{tensor}` has shape {actual:?}, expected {expected:?}")]
+    ShapeMismatch {
+        path: PathBuf,
+        tensor: String,
+        expected: Vec<i64>,
+        actual: Vec<i64>,
+    },
+    #[error("unknown model_type `{model_type}` in {path} (supported: {supported})")]
+    UnknownArchitecture {
+        path: PathBuf,
+        model_type: String,
+        supported: String,
+    },
+    #[error("{path}: unsupported: {message}")]
+    Unsupported { path: PathBuf, message: String },
+    #[error("invalid configuration in {path}: {message}")]
+    InvalidConfig { path: PathBuf, message: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("model download: {0}")]
+    Download(String),
+    #[error("MLX: {0}")]
+    Mlx(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+    pub fn invalid_file(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Error::InvalidFile { path: path.into(), message: message.into() }
+    }
+}

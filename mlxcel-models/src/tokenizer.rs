@@ -1,0 +1,1 @@
+//! Tokenizer wrapper and streaming detokenization.

@@ -1,0 +1,359 @@
+"""Write tiny random mlx-lm checkpoints plus golden outputs for mlxcel's parity tests.
+
+Usage (from the repository root):
+
+    tests/reference/run.sh tests/reference/make_tiny_goldens.py \
+        [--out mlxcel-models/tests/data/tiny] [--only llama,qwen3]
+
+For every variant this writes <out>/<name>/:
+  config.json                    Hugging Face style keys, written by mlx_lm.utils.save_config
+  model.safetensors              written by mlx_lm.utils.save_model (keys model.layers.0...)
+  model.safetensors.index.json   written by mlx_lm.utils.save_model as well
+  golden.json                    inputs and reference outputs (see README.md)
+
+The models are built with mlx-lm's own model classes, seeded, saved the way
+mlx-lm saves a checkpoint, then *reloaded* with mlx_lm.utils.load_model; the
+golden outputs come from the reloaded model, so they describe exactly what
+mlx-lm computes from the files on disk.
+"""
+
+import argparse
+import copy
+import importlib.metadata as md
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO / "mlxcel-models" / "tests" / "data" / "tiny"
+
+INPUT_IDS = [1, 17, 243, 99, 511, 8, 300, 42, 7, 128, 256, 3]
+N_GREEDY = 16
+MIN_GAP = 0.05  # logits are O(5); see README.md
+MAX_ATTEMPTS = 30
+
+BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+LLAMA = {
+    **BASE,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+}
+MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+QWEN2 = {
+    **BASE,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+}
+# mlx-lm's qwen2 derives head_dim = hidden / heads (= 16 here); it has no head_dim key.
+del QWEN2["head_dim"]
+QWEN3 = {
+    **BASE,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "hidden_act": "silu",
+}
+
+# name -> dict(config=..., dtype=..., quant=(group_size, bits) | None, predicate=..., seed=...)
+def variants():
+    v = {}
+    v["llama"] = dict(config=LLAMA, desc="llama, untied lm_head, float32")
+    v["llama_tied"] = dict(
+        config={**LLAMA, "tie_word_embeddings": True}, desc="llama, tied embeddings"
+    )
+    v["llama_rope_llama3"] = dict(
+        config={
+            **LLAMA,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        desc="llama with llama3 rope scaling (original_max_position_embeddings 64 so "
+        "that the scaling changes the logits at these positions)",
+    )
+    v["llama_rope_linear"] = dict(
+        config={**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        desc="llama with linear rope scaling (factor 2)",
+    )
+    v["mistral"] = dict(config=MISTRAL, desc="model_type mistral (mlx-lm maps it to llama)")
+    v["qwen2"] = dict(config=QWEN2, desc="qwen2: q/k/v biases, head_dim implied")
+    v["qwen3"] = dict(config=QWEN3, desc="qwen3: q_norm/k_norm, explicit head_dim, no biases")
+    v["llama_bf16"] = dict(
+        config=LLAMA, dtype="bfloat16", desc="llama, weights stored in bfloat16"
+    )
+    v["llama_f16"] = dict(
+        config=LLAMA, dtype="float16", desc="llama, weights stored in float16"
+    )
+    v["llama_q4_g32"] = dict(
+        config=LLAMA, quant=(32, 4), desc="llama, affine 4-bit, group 32 (mlx-lm quantize_model)"
+    )
+    v["qwen3_q8_g64"] = dict(
+        config=QWEN3, quant=(64, 8), desc="qwen3, affine 8-bit, group 64"
+    )
+    v["llama_q3_g128"] = dict(
+        config={
+            **LLAMA,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "head_dim": 32,
+        },
+        quant=(128, 3),
+        desc="llama (hidden 128, intermediate 256, head_dim 32), affine 3-bit, group 128",
+    )
+
+    # Mixed precision, exactly as mlx_lm.utils.quantize_model records it: a
+    # quant_predicate returning a dict is written to config["quantization"][path];
+    # returning False leaves the layer unquantized and is NOT recorded (mlx-lm's
+    # loader then finds no "<path>.scales" in the weights and keeps it a Linear).
+    def mixed(path, module):
+        if path == "model.embed_tokens":
+            return {"group_size": 64, "bits": 8, "mode": "affine"}
+        if path == "model.layers.1.mlp.down_proj":
+            return False
+        return True
+
+    v["llama_q4_mixed"] = dict(
+        config={**LLAMA, "tie_word_embeddings": True},
+        quant=(32, 4),
+        predicate=mixed,
+        desc="llama tied, 4-bit g32; embed_tokens (and so the tied lm_head) 8-bit g64 "
+        "recorded as a per-module override; model.layers.1.mlp.down_proj left "
+        "unquantized (not recorded in config, as mlx-lm does; inferred from the absence "
+        "of .scales)",
+    )
+    # Same, but with the explicit `"<path>": false` entry in config.json that some
+    # converters write; mlx-lm's loader honours it (class_predicate returns it).
+    v["llama_q4_mixed_false"] = dict(
+        config=LLAMA,
+        quant=(32, 4),
+        predicate=mixed,
+        explicit_false=["model.layers.1.mlp.down_proj"],
+        desc="llama untied, 4-bit g32, embed_tokens 8-bit g64, "
+        "model.layers.1.mlp.down_proj unquantized and recorded as false in config.json",
+    )
+    for i, name in enumerate(v):
+        v[name].setdefault("seed", 1000 + i)
+    return v
+
+
+def init_model(config, seed):
+    """Build an mlx-lm model with seeded random weights (norm gains perturbed from 1)."""
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    key = mx.random.key(seed)
+    params = []
+    for i, (name, p) in enumerate(tree_flatten(model.parameters())):
+        k = mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.split(key, i + 2)[i + 1]
+        if name == "model.norm.weight":
+            # Larger final gain: logits of order +-6 instead of +-2, so greedy
+            # decisions are well separated.
+            p = 3.0 * (1.0 + 0.2 * mx.random.normal(p.shape, key=k))
+        elif name.endswith("norm.weight"):
+            p = 1.0 + 0.2 * mx.random.normal(p.shape, key=k)
+        elif name.endswith(".bias"):
+            p = 0.1 * mx.random.normal(p.shape, key=k)
+        params.append((name, p))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    return model
+
+
+def r6(x):
+    """Round floats to 6 significant digits for JSON."""
+    a = np.asarray(x, dtype=np.float64)
+    return np.vectorize(lambda v: float(f"{v:.6g}"), otypes=[object])(a).tolist() if a.ndim else float(f"{a:.6g}")
+
+
+def forward_logits(model, ids):
+    out = model(mx.array(ids)[None])[0].astype(mx.float32)
+    mx.eval(out)
+    return np.array(out)
+
+
+def greedy(model, ids, n):
+    """Greedy decoding with the KV cache, exactly through mlx_lm.generate.generate_step."""
+    toks, gaps, step_logits = [], [], []
+    cache = make_prompt_cache(model)
+    for (tok, logprobs), _ in zip(
+        generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=cache), range(n)
+    ):
+        lp = np.array(logprobs.astype(mx.float32))
+        top2 = np.sort(lp)[-2:]
+        toks.append(int(tok))
+        gaps.append(float(top2[1] - top2[0]))
+        step_logits.append(lp)
+    return toks, gaps, np.stack(step_logits)
+
+
+def versions():
+    return {
+        "mlx": md.version("mlx"),
+        "mlx_lm": md.version("mlx-lm"),
+        "numpy": md.version("numpy"),
+        "python": platform.python_version(),
+    }
+
+
+def build(name, spec, out_root):
+    t0 = time.perf_counter()
+    out = out_root / name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    config = copy.deepcopy(spec["config"])
+    dtype = spec.get("dtype", "float32")
+    config["torch_dtype"] = dtype
+
+    base_config = config
+    # Deterministic seed search: take the first seed whose greedy decisions are
+    # all separated by at least MIN_GAP (so tiny numeric differences between
+    # implementations cannot flip a greedy token).
+    for attempt in range(MAX_ATTEMPTS):
+        seed = spec["seed"] + 100 * attempt
+        config = copy.deepcopy(base_config)
+        model = init_model(config, seed)
+        if dtype != "float32":
+            model.set_dtype(getattr(mx, dtype))
+        if spec.get("quant"):
+            gs, bits = spec["quant"]
+            model, config = quantize_model(
+                model, config, gs, bits, mode="affine", quant_predicate=spec.get("predicate")
+            )
+            for path in spec.get("explicit_false", []):
+                config["quantization"][path] = False
+                config["quantization_config"][path] = False
+        mx.eval(model.parameters())
+        for f in out.iterdir():
+            f.unlink()
+        save_model(out, model)
+        save_config(copy.deepcopy(config), out / "config.json")
+        del model
+
+        # Everything below uses the model as mlx-lm loads it back from disk.
+        model, _ = load_model(out)
+        logits = forward_logits(model, INPUT_IDS)
+        logits2 = forward_logits(model, INPUT_IDS)
+        toks, gaps, step_logits = greedy(model, INPUT_IDS, N_GREEDY)
+        if min(gaps) >= MIN_GAP:
+            break
+    else:
+        raise SystemExit(f"{name}: no seed with min top-2 gap >= {MIN_GAP}")
+
+    # Teacher-forced full forward over input + greedy tokens vs the KV-cache steps:
+    # the same numbers computed through a different graph (cache vs no cache).
+    full = forward_logits(model, INPUT_IDS + toks[:-1])
+    full_lp = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
+    cache_vs_full = float(np.abs(full_lp[len(INPUT_IDS) - 1 :] - step_logits).max())
+    scale = float(np.abs(logits).max())
+
+    golden = {
+        "name": name,
+        "description": spec["desc"],
+        "model_type": config["model_type"],
+        "weights_dtype": dtype,
+        "compute_dtype": dtype,
+        "seed": seed,
+        "seed_attempts": attempt + 1,
+        "versions": versions(),
+        "input_ids": INPUT_IDS,
+        "logits_shape": list(logits.shape),
+        "logits": r6(logits),
+        "greedy": {
+            "n": N_GREEDY,
+            "method": "mlx_lm.generate.generate_step (KV cache, argmax), no EOS",
+            "tokens": toks,
+            "top2_gap": [float(f"{g:.6g}") for g in gaps],
+            "min_top2_gap": float(f"{min(gaps):.6g}"),
+            # log-softmax of the logits at each generation step, [N_GREEDY, vocab]
+            "step_logprobs": r6(step_logits),
+        },
+        "stats": {
+            "logit_abs_max": float(f"{scale:.6g}"),
+            "logit_std": float(f"{float(logits.std()):.6g}"),
+            "rerun_max_abs_diff": float(np.abs(logits - logits2).max()),
+            "cache_vs_full_logprob_max_abs_diff": float(f"{cache_vs_full:.3g}"),
+        },
+    }
+    if dtype != "float32":
+        # Same weights upcast to float32: what an f32 compute path should give.
+        model.set_dtype(mx.float32)
+        up = forward_logits(model, INPUT_IDS)
+        golden["logits_upcast_f32"] = r6(up)
+        golden["stats"]["native_vs_upcast_max_abs_diff"] = float(
+            f"{float(np.abs(up - logits).max()):.3g}"
+        )
+    if config.get("rope_scaling"):
+        # Sanity check that the scaling matters at these positions.
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.pop("rope_scaling")
+        mc, ac = _get_classes(cfg)
+        plain = mc(ac.from_dict(cfg))
+        plain.update(model.parameters())
+        golden["stats"]["rope_scaling_effect_max_abs_diff"] = float(
+            f"{float(np.abs(forward_logits(plain, INPUT_IDS) - logits).max()):.3g}"
+        )
+    if config.get("quantization"):
+        golden["quantization"] = config["quantization"]
+
+    (out / "golden.json").write_text(json.dumps(golden, separators=(",", ":")) + "\n")
+    dt = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(
+        f"{name:22s} seed={seed} {dt:5.2f}s {size / 1024:6.0f} KiB  scale={scale:.3g} "
+        f"min_gap={min(gaps):.3g} cache_vs_full={cache_vs_full:.2g} "
+        + " ".join(f"{k}={v}" for k, v in golden["stats"].items() if k in (
+            "native_vs_upcast_max_abs_diff", "rope_scaling_effect_max_abs_diff", "rerun_max_abs_diff"))
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--only", default="", help="comma-separated variant names")
+    args = ap.parse_args()
+    mx.set_default_device(mx.cpu)
+    vs = variants()
+    names = [n for n in args.only.split(",") if n] or list(vs)
+    t0 = time.perf_counter()
+    for n in names:
+        build(n, vs[n], args.out)
+    print(f"total {time.perf_counter() - t0:.1f}s; mlx {mx.__version__}, mlx-lm {md.version('mlx-lm')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
