@@ -2,7 +2,7 @@ use std::fmt;
 
 /// MLX element types. The discriminants equal the positions in
 /// `mlx::core::Dtype::Val`, which is how they cross the bridge.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(u8)]
 pub enum Dtype {
     Bool = 0,

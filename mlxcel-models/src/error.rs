@@ -61,3 +61,9 @@ impl Error {
         Error::InvalidFile { path: path.into(), message: message.into() }
     }
 }
+
+impl From<mlx_sys::Error> for Error {
+    fn from(e: mlx_sys::Error) -> Self {
+        Error::Mlx(e.message().to_string())
+    }
+}

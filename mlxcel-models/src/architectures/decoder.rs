@@ -1,0 +1,167 @@
+//! The decoder-only transformer that the llama family shares: embeddings,
+//! pre-norm blocks, a final norm and an (optionally tied) lm_head.
+
+use mlx_sys::Array;
+use serde::Deserialize;
+
+use crate::cache::{KvCache, StandardKvCache};
+use crate::error::{Error, Result};
+use crate::model::{LanguageModel, ModelShape};
+use crate::nn::{Attention, AttentionSpec, DecoderBlock, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
+use crate::weights::Scope;
+
+/// Hugging Face config keys common to llama-style models.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DecoderArgs {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    pub num_attention_heads: i32,
+    pub num_key_value_heads: Option<i32>,
+    pub head_dim: Option<i32>,
+    pub rms_norm_eps: f32,
+    pub vocab_size: i32,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f32,
+    #[serde(default)]
+    pub rope_traditional: bool,
+    pub rope_scaling: Option<RopeScaling>,
+    pub tie_word_embeddings: Option<bool>,
+    pub max_position_embeddings: Option<i32>,
+}
+
+fn default_rope_theta() -> f32 {
+    10000.0
+}
+
+impl DecoderArgs {
+    pub fn kv_heads(&self) -> i32 {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    pub fn head_dim(&self) -> i32 {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let positive = [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.kv_heads()),
+            ("head_dim", self.head_dim()),
+            ("vocab_size", self.vocab_size),
+        ];
+        if let Some((name, value)) = positive.iter().find(|(_, v)| *v <= 0) {
+            return Err(format!("`{name}` must be positive, got {value}"));
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return Err(format!(
+                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                self.num_attention_heads,
+                self.kv_heads()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Per-architecture choices on top of [`DecoderArgs`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DecoderOptions {
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    pub qk_norm: bool,
+}
+
+pub struct DecoderModel {
+    shape: ModelShape,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderBlock>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+}
+
+impl DecoderModel {
+    pub fn load(root: &Scope, args: &DecoderArgs, options: DecoderOptions) -> Result<Self> {
+        args.validate().map_err(|message| Error::InvalidConfig { path: "config.json".into(), message })?;
+        let rope = Rope::new(args.head_dim(), args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref())
+            .map_err(|message| Error::Unsupported { path: "config.json".into(), message })?;
+        let model = root.pp("model");
+        let spec = AttentionSpec {
+            hidden: args.hidden_size,
+            heads: args.num_attention_heads,
+            kv_heads: args.kv_heads(),
+            head_dim: args.head_dim(),
+            qkv_bias: options.qkv_bias,
+            o_bias: options.o_bias,
+            qk_norm_eps: options.qk_norm.then_some(args.rms_norm_eps),
+        };
+        let layers = (0..args.num_hidden_layers)
+            .map(|i| {
+                let layer = model.pp("layers").pp(i);
+                Ok(DecoderBlock::new(
+                    RmsNorm::load(&layer.pp("input_layernorm"), args.hidden_size, args.rms_norm_eps)?,
+                    Attention::load(&layer.pp("self_attn"), spec.clone(), rope.clone())?,
+                    RmsNorm::load(&layer.pp("post_attention_layernorm"), args.hidden_size, args.rms_norm_eps)?,
+                    GatedMlp::load(&layer.pp("mlp"), args.hidden_size, args.intermediate_size, options.mlp_bias)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // Tied exactly when the config says so, or, when it is silent, when
+        // the checkpoint has no lm_head.
+        let tied = args.tie_word_embeddings.unwrap_or(!root.contains("lm_head.weight"));
+        let lm_head = if tied {
+            None
+        } else {
+            Some(Linear::load(&root.pp("lm_head"), args.hidden_size, args.vocab_size, false)?)
+        };
+        Ok(DecoderModel {
+            shape: ModelShape {
+                num_layers: args.num_hidden_layers as usize,
+                hidden_size: args.hidden_size as usize,
+                kv_heads: args.kv_heads() as usize,
+                head_dim: args.head_dim() as usize,
+                vocab_size: args.vocab_size as usize,
+                dtype: root.dtype,
+                max_position_embeddings: args.max_position_embeddings.map(|n| n as usize),
+            },
+            embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, args.hidden_size)?,
+            layers,
+            norm: RmsNorm::load(&model.pp("norm"), args.hidden_size, args.rms_norm_eps)?,
+            lm_head,
+        })
+    }
+}
+
+impl LanguageModel for DecoderModel {
+    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        if caches.len() != self.layers.len() {
+            return Err(Error::Mlx(format!("{} caches given for {} layers", caches.len(), self.layers.len())));
+        }
+        let mut h = self.embed_tokens.forward(tokens)?;
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            h = layer.forward(&h, cache.as_mut())?;
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed_tokens.as_linear(&h),
+        }
+    }
+
+    fn new_caches(&self) -> Vec<Box<dyn KvCache>> {
+        (0..self.layers.len()).map(|_| Box::new(StandardKvCache::new()) as Box<dyn KvCache>).collect()
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+}
+
+/// Parses an architecture's args from config.json, naming the file on error.
+pub fn parse_args<T: serde::de::DeserializeOwned>(config: &serde_json::Value, path: &std::path::Path) -> Result<T> {
+    T::deserialize(config).map_err(|e| Error::InvalidConfig { path: path.into(), message: e.to_string() })
+}

@@ -1,0 +1,192 @@
+//! Loading a checkpoint directory into a runnable model plus its tokenizer.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use mlx_sys::{Array, Dtype};
+use serde_json::Value;
+
+use crate::architectures::{self, LoadContext};
+use crate::cache::KvCache;
+use crate::error::{Error, Result};
+use crate::nn::compute_dtype;
+use crate::quantization::{QuantParams, QuantizationConfig};
+use crate::tokenizer::Tokenizer;
+use crate::weights::{Scope, Weights};
+
+/// A network that maps token ids to next-token logits over borrowed caches.
+///
+/// Implementations hold only evaluated, immutable arrays, so one model can
+/// serve several threads at once, each with its own caches.
+pub trait LanguageModel: Send + Sync {
+    /// `tokens`: [B, L] int32 → logits [B, L, vocab]. Appends to `caches`.
+    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array>;
+    /// One empty cache per layer.
+    fn new_caches(&self) -> Vec<Box<dyn KvCache>>;
+    fn shape(&self) -> &ModelShape;
+}
+
+/// Sizes that callers need without knowing the architecture.
+#[derive(Debug, Clone)]
+pub struct ModelShape {
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    /// The dtype activations and the KV cache use.
+    pub dtype: Dtype,
+    pub max_position_embeddings: Option<usize>,
+}
+
+impl ModelShape {
+    pub fn kv_bytes_per_token(&self) -> usize {
+        2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
+    }
+}
+
+/// How one group of modules (e.g. every layer's `mlp.down_proj`) is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModuleGroup {
+    /// The module path without `model.layers.N.`, e.g. `self_attn.q_proj`.
+    pub name: String,
+    pub count: usize,
+    /// `None` for unquantized weights.
+    pub quantization: Option<QuantParams>,
+    pub dtype: Dtype,
+    pub parameters: u64,
+}
+
+/// What `mlxcel inspect` prints.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub model_type: String,
+    pub parameters: u64,
+    pub weight_bytes: u64,
+    pub groups: Vec<ModuleGroup>,
+    pub shape: ModelShape,
+    pub tokenizer_kind: String,
+    pub tokenizer_vocab_size: usize,
+}
+
+/// A loaded checkpoint: the network, its tokenizer and a summary.
+///
+/// `Model` is `Send + Sync`: share it behind an `Arc` and run one generation
+/// per thread, each with its own caches.
+pub struct Model {
+    pub network: Box<dyn LanguageModel>,
+    pub tokenizer: Tokenizer,
+    pub info: ModelInfo,
+    pub dir: PathBuf,
+}
+
+/// Reads `config.json`.
+pub fn read_config(dir: &Path) -> Result<(Value, PathBuf)> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let value = serde_json::from_str(&text).map_err(|source| Error::Json { path: path.clone(), source })?;
+    Ok((value, path))
+}
+
+impl Model {
+    /// Loads a checkpoint in the MLX / Hugging Face layout.
+    pub fn load(dir: &Path) -> Result<Model> {
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let (network, mut info) = load_network(dir)?;
+        info.tokenizer_kind = tokenizer.kind().to_string();
+        info.tokenizer_vocab_size = tokenizer.vocab_size();
+        Ok(Model { network, tokenizer, info, dir: dir.to_path_buf() })
+    }
+}
+
+/// Loads only the network of a checkpoint (no tokenizer needed); the
+/// tokenizer fields of the returned info are left empty.
+pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
+    if !dir.is_dir() {
+        return Err(Error::invalid_file(dir, "not a checkpoint directory"));
+    }
+    let (config, config_path) = read_config(dir)?;
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| Error::InvalidConfig { path: config_path.clone(), message: "no `model_type`".into() })?
+        .to_string();
+    let construct = architectures::constructor(&model_type, &config_path)?;
+    let quantization = QuantizationConfig::from_config(&config, &config_path)?;
+    let checkpoint_dtype = config.get("torch_dtype").and_then(Value::as_str).and_then(Dtype::from_name);
+    let weights = Weights::load(dir)?;
+    let dtype = compute_dtype(checkpoint_dtype);
+    let network = construct(&LoadContext {
+        config: &config,
+        config_path: &config_path,
+        scope: Scope::root(&weights, &quantization, dtype),
+    })?;
+    let info = summarize(&model_type, &weights, &quantization, network.shape().clone());
+    Ok((network, info))
+}
+
+fn summarize(
+    model_type: &str,
+    weights: &Weights,
+    quantization: &QuantizationConfig,
+    shape: ModelShape,
+) -> ModelInfo {
+    let mut groups: BTreeMap<(String, Option<QuantParams>, Dtype), (usize, u64)> = BTreeMap::new();
+    let (mut parameters, mut weight_bytes) = (0u64, 0u64);
+    for (name, array) in weights.iter() {
+        weight_bytes += array.nbytes() as u64;
+        let Some(module) = name.strip_suffix(".weight").or_else(|| name.strip_suffix(".bias")) else {
+            continue; // scales and biases of quantized modules
+        };
+        let quant = weights.contains(&format!("{module}.scales")).then(|| quantization.for_module(module)).flatten();
+        let shape = array.shape();
+        let count: u64 = match (quant, name.ends_with(".weight")) {
+            (Some(q), true) => shape.iter().map(|&d| d as u64).product::<u64>() * 32 / q.bits as u64,
+            _ => shape.iter().map(|&d| d as u64).product(),
+        };
+        parameters += count;
+        if name.ends_with(".weight") {
+            let group = group_name(module);
+            let entry = groups.entry((group, quant, array.dtype())).or_default();
+            entry.0 += 1;
+            entry.1 += count;
+        }
+    }
+    ModelInfo {
+        model_type: model_type.into(),
+        parameters,
+        weight_bytes,
+        groups: groups
+            .into_iter()
+            .map(|((name, quantization, dtype), (count, parameters))| ModuleGroup {
+                name,
+                count,
+                quantization,
+                dtype,
+                parameters,
+            })
+            .collect(),
+        shape,
+        tokenizer_kind: String::new(),
+        tokenizer_vocab_size: 0,
+    }
+}
+
+/// `model.layers.12.self_attn.q_proj` → `self_attn.q_proj`; `model.norm` → `norm`.
+fn group_name(module: &str) -> String {
+    let rest = module.strip_prefix("model.").unwrap_or(module);
+    match rest.strip_prefix("layers.") {
+        Some(layer) => layer.split_once('.').map_or(layer, |(_, tail)| tail).to_string(),
+        None => rest.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn groups_strip_layer_indices() {
+        assert_eq!(super::group_name("model.layers.12.self_attn.q_proj"), "self_attn.q_proj");
+        assert_eq!(super::group_name("model.norm"), "norm");
+        assert_eq!(super::group_name("lm_head"), "lm_head");
+    }
+}

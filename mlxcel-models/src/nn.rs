@@ -1,0 +1,323 @@
+//! Layers shared by the architectures: linear (dense or affine-quantized),
+//! embeddings, RMSNorm, RoPE, the gated MLP and grouped-query attention.
+
+use mlx_sys::fast::{self, AttentionMask};
+use mlx_sys::{quantized_matmul, Array, Dtype};
+
+use crate::cache::KvCache;
+use crate::error::{Error, Result};
+use crate::quantization::QuantParams;
+use crate::weights::Scope;
+
+/// Affine-quantized weight: packed `weight`, per-group `scales` and `biases`.
+#[derive(Clone)]
+pub struct QuantizedWeight {
+    pub weight: Array,
+    pub scales: Array,
+    pub biases: Array,
+    pub params: QuantParams,
+}
+
+impl QuantizedWeight {
+    fn load(scope: &Scope, out_features: i32, in_features: i32, params: QuantParams) -> Result<Self> {
+        let QuantParams { bits, group_size } = params;
+        if in_features % group_size != 0 || (in_features * bits) % 32 != 0 {
+            return Err(Error::Unsupported {
+                path: scope.module_path().into(),
+                message: format!("{in_features} input features do not fit {bits}-bit groups of {group_size}"),
+            });
+        }
+        let groups = in_features / group_size;
+        Ok(QuantizedWeight {
+            weight: scope.get("weight", &[out_features, in_features * bits / 32])?,
+            scales: scope.get("scales", &[out_features, groups])?,
+            biases: scope.get("biases", &[out_features, groups])?,
+            params,
+        })
+    }
+
+    /// `x @ W.T`
+    fn matmul_t(&self, x: &Array) -> Result<Array> {
+        let p = self.params;
+        Ok(quantized_matmul(x, &self.weight, &self.scales, &self.biases, true, p.group_size, p.bits)?)
+    }
+}
+
+#[derive(Clone)]
+enum LinearWeight {
+    Dense(Array),
+    Quantized(QuantizedWeight),
+}
+
+/// `y = x @ W.T + b`, dense or quantized.
+#[derive(Clone)]
+pub struct Linear {
+    weight: LinearWeight,
+    bias: Option<Array>,
+}
+
+impl Linear {
+    pub fn load(scope: &Scope, in_features: i32, out_features: i32, bias: bool) -> Result<Self> {
+        let weight = match scope.quant_params(in_features)? {
+            Some(params) => LinearWeight::Quantized(QuantizedWeight::load(scope, out_features, in_features, params)?),
+            None => {
+                let w_t = scope.get("weight", &[out_features, in_features])?.transpose(&[1, 0])?;
+                w_t.eval()?;
+                LinearWeight::Dense(w_t)
+            }
+        };
+        let bias = if bias { Some(scope.get("bias", &[out_features])?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let y = match &self.weight {
+            LinearWeight::Dense(w_t) => x.matmul(w_t)?,
+            LinearWeight::Quantized(q) => q.matmul_t(x)?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// Token embeddings, dense or quantized; also serves as a tied lm_head.
+#[derive(Clone)]
+pub enum Embedding {
+    Dense(Array),
+    Quantized(QuantizedWeight),
+}
+
+impl Embedding {
+    pub fn load(scope: &Scope, vocab_size: i32, hidden: i32) -> Result<Self> {
+        Ok(match scope.quant_params(hidden)? {
+            Some(params) => Embedding::Quantized(QuantizedWeight::load(scope, vocab_size, hidden, params)?),
+            None => Embedding::Dense(scope.get("weight", &[vocab_size, hidden])?),
+        })
+    }
+
+    /// Rows for `ids` (any shape) → `[..ids, hidden]`.
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        Ok(match self {
+            Embedding::Dense(w) => w.take(ids, 0)?,
+            Embedding::Quantized(q) => {
+                let p = q.params;
+                let rows = |a: &Array| a.take(ids, 0);
+                mlx_sys::dequantize(&rows(&q.weight)?, &rows(&q.scales)?, &rows(&q.biases)?, p.group_size, p.bits)?
+            }
+        })
+    }
+
+    /// `x @ E.T`: logits through tied embeddings.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Embedding::Dense(w) => x.matmul(&w.transpose(&[1, 0])?)?,
+            Embedding::Quantized(q) => q.matmul_t(x)?,
+        })
+    }
+}
+
+#[derive(Clone)]
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(scope: &Scope, dims: i32, eps: f32) -> Result<Self> {
+        Ok(RmsNorm { weight: scope.get("weight", &[dims])?, eps })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+}
+
+/// Rotary position embedding, with `linear` and `llama3` frequency scaling.
+#[derive(Clone)]
+pub struct Rope {
+    dims: i32,
+    base: f32,
+    scale: f32,
+    traditional: bool,
+    freqs: Option<Array>,
+}
+
+/// The `rope_scaling` block of a Hugging Face config.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct RopeScaling {
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    pub factor: Option<f32>,
+    pub low_freq_factor: Option<f32>,
+    pub high_freq_factor: Option<f32>,
+    pub original_max_position_embeddings: Option<f32>,
+}
+
+impl Rope {
+    pub fn new(dims: i32, base: f32, traditional: bool, scaling: Option<&RopeScaling>) -> std::result::Result<Self, String> {
+        let mut rope = Rope { dims, base, scale: 1.0, traditional, freqs: None };
+        let Some(s) = scaling else { return Ok(rope) };
+        match s.rope_type.as_str() {
+            "default" => {}
+            "linear" => rope.scale = 1.0 / s.factor.ok_or("linear rope_scaling needs `factor`")?,
+            "llama3" => rope.freqs = Some(llama3_freqs(dims, base, s)?),
+            other => return Err(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3)")),
+        }
+        Ok(rope)
+    }
+
+    /// Rotates `x` ([B, H, L, D]) for positions `offset..offset + L`.
+    pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
+        let base = if self.freqs.is_some() { 0.0 } else { self.base };
+        Ok(fast::rope(x, self.dims, self.traditional, base, self.scale, offset as i32, self.freqs.as_ref())?)
+    }
+}
+
+/// Llama 3's frequency schedule, as mlx-lm computes it (periods, not rates).
+fn llama3_freqs(dims: i32, base: f32, s: &RopeScaling) -> std::result::Result<Array, String> {
+    let factor = s.factor.ok_or("llama3 rope_scaling needs `factor`")?;
+    let low = s.low_freq_factor.unwrap_or(1.0);
+    let high = s.high_freq_factor.unwrap_or(4.0);
+    let old_context = s.original_max_position_embeddings.unwrap_or(8192.0);
+    let (low_wavelen, high_wavelen) = (old_context / low, old_context / high);
+    let freqs: Vec<f32> = (0..dims / 2)
+        .map(|i| {
+            let period = base.powf((2 * i) as f32 / dims as f32);
+            let wavelen = 2.0 * std::f32::consts::PI * period;
+            let scaled = if wavelen > low_wavelen { period * factor } else { period };
+            if wavelen > high_wavelen && wavelen < low_wavelen {
+                let smooth = (old_context / wavelen - low) / (high - low);
+                scaled / ((1.0 - smooth) / factor + smooth)
+            } else {
+                scaled
+            }
+        })
+        .collect();
+    let freqs = Array::from_slice(&freqs, &[dims / 2]).map_err(|e| e.to_string())?;
+    freqs.eval().map_err(|e| e.to_string())?;
+    Ok(freqs)
+}
+
+/// `down(silu(gate(x)) * up(x))`
+#[derive(Clone)]
+pub struct GatedMlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl GatedMlp {
+    pub fn load(scope: &Scope, hidden: i32, intermediate: i32, bias: bool) -> Result<Self> {
+        Ok(GatedMlp {
+            gate_proj: Linear::load(&scope.pp("gate_proj"), hidden, intermediate, bias)?,
+            up_proj: Linear::load(&scope.pp("up_proj"), hidden, intermediate, bias)?,
+            down_proj: Linear::load(&scope.pp("down_proj"), intermediate, hidden, bias)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let gate = self.gate_proj.forward(x)?.silu()?;
+        self.down_proj.forward(&gate.multiply(&self.up_proj.forward(x)?)?)
+    }
+}
+
+/// Shape and options of a grouped-query attention block.
+#[derive(Debug, Clone)]
+pub struct AttentionSpec {
+    pub hidden: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    /// Qwen3-style RMSNorm of q and k per head, with this eps.
+    pub qk_norm_eps: Option<f32>,
+}
+
+#[derive(Clone)]
+pub struct Attention {
+    spec: AttentionSpec,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    rope: Rope,
+    scale: f32,
+}
+
+impl Attention {
+    pub fn load(scope: &Scope, spec: AttentionSpec, rope: Rope) -> Result<Self> {
+        let AttentionSpec { hidden, heads, kv_heads, head_dim, qkv_bias, o_bias, qk_norm_eps } = spec;
+        let norm = |name: &str| qk_norm_eps.map(|eps| RmsNorm::load(&scope.pp(name), head_dim, eps)).transpose();
+        Ok(Attention {
+            q_proj: Linear::load(&scope.pp("q_proj"), hidden, heads * head_dim, qkv_bias)?,
+            k_proj: Linear::load(&scope.pp("k_proj"), hidden, kv_heads * head_dim, qkv_bias)?,
+            v_proj: Linear::load(&scope.pp("v_proj"), hidden, kv_heads * head_dim, qkv_bias)?,
+            o_proj: Linear::load(&scope.pp("o_proj"), heads * head_dim, hidden, o_bias)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            rope,
+            scale: (head_dim as f32).powf(-0.5),
+            spec,
+        })
+    }
+
+    /// `x`: [B, L, hidden] → [B, L, hidden], appending to `cache`.
+    pub fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        let (b, l) = (x.dim(0), x.dim(1));
+        let AttentionSpec { heads, kv_heads, head_dim, .. } = self.spec;
+        let split_heads = |y: Array, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
+            let y = y.reshape(&[b, l, n, head_dim])?;
+            let y = match norm {
+                Some(norm) => norm.forward(&y)?,
+                None => y,
+            };
+            Ok(y.transpose(&[0, 2, 1, 3])?)
+        };
+        let q = split_heads(self.q_proj.forward(x)?, heads, &self.q_norm)?;
+        let k = split_heads(self.k_proj.forward(x)?, kv_heads, &self.k_norm)?;
+        let v = split_heads(self.v_proj.forward(x)?, kv_heads, &None)?;
+        let offset = cache.offset();
+        let q = self.rope.forward(&q, offset)?;
+        let k = self.rope.forward(&k, offset)?;
+        let (k, v) = cache.update_and_fetch(&k, &v)?;
+        let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
+        let out = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask)?;
+        let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, heads * head_dim])?;
+        self.o_proj.forward(&out)
+    }
+}
+
+/// Pre-norm decoder block: attention and gated MLP with residuals.
+#[derive(Clone)]
+pub struct DecoderBlock {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+impl DecoderBlock {
+    pub fn new(input_layernorm: RmsNorm, self_attn: Attention, post_attention_layernorm: RmsNorm, mlp: GatedMlp) -> Self {
+        DecoderBlock { input_layernorm, self_attn, post_attention_layernorm, mlp }
+    }
+
+    pub fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, cache)?)?;
+        h.add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)
+            .map_err(Into::into)
+    }
+}
+
+/// The compute dtype: float32 on the CPU (MLX's CPU kernels are fastest and
+/// exact there); the checkpoint's own floating dtype on a GPU.
+pub fn compute_dtype(checkpoint_dtype: Option<Dtype>) -> Dtype {
+    match mlx_sys::Device::default_device() {
+        mlx_sys::Device::Gpu => checkpoint_dtype.filter(|d| d.is_floating()).unwrap_or(Dtype::Float16),
+        mlx_sys::Device::Cpu => Dtype::Float32,
+    }
+}

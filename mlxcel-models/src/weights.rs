@@ -1,0 +1,205 @@
+//! Reading the tensors of a checkpoint directory: `model.safetensors`, or the
+//! shards listed in `model.safetensors.index.json`.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use mlx_sys::{Array, Dtype};
+use safetensors::SafeTensors;
+
+use crate::error::{Error, Result};
+use crate::quantization::{QuantParams, QuantizationConfig};
+
+struct Entry {
+    array: Array,
+    file: Arc<PathBuf>,
+}
+
+/// Every tensor of a checkpoint, by name, with the file it came from.
+pub struct Weights {
+    tensors: HashMap<String, Entry>,
+    /// What a missing tensor is reported against: the index or the one file.
+    origin: PathBuf,
+}
+
+/// The safetensors files of a checkpoint directory.
+pub fn safetensors_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|source| Error::Json { path: index.clone(), source })?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::invalid_file(&index, "no `weight_map` object"))?;
+        let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        return Ok((index.clone(), files.into_iter().map(|f| dir.join(f)).collect()));
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok((single.clone(), vec![single]));
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    match files.first() {
+        Some(first) => Ok((first.clone(), files)),
+        None => Err(Error::invalid_file(dir, "no model.safetensors (or *.safetensors shards) in the checkpoint")),
+    }
+}
+
+fn to_dtype(dtype: safetensors::Dtype, path: &Path, name: &str) -> Result<Dtype> {
+    use safetensors::Dtype as S;
+    Ok(match dtype {
+        S::BOOL => Dtype::Bool,
+        S::U8 => Dtype::Uint8,
+        S::I8 => Dtype::Int8,
+        S::U16 => Dtype::Uint16,
+        S::I16 => Dtype::Int16,
+        S::U32 => Dtype::Uint32,
+        S::I32 => Dtype::Int32,
+        S::U64 => Dtype::Uint64,
+        S::I64 => Dtype::Int64,
+        S::F16 => Dtype::Float16,
+        S::BF16 => Dtype::Bfloat16,
+        S::F32 => Dtype::Float32,
+        S::F64 => Dtype::Float64,
+        other => {
+            return Err(Error::Unsupported { path: path.into(), message: format!("tensor `{name}` has dtype {other:?}") })
+        }
+    })
+}
+
+impl Weights {
+    /// Reads and validates every file (a truncated or corrupt file is an
+    /// error naming it) and copies the tensors into MLX arrays.
+    pub fn load(dir: &Path) -> Result<Weights> {
+        let (origin, files) = safetensors_files(dir)?;
+        let mut tensors = HashMap::new();
+        for path in files {
+            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // SAFETY: the map is read-only and dropped before this function returns.
+            let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+            let st = SafeTensors::deserialize(&mmap)
+                .map_err(|e| Error::invalid_file(&path, format!("not a valid safetensors file: {e}")))?;
+            let shared = Arc::new(path.clone());
+            for (name, view) in st.tensors() {
+                let dtype = to_dtype(view.dtype(), &path, &name)?;
+                let shape: Vec<i32> = view.shape().iter().map(|&d| d as i32).collect();
+                let array = Array::from_bytes(view.data(), &shape, dtype)
+                    .map_err(|e| Error::invalid_file(&path, format!("tensor `{name}`: {e}")))?;
+                tensors.insert(name, Entry { array, file: shared.clone() });
+            }
+        }
+        Ok(Weights { tensors, origin })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    pub fn remove(&mut self, name: &str) -> Option<Array> {
+        self.tensors.remove(name).map(|e| e.array)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Array)> {
+        self.tensors.iter().map(|(k, e)| (k.as_str(), &e.array))
+    }
+
+    /// The tensor `name`, or an error naming the checkpoint file and tensor.
+    pub fn get(&self, name: &str) -> Result<Array> {
+        self.tensors
+            .get(name)
+            .map(|e| e.array.clone())
+            .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), tensor: name.into() })
+    }
+
+    /// [`get`](Self::get), checking the shape.
+    pub fn get_shaped(&self, name: &str, shape: &[i32]) -> Result<Array> {
+        let array = self.get(name)?;
+        if array.shape() != shape {
+            return Err(Error::ShapeMismatch {
+                path: self.tensors[name].file.as_ref().clone(),
+                tensor: name.into(),
+                expected: shape.iter().map(|&d| d as i64).collect(),
+                actual: array.shape().iter().map(|&d| d as i64).collect(),
+            });
+        }
+        Ok(array)
+    }
+}
+
+/// A view of [`Weights`] under a name prefix (`model.layers.3.`), which
+/// builds layers and converts them to the compute dtype.
+#[derive(Clone)]
+pub struct Scope<'a> {
+    pub weights: &'a Weights,
+    pub quantization: &'a QuantizationConfig,
+    pub dtype: Dtype,
+    prefix: String,
+}
+
+impl<'a> Scope<'a> {
+    pub fn root(weights: &'a Weights, quantization: &'a QuantizationConfig, dtype: Dtype) -> Self {
+        Scope { weights, quantization, dtype, prefix: String::new() }
+    }
+
+    /// The scope one level down: `pp("layers").pp(3)`.
+    pub fn pp(&self, name: impl std::fmt::Display) -> Scope<'a> {
+        let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        Scope { prefix, ..self.clone() }
+    }
+
+    pub fn path(&self, name: &str) -> String {
+        if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) }
+    }
+
+    pub fn module_path(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.weights.contains(&self.path(name))
+    }
+
+    /// A floating-point tensor of the given shape, in the compute dtype.
+    pub fn get(&self, name: &str, shape: &[i32]) -> Result<Array> {
+        let array = self.weights.get_shaped(&self.path(name), shape)?;
+        let array = if array.dtype().is_floating() { array.astype(self.dtype)? } else { array };
+        // Models hold only evaluated arrays, so threads never share graph nodes.
+        array.eval()?;
+        Ok(array)
+    }
+
+    /// Quantization of this module: present exactly when `scales` exists.
+    pub fn quant_params(&self, in_features: i32) -> Result<Option<QuantParams>> {
+        if !self.contains("scales") {
+            return Ok(None);
+        }
+        let module = self.module_path();
+        let params = self.quantization.for_module(module).or_else(|| self.infer_params(in_features));
+        params.map(Some).ok_or_else(|| Error::Unsupported {
+            path: self.weights.origin.clone(),
+            message: format!("`{module}.scales` exists but config.json gives no quantization for `{module}`"),
+        })
+    }
+
+    /// Bits and group size from the tensor shapes, when config.json is silent.
+    fn infer_params(&self, in_features: i32) -> Option<QuantParams> {
+        let packed = self.weights.get(&self.path("weight")).ok()?.shape();
+        let groups = self.weights.get(&self.path("scales")).ok()?.shape();
+        let (packed, groups) = (*packed.last()?, *groups.last()?);
+        (packed > 0 && groups > 0 && in_features % groups == 0)
+            .then(|| QuantParams { bits: packed * 32 / in_features, group_size: in_features / groups })
+    }
+}
