@@ -1,1 +1,23 @@
-//! The mlxcel Engine: generation, KV caches and sampling.
+//! The mlxcel Engine: turns a prompt into streamed text over a loaded model.
+//!
+//! ```no_run
+//! use mlxcel_engine::{Engine, GenerationRequest, Prompt};
+//! let engine = Engine::load(std::path::Path::new("model-dir"))?;
+//! let request = GenerationRequest::new(Prompt::Text("The capital of France is".into()));
+//! let output = engine.generate(&request, |piece| {
+//!     print!("{}", piece.text);
+//!     true // keep going
+//! })?;
+//! eprintln!("{:.1} tok/s", output.stats.decode_tokens_per_second());
+//! # Ok::<(), mlxcel_engine::Error>(())
+//! ```
+
+mod error;
+mod generate;
+mod sampling;
+mod stop;
+
+pub use error::{Error, Result};
+pub use generate::{CancelFlag, Engine, FinishReason, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt};
+pub use mlxcel_models::chat_template::Message;
+pub use sampling::SamplingParams;

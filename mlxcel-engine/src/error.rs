@@ -1,0 +1,19 @@
+/// Everything generation can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Loading or running the model failed (the message names file and tensor).
+    #[error(transparent)]
+    Model(#[from] mlxcel_models::Error),
+    #[error("MLX: {0}")]
+    Mlx(#[from] mlx_sys::Error),
+    /// A sampling or generation parameter is out of range.
+    #[error("invalid parameter `{name}`: {message}")]
+    InvalidParameter { name: &'static str, message: String },
+    #[error("the prompt is empty after tokenization")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens, more than the model's context of {context}")]
+    PromptTooLong { prompt: usize, context: usize },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
