@@ -5,6 +5,7 @@ pub mod cache;
 pub mod chat_template;
 pub mod error;
 pub mod gguf;
+pub mod default_model;
 pub mod model;
 pub mod nn;
 pub mod quantization;

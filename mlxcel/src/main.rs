@@ -1,1 +1,211 @@
-fn main() {}
+//! `mlxcel`: the command-line face of the library.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use mlxcel_engine::{Engine, GenerationRequest, Message, Prompt, SamplingParams};
+use mlxcel_models::default_model::default_model_dir;
+use mlxcel_models::gguf::{convert_gguf, ConvertOptions};
+use mlxcel_models::model::{load_network, read_config, ModelInfo};
+use mlxcel_models::tokenizer::Tokenizer;
+
+#[derive(Parser)]
+#[command(name = "mlxcel", version, about = "Run MLX checkpoints in-process: generate, convert, inspect")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Stream a continuation of a prompt to stdout (stats go to stderr).
+    Generate(GenerateArgs),
+    /// Convert a GGUF file into an MLX checkpoint directory.
+    Convert(ConvertArgs),
+    /// Describe a checkpoint: architecture, parameters, quantization, sizes.
+    Inspect {
+        /// Checkpoint directory (default: the default model).
+        dir: Option<PathBuf>,
+    },
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory (default: SmolLM2-135M-Instruct, fetched on first use).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    prompt: String,
+    /// Apply the model's chat template to the prompt as one user message.
+    #[arg(long)]
+    chat: bool,
+    /// A system message (implies --chat).
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temp: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    /// The GGUF file to convert.
+    #[arg(long)]
+    gguf: PathBuf,
+    /// The checkpoint directory to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Re-quantize weights to this many bits (2, 3, 4, 5, 6 or 8).
+    #[arg(long)]
+    q_bits: Option<u32>,
+    /// Group size for --q-bits (32, 64 or 128).
+    #[arg(long)]
+    q_group_size: Option<u32>,
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn run(cli: Cli) -> AnyResult<()> {
+    match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Convert(args) => {
+            let options = ConvertOptions { q_bits: args.q_bits, q_group_size: args.q_group_size, progress: true };
+            let report = convert_gguf(&args.gguf, &args.out, &options)?;
+            eprintln!("wrote {} ({} tensors, {})", args.out.display(), report.tensors, human_bytes(report.bytes_written));
+            Ok(())
+        }
+        Command::Inspect { dir } => inspect(&model_dir(dir)?),
+    }
+}
+
+fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {
+    Ok(match given {
+        Some(dir) => dir,
+        None => default_model_dir()?,
+    })
+}
+
+fn generate(args: GenerateArgs) -> AnyResult<()> {
+    let dir = model_dir(args.model)?;
+    let engine = Engine::load(&dir)?;
+    let prompt = if args.chat || args.system.is_some() {
+        let mut messages = Vec::new();
+        if let Some(system) = args.system {
+            messages.push(Message::system(system));
+        }
+        messages.push(Message::user(args.prompt));
+        Prompt::Chat(messages)
+    } else {
+        Prompt::Text(args.prompt)
+    };
+    let mut request = GenerationRequest::new(prompt);
+    request.params = SamplingParams {
+        temperature: args.temp,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        stop: args.stop,
+        ..SamplingParams::default()
+    };
+    let mut stdout = std::io::stdout().lock();
+    let output = engine.generate(&request, |piece| {
+        // A closed pipe (e.g. `| head`) stops generation instead of failing.
+        stdout.write_all(piece.text.as_bytes()).and_then(|_| stdout.flush()).is_ok()
+    })?;
+    let _ = writeln!(stdout);
+    let s = &output.stats;
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | time to first token: {:.3} s | peak memory: {} | finish: {}",
+        s.prompt_tokens,
+        s.prompt_tokens_per_second(),
+        s.generated_tokens,
+        s.decode_tokens_per_second(),
+        s.time_to_first_token().as_secs_f64(),
+        human_bytes(s.peak_memory_bytes as u64),
+        output.finish_reason.as_str(),
+    );
+    Ok(())
+}
+
+fn inspect(dir: &Path) -> AnyResult<()> {
+    let (_, info) = load_network(dir)?;
+    let (config, _) = read_config(dir)?;
+    let tokenizer = Tokenizer::from_dir(dir)?;
+    print_info(dir, &info, &config, &tokenizer);
+    Ok(())
+}
+
+fn print_info(dir: &Path, info: &ModelInfo, config: &serde_json::Value, tokenizer: &Tokenizer) {
+    let shape = &info.shape;
+    println!("checkpoint:      {}", dir.display());
+    println!("architecture:    {} ({} layers, hidden {}, {} KV heads × {})", info.model_type, shape.num_layers, shape.hidden_size, shape.kv_heads, shape.head_dim);
+    if let Some(archs) = config.get("architectures").and_then(|a| a.as_array()) {
+        let names: Vec<_> = archs.iter().filter_map(|a| a.as_str()).collect();
+        println!("class:           {}", names.join(", "));
+    }
+    println!("parameters:      {} ({})", info.parameters, human_count(info.parameters));
+    println!("weight bytes:    {} ({})", info.weight_bytes, human_bytes(info.weight_bytes));
+    println!("compute dtype:   {}", shape.dtype);
+    println!("KV bytes/token:  {} ({})", shape.kv_bytes_per_token(), human_bytes(shape.kv_bytes_per_token() as u64));
+    if let Some(context) = shape.max_position_embeddings {
+        println!("context:         {context} tokens");
+    }
+    println!("tokenizer:       {}, vocab {}", tokenizer.kind(), tokenizer.vocab_size());
+    println!("quantization per module group:");
+    for group in &info.groups {
+        let quant = match group.quantization {
+            Some(q) => format!("{}-bit affine, group {}", q.bits, q.group_size),
+            None => format!("{} (not quantized)", group.dtype),
+        };
+        println!("  {:<28} ×{:<3} {:<32} {:>12} params", group.name, group.count, quant, group.parameters);
+    }
+}
+
+fn human_bytes(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", units[unit])
+}
+
+fn human_count(n: u64) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2} B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.1} M", n as f64 / 1e6),
+        n => format!("{:.1} K", n as f64 / 1e3),
+    }
+}
