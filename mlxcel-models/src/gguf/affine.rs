@@ -78,7 +78,10 @@ impl AffineMatrix {
 
     /// Appends the rows of `other` (same columns, bits and group size).
     pub fn append_rows(&mut self, other: AffineMatrix) {
-        assert_eq!((self.cols, self.bits, self.group_size), (other.cols, other.bits, other.group_size));
+        assert_eq!(
+            (self.cols, self.bits, self.group_size),
+            (other.cols, other.bits, other.group_size)
+        );
         self.rows += other.rows;
         self.weight.extend(other.weight);
         self.scales.extend(other.scales);
@@ -96,9 +99,12 @@ impl AffineMatrix {
         };
         for r in 0..self.rows {
             let s = source_row(r);
-            out.weight.extend_from_slice(&self.weight[s * wpr..(s + 1) * wpr]);
-            out.scales.extend_from_slice(&self.scales[s * gpr..(s + 1) * gpr]);
-            out.biases.extend_from_slice(&self.biases[s * gpr..(s + 1) * gpr]);
+            out.weight
+                .extend_from_slice(&self.weight[s * wpr..(s + 1) * wpr]);
+            out.scales
+                .extend_from_slice(&self.scales[s * gpr..(s + 1) * gpr]);
+            out.biases
+                .extend_from_slice(&self.biases[s * gpr..(s + 1) * gpr]);
         }
         out
     }
@@ -114,7 +120,10 @@ impl AffineMatrix {
     /// Q4_1 blocks (`d * q + m`) as 4-bit, group 32: `scale = d`, `bias = m`.
     pub fn from_q4_1(data: &[u8], rows: usize, cols: usize) -> Self {
         Self::from_q4_blocks(data, rows, cols, 20, |b| {
-            (f16::from_bits(u16::from_le_bytes([b[0], b[1]])), f16::from_bits(u16::from_le_bytes([b[2], b[3]])))
+            (
+                f16::from_bits(u16::from_le_bytes([b[0], b[1]])),
+                f16::from_bits(u16::from_le_bytes([b[2], b[3]])),
+            )
         })
     }
 
@@ -139,7 +148,11 @@ impl AffineMatrix {
                 let mut word = 0u32;
                 for k in 0..8 {
                     let j = 8 * w + k;
-                    let q = if j < 16 { qs[j] & 0x0f } else { qs[j - 16] >> 4 };
+                    let q = if j < 16 {
+                        qs[j] & 0x0f
+                    } else {
+                        qs[j - 16] >> 4
+                    };
                     word |= (q as u32) << (4 * k);
                 }
                 m.weight[4 * i + w] = word;
@@ -157,7 +170,9 @@ impl AffineMatrix {
             m.biases.push(f16::from_f32(-128.0 * d));
             for (w, q) in b[2..34].chunks_exact(4).enumerate() {
                 let unsigned = q.iter().map(|&v| (v ^ 0x80) as u32); // i8 + 128
-                m.weight[8 * i + w] = unsigned.enumerate().fold(0, |acc, (k, v)| acc | v << (8 * k));
+                m.weight[8 * i + w] = unsigned
+                    .enumerate()
+                    .fold(0, |acc, (k, v)| acc | v << (8 * k));
             }
         }
         m
@@ -167,8 +182,18 @@ impl AffineMatrix {
     /// `[rows, cols]` matrix. The input is rounded to `f16` first, as MLX would quantize an
     /// `f16` checkpoint; scales and biases are `f16`.
     /// `cols` must be a multiple of `group_size` and `bits` one of [`SUPPORTED_BITS`].
-    pub fn quantize(values: &[f32], rows: usize, cols: usize, bits: u32, group_size: usize) -> Self {
-        assert!(SUPPORTED_BITS.contains(&bits) && cols % group_size == 0 && values.len() == rows * cols);
+    pub fn quantize(
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+        bits: u32,
+        group_size: usize,
+    ) -> Self {
+        assert!(
+            SUPPORTED_BITS.contains(&bits)
+                && cols.is_multiple_of(group_size)
+                && values.len() == rows * cols
+        );
         let mut m = Self::empty(rows, cols, bits, group_size);
         let n_bins = ((1u32 << bits) - 1) as f32;
         let eps = 1e-7f32;

@@ -37,9 +37,9 @@ pub struct HParams {
 
 impl Arch {
     pub fn from_gguf(gguf: &GgufFile) -> Result<(Arch, String)> {
-        let name = gguf
-            .get_str("general.architecture")
-            .ok_or_else(|| Error::invalid_file(&gguf.path, "missing metadata `general.architecture`"))?;
+        let name = gguf.get_str("general.architecture").ok_or_else(|| {
+            Error::invalid_file(&gguf.path, "missing metadata `general.architecture`")
+        })?;
         let arch = match name {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
@@ -126,20 +126,32 @@ impl HParams {
         let (arch, name) = Arch::from_gguf(gguf)?;
         let key = |k: &str| format!("{name}.{k}");
         let req = |k: &str| {
-            gguf.get_u64(&key(k))
-                .ok_or_else(|| Error::invalid_file(&gguf.path, format!("missing metadata `{}`", key(k))))
+            gguf.get_u64(&key(k)).ok_or_else(|| {
+                Error::invalid_file(&gguf.path, format!("missing metadata `{}`", key(k)))
+            })
         };
         let hidden_size = req("embedding_length")?;
         let num_heads = req("attention.head_count")?;
         if num_heads == 0 {
-            return Err(Error::invalid_file(&gguf.path, format!("`{}` is 0", key("attention.head_count"))));
+            return Err(Error::invalid_file(
+                &gguf.path,
+                format!("`{}` is 0", key("attention.head_count")),
+            ));
         }
         let vocab_size = match gguf.get_u64(&key("vocab_size")) {
             Some(v) => v,
-            None => match (gguf.get_array("tokenizer.ggml.tokens"), gguf.tensor("token_embd.weight")) {
+            None => match (
+                gguf.get_array("tokenizer.ggml.tokens"),
+                gguf.tensor("token_embd.weight"),
+            ) {
                 (Some(tokens), _) => tokens.len() as u64,
                 (None, Some(t)) => t.dims.get(1).copied().unwrap_or(0),
-                _ => return Err(Error::invalid_file(&gguf.path, "cannot tell the vocabulary size")),
+                _ => {
+                    return Err(Error::invalid_file(
+                        &gguf.path,
+                        "cannot tell the vocabulary size",
+                    ))
+                }
             },
         };
         Ok(HParams {
@@ -148,9 +160,15 @@ impl HParams {
             intermediate_size: req("feed_forward_length")?,
             num_layers: req("block_count")?,
             num_heads,
-            num_kv_heads: gguf.get_u64(&key("attention.head_count_kv")).unwrap_or(num_heads),
-            head_dim: gguf.get_u64(&key("attention.key_length")).unwrap_or(hidden_size / num_heads),
-            rms_norm_eps: gguf.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
+            num_kv_heads: gguf
+                .get_u64(&key("attention.head_count_kv"))
+                .unwrap_or(num_heads),
+            head_dim: gguf
+                .get_u64(&key("attention.key_length"))
+                .unwrap_or(hidden_size / num_heads),
+            rms_norm_eps: gguf
+                .get_f64(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-6),
             rope_theta: gguf.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0),
             max_position_embeddings: gguf.get_u64(&key("context_length")).unwrap_or(2048),
             vocab_size,
@@ -193,20 +211,31 @@ impl HParams {
         match self.arch {
             Arch::Llama => {
                 obj.insert("hidden_act".into(), "silu".into());
-                obj.insert("attention_bias".into(), has_tensor(gguf, "attn_q.bias").into());
+                obj.insert(
+                    "attention_bias".into(),
+                    has_tensor(gguf, "attn_q.bias").into(),
+                );
                 obj.insert("mlp_bias".into(), false.into());
             }
             Arch::Qwen2 | Arch::Qwen3 => {
                 obj.insert("hidden_act".into(), "silu".into());
                 if self.arch == Arch::Qwen3 {
-                    obj.insert("attention_bias".into(), has_tensor(gguf, "attn_q.bias").into());
+                    obj.insert(
+                        "attention_bias".into(),
+                        has_tensor(gguf, "attn_q.bias").into(),
+                    );
                 }
             }
             Arch::Gemma3 => {
                 let key = |k: &str| format!("{}.{k}", self.name);
                 obj.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
                 obj.insert("query_pre_attn_scalar".into(), self.head_dim.into());
-                obj.insert("sliding_window".into(), gguf.get_u64(&key("attention.sliding_window")).unwrap_or(512).into());
+                obj.insert(
+                    "sliding_window".into(),
+                    gguf.get_u64(&key("attention.sliding_window"))
+                        .unwrap_or(512)
+                        .into(),
+                );
                 obj.insert("sliding_window_pattern".into(), 6.into());
                 let local_base = gguf.get_f64(&key("rope.freq_base_swa")).unwrap_or(10_000.0);
                 obj.insert("rope_local_base_freq".into(), f32_json(local_base));

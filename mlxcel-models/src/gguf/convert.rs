@@ -93,9 +93,15 @@ impl FloatType {
 
     fn encode(self, values: &[f32], out: &mut Vec<u8>) {
         match self {
-            FloatType::F32 => values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            FloatType::F16 => values.iter().for_each(|&v| out.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
-            FloatType::BF16 => values.iter().for_each(|&v| out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
+            FloatType::F32 => values
+                .iter()
+                .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            FloatType::F16 => values
+                .iter()
+                .for_each(|&v| out.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
+            FloatType::BF16 => values
+                .iter()
+                .for_each(|&v| out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
         }
     }
 }
@@ -113,7 +119,9 @@ struct Job<'a> {
 
 impl Job<'_> {
     fn module(&self) -> &str {
-        self.hf_name.strip_suffix(".weight").unwrap_or(&self.hf_name)
+        self.hf_name
+            .strip_suffix(".weight")
+            .unwrap_or(&self.hf_name)
     }
 
     fn quantization(&self) -> Option<(u32, u32)> {
@@ -128,10 +136,17 @@ impl Job<'_> {
     fn specs(&self) -> Vec<TensorSpec> {
         let shape = self.info.shape();
         let n = self.info.n_elements();
-        let spec = |name: String, dtype, shape, n_bytes| TensorSpec { name, dtype, shape, n_bytes };
+        let spec = |name: String, dtype, shape, n_bytes| TensorSpec {
+            name,
+            dtype,
+            shape,
+            n_bytes,
+        };
         match self.encoding {
             Encoding::Copy => {
-                let dtype = float_type(self.info.ggml_type).expect("Copy is for float types").dtype();
+                let dtype = float_type(self.info.ggml_type)
+                    .expect("Copy is for float types")
+                    .dtype();
                 vec![spec(self.hf_name.clone(), dtype, shape, self.info.n_bytes)]
             }
             Encoding::Float(t) => vec![spec(self.hf_name.clone(), t.dtype(), shape, n * t.size())],
@@ -141,9 +156,24 @@ impl Job<'_> {
                 let groups = cols / group as usize;
                 let packed = cols * bits as usize / 32;
                 vec![
-                    spec(self.hf_name.clone(), "U32", vec![rows, packed], (rows * packed * 4) as u64),
-                    spec(format!("{}.scales", self.module()), "F16", vec![rows, groups], (rows * groups * 2) as u64),
-                    spec(format!("{}.biases", self.module()), "F16", vec![rows, groups], (rows * groups * 2) as u64),
+                    spec(
+                        self.hf_name.clone(),
+                        "U32",
+                        vec![rows, packed],
+                        (rows * packed * 4) as u64,
+                    ),
+                    spec(
+                        format!("{}.scales", self.module()),
+                        "F16",
+                        vec![rows, groups],
+                        (rows * groups * 2) as u64,
+                    ),
+                    spec(
+                        format!("{}.biases", self.module()),
+                        "F16",
+                        vec![rows, groups],
+                        (rows * groups * 2) as u64,
+                    ),
                 ]
             }
         }
@@ -165,7 +195,11 @@ fn float_type(ty: GgmlType) -> Option<FloatType> {
 ///
 /// Everything is written into a temporary sibling directory that is renamed at the end, so a
 /// failed conversion leaves nothing behind.
-pub fn convert_gguf(gguf_path: &Path, out_dir: &Path, opts: &ConvertOptions) -> Result<ConvertReport> {
+pub fn convert_gguf(
+    gguf_path: &Path,
+    out_dir: &Path,
+    opts: &ConvertOptions,
+) -> Result<ConvertReport> {
     let gguf = GgufFile::open(gguf_path)?;
     let hp = HParams::from_gguf(&gguf)?;
     let requant = check_options(&gguf, opts)?;
@@ -179,10 +213,18 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path, opts: &ConvertOptions) -> 
         obj.insert("quantization_config".into(), q);
     }
 
-    if out_dir.exists() && fs::read_dir(out_dir).map_err(|e| Error::io(out_dir, e))?.next().is_some() {
+    if out_dir.exists()
+        && fs::read_dir(out_dir)
+            .map_err(|e| Error::io(out_dir, e))?
+            .next()
+            .is_some()
+    {
         return Err(Error::io(
             out_dir,
-            std::io::Error::new(std::io::ErrorKind::AlreadyExists, "output directory exists and is not empty"),
+            std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "output directory exists and is not empty",
+            ),
         ));
     }
     let staging = StagingDir::create(out_dir)?;
@@ -209,9 +251,18 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path, opts: &ConvertOptions) -> 
         Ok(())
     };
     write("config.json", &pretty(&config))?;
-    write("tokenizer.json", &serde_json::to_vec(&tokenizer.tokenizer).expect("JSON value"))?;
-    write("tokenizer_config.json", &pretty(&tokenizer.tokenizer_config))?;
-    write("generation_config.json", &pretty(&tokenizer.generation_config))?;
+    write(
+        "tokenizer.json",
+        &serde_json::to_vec(&tokenizer.tokenizer).expect("JSON value"),
+    )?;
+    write(
+        "tokenizer_config.json",
+        &pretty(&tokenizer.tokenizer_config),
+    )?;
+    write(
+        "generation_config.json",
+        &pretty(&tokenizer.generation_config),
+    )?;
     if let Some(template) = &tokenizer.chat_template {
         write("chat_template.jinja", template.as_bytes())?;
     }
@@ -220,7 +271,10 @@ pub fn convert_gguf(gguf_path: &Path, out_dir: &Path, opts: &ConvertOptions) -> 
     Ok(ConvertReport {
         out_dir: out_dir.to_path_buf(),
         architecture: hp.name.clone(),
-        model_type: config["model_type"].as_str().unwrap_or_default().to_string(),
+        model_type: config["model_type"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
         tensors: n_tensors,
         bytes_written,
         quantized_layers: jobs.iter().filter(|j| j.quantization().is_some()).count(),
@@ -240,17 +294,26 @@ fn pretty(v: &Json) -> Vec<u8> {
 
 /// Validates `--q-bits` / `--q-group-size`; returns `(bits, group_size)` when re-quantizing.
 fn check_options(gguf: &GgufFile, opts: &ConvertOptions) -> Result<Option<(u32, u32)>> {
-    let bad = |message: String| Error::Unsupported { path: gguf.path.clone(), message };
+    let bad = |message: String| Error::Unsupported {
+        path: gguf.path.clone(),
+        message,
+    };
     match (opts.q_bits, opts.q_group_size) {
         (None, None) => Ok(None),
-        (None, Some(_)) => Err(bad("a quantization group size needs a bit width (--q-bits)".into())),
+        (None, Some(_)) => Err(bad(
+            "a quantization group size needs a bit width (--q-bits)".into(),
+        )),
         (Some(bits), group) => {
             let group = group.unwrap_or(DEFAULT_GROUP_SIZE);
             if !SUPPORTED_BITS.contains(&bits) {
-                return Err(bad(format!("{bits}-bit quantization (MLX supports {SUPPORTED_BITS:?})")));
+                return Err(bad(format!(
+                    "{bits}-bit quantization (MLX supports {SUPPORTED_BITS:?})"
+                )));
             }
             if !SUPPORTED_GROUP_SIZES.contains(&group) {
-                return Err(bad(format!("quantization group size {group} (MLX supports {SUPPORTED_GROUP_SIZES:?})")));
+                return Err(bad(format!(
+                    "quantization group size {group} (MLX supports {SUPPORTED_GROUP_SIZES:?})"
+                )));
             }
             Ok(Some((bits, group)))
         }
@@ -258,18 +321,28 @@ fn check_options(gguf: &GgufFile, opts: &ConvertOptions) -> Result<Option<(u32, 
 }
 
 /// Decides the encoding of every tensor.
-fn plan<'a>(gguf: &'a GgufFile, hp: &HParams, requant: Option<(u32, u32)>) -> Result<(Vec<Job<'a>>, Vec<String>)> {
+fn plan<'a>(
+    gguf: &'a GgufFile,
+    hp: &HParams,
+    requant: Option<(u32, u32)>,
+) -> Result<(Vec<Job<'a>>, Vec<String>)> {
     let mut jobs = Vec::new();
     let mut skipped = Vec::new();
     for info in &gguf.tensors {
         let Some(hf_name) = hp.arch.hf_name(&info.name) else {
             if info.name == "rope_freqs.weight" {
-                skipped.push(format!("{}: llama.cpp's precomputed RoPE frequency factors", info.name));
+                skipped.push(format!(
+                    "{}: llama.cpp's precomputed RoPE frequency factors",
+                    info.name
+                ));
                 continue;
             }
             return Err(Error::Unsupported {
                 path: gguf.path.clone(),
-                message: format!("tensor `{}` has no Hugging Face counterpart for `{}`", info.name, hp.name),
+                message: format!(
+                    "tensor `{}` has no Hugging Face counterpart for `{}`",
+                    info.name, hp.name
+                ),
             });
         };
         let ty = info.ggml_type;
@@ -277,15 +350,26 @@ fn plan<'a>(gguf: &'a GgufFile, hp: &HParams, requant: Option<(u32, u32)>) -> Re
         let quantizable = is_quantizable(&hf_name, info.dims.len());
         let exact = quantizable && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0);
         let exact_bits = if ty == GgmlType::Q8_0 { 8 } else { 4 };
-        let float_fallback = if is_norm(&hf_name) || info.dims.len() == 1 { FloatType::F32 } else { FloatType::F16 };
-        let offset = if is_norm(&hf_name) { -hp.arch.norm_offset() } else { 0.0 };
+        let float_fallback = if is_norm(&hf_name) || info.dims.len() == 1 {
+            FloatType::F32
+        } else {
+            FloatType::F16
+        };
+        let offset = if is_norm(&hf_name) {
+            -hp.arch.norm_offset()
+        } else {
+            0.0
+        };
 
         let encoding = match requant {
             Some((bits, group)) if quantizable => {
                 if exact && bits == exact_bits && group == 32 {
                     Encoding::AffineExact
                 } else if cols % group as usize == 0 {
-                    Encoding::Requantize { bits, group_size: group }
+                    Encoding::Requantize {
+                        bits,
+                        group_size: group,
+                    }
                 } else {
                     skipped.push(format!("{}: {cols} columns are not a multiple of group size {group}; kept in float16", info.name));
                     Encoding::Float(FloatType::F16)
@@ -302,7 +386,10 @@ fn plan<'a>(gguf: &'a GgufFile, hp: &HParams, requant: Option<(u32, u32)>) -> Re
         if needs_dequant && !can_dequantize(ty) {
             return Err(Error::Unsupported {
                 path: gguf.path.clone(),
-                message: format!("tensor `{}` has type {ty}, which the converter cannot dequantize", info.name),
+                message: format!(
+                    "tensor `{}` has type {ty}, which the converter cannot dequantize",
+                    info.name
+                ),
             });
         }
 
@@ -317,17 +404,32 @@ fn plan<'a>(gguf: &'a GgufFile, hp: &HParams, requant: Option<(u32, u32)>) -> Re
         };
         if let Some(heads) = unpermute_heads {
             let rows = info.dims.get(1).or(info.dims.first()).copied().unwrap_or(0) as usize;
-            if heads == 0 || rows % (2 * heads) != 0 {
+            if heads == 0 || !rows.is_multiple_of(2 * heads) {
                 return Err(Error::invalid_file(
                     &gguf.path,
-                    format!("tensor `{}`: {rows} rows cannot be split into {heads} heads of row pairs", info.name),
+                    format!(
+                        "tensor `{}`: {rows} rows cannot be split into {heads} heads of row pairs",
+                        info.name
+                    ),
                 ));
             }
         }
-        jobs.push(Job { info, hf_name, encoding, unpermute_heads, offset });
+        jobs.push(Job {
+            info,
+            hf_name,
+            encoding,
+            unpermute_heads,
+            offset,
+        });
     }
-    if !jobs.iter().any(|j| j.hf_name == "model.embed_tokens.weight") {
-        return Err(Error::MissingTensor { path: gguf.path.clone(), tensor: "token_embd.weight".into() });
+    if !jobs
+        .iter()
+        .any(|j| j.hf_name == "model.embed_tokens.weight")
+    {
+        return Err(Error::MissingTensor {
+            path: gguf.path.clone(),
+            tensor: "token_embd.weight".into(),
+        });
     }
     Ok((jobs, skipped))
 }
@@ -351,12 +453,21 @@ fn encode(gguf: &GgufFile, job: &Job) -> Result<Vec<Vec<u8>>> {
     let data = gguf.tensor_data(info);
     let ty = info.ggml_type;
     // A 1-D tensor (a bias or a norm) permutes elements: one "row" per element.
-    let (rows, cols) = if info.dims.len() == 1 { (info.dims[0] as usize, 1) } else { info.rows_cols() };
+    let (rows, cols) = if info.dims.len() == 1 {
+        (info.dims[0] as usize, 1)
+    } else {
+        info.rows_cols()
+    };
     let source_row = |r: usize| match job.unpermute_heads {
         Some(heads) => unpermute_source_row(r, rows, heads),
         None => r,
     };
-    let bad_data = || Error::invalid_file(&gguf.path, format!("tensor `{}`: cannot decode its {ty} data", info.name));
+    let bad_data = || {
+        Error::invalid_file(
+            &gguf.path,
+            format!("tensor `{}`: cannot decode its {ty} data", info.name),
+        )
+    };
 
     match job.encoding {
         Encoding::Copy if cols % ty.block_size() == 0 => {
@@ -374,7 +485,11 @@ fn encode(gguf: &GgufFile, job: &Job) -> Result<Vec<Vec<u8>>> {
                 GgmlType::Q4_1 => AffineMatrix::from_q4_1(data, rows, cols),
                 _ => AffineMatrix::from_q8_0(data, rows, cols),
             };
-            let m = if job.unpermute_heads.is_some() { m.permute_rows(source_row) } else { m };
+            let m = if job.unpermute_heads.is_some() {
+                m.permute_rows(source_row)
+            } else {
+                m
+            };
             Ok(affine_buffers(&m))
         }
         Encoding::Copy | Encoding::Float(_) | Encoding::Requantize { .. } => {
@@ -390,7 +505,13 @@ fn encode(gguf: &GgufFile, job: &Job) -> Result<Vec<Vec<u8>>> {
                         values.row(source_row(r), &mut row).ok_or_else(bad_data)?;
                         chunk.extend_from_slice(&row);
                         if chunk.len() == CHUNK * cols || r + 1 == rows {
-                            let part = AffineMatrix::quantize(&chunk, chunk.len() / cols, cols, bits, group_size as usize);
+                            let part = AffineMatrix::quantize(
+                                &chunk,
+                                chunk.len() / cols,
+                                cols,
+                                bits,
+                                group_size as usize,
+                            );
                             match &mut m {
                                 Some(m) => m.append_rows(part),
                                 None => m = Some(part),
@@ -430,14 +551,19 @@ struct RowValues<'a> {
 
 impl<'a> RowValues<'a> {
     fn new(data: &'a [u8], ty: GgmlType, rows: usize, cols: usize) -> Option<Self> {
-        let whole = if cols % ty.block_size() != 0 {
+        let whole = if !cols.is_multiple_of(ty.block_size()) {
             let mut all = vec![0f32; rows * cols];
             dequantize(ty, data, &mut all)?;
             Some(all)
         } else {
             None
         };
-        Some(RowValues { data, ty, cols, whole })
+        Some(RowValues {
+            data,
+            ty,
+            cols,
+            whole,
+        })
     }
 
     fn row(&self, r: usize, out: &mut [f32]) -> Option<()> {
@@ -446,7 +572,11 @@ impl<'a> RowValues<'a> {
             return Some(());
         }
         let row_bytes = self.cols / self.ty.block_size() * self.ty.type_size();
-        dequantize(self.ty, self.data.get(r * row_bytes..(r + 1) * row_bytes)?, out)
+        dequantize(
+            self.ty,
+            self.data.get(r * row_bytes..(r + 1) * row_bytes)?,
+            out,
+        )
     }
 }
 
@@ -459,7 +589,10 @@ fn affine_buffers(m: &AffineMatrix) -> Vec<Vec<u8>> {
 /// mlx-lm's `quantization` block: the most common (or requested) setting, and per-module
 /// entries for layers that differ from it.
 fn quantization_json(jobs: &[Job], requant: Option<(u32, u32)>) -> Option<Json> {
-    let layers: Vec<(&str, (u32, u32))> = jobs.iter().filter_map(|j| Some((j.module(), j.quantization()?))).collect();
+    let layers: Vec<(&str, (u32, u32))> = jobs
+        .iter()
+        .filter_map(|j| Some((j.module(), j.quantization()?)))
+        .collect();
     let mut counts: BTreeMap<(u32, u32), usize> = BTreeMap::new();
     for (_, q) in &layers {
         *counts.entry(*q).or_default() += 1;
@@ -480,7 +613,9 @@ fn progress_bar(show: bool, len: u64) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::new(len);
-    if let Ok(style) = ProgressStyle::with_template("converting {bar:30} {pos}/{len} tensors  {wide_msg}") {
+    if let Ok(style) =
+        ProgressStyle::with_template("converting {bar:30} {pos}/{len} tensors  {wide_msg}")
+    {
         bar.set_style(style);
     }
     bar
@@ -494,8 +629,14 @@ struct StagingDir {
 
 impl StagingDir {
     fn create(out_dir: &Path) -> Result<Self> {
-        let name = out_dir.file_name().and_then(|n| n.to_str()).unwrap_or("model");
-        let parent = out_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let name = out_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("model");
+        let parent = out_dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
         let path = parent.join(format!(".{name}.partial-{}", std::process::id()));
         if path.exists() {

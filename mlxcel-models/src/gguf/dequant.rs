@@ -9,14 +9,17 @@ use super::ggml_type::GgmlType;
 /// Whether [`dequantize`] handles `ty`.
 pub fn can_dequantize(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2K | Q3K | Q4K | Q5K | Q6K)
+    matches!(
+        ty,
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2K | Q3K | Q4K | Q5K | Q6K
+    )
 }
 
 /// Dequantizes `out.len()` elements stored in `src`. Returns `None` when the type is
 /// not supported or `src` does not hold exactly `out.len()` elements.
 pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Option<()> {
     let (block, size) = (ty.block_size(), ty.type_size());
-    if out.len() % block != 0 || src.len() != out.len() / block * size {
+    if !out.len().is_multiple_of(block) || src.len() != out.len() / block * size {
         return None;
     }
     let kernel: fn(&[u8], &mut [f32]) = match ty {
@@ -123,7 +126,14 @@ fn q2_k(b: &[u8], y: &mut [f32]) {
 fn q3_k(b: &[u8], y: &mut [f32]) {
     let (hmask, qs, packed) = (&b[0..32], &b[32..96], &b[96..108]);
     let d = f16_at(b, 108);
-    let word = |i: usize| u32::from_le_bytes([packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]]);
+    let word = |i: usize| {
+        u32::from_le_bytes([
+            packed[4 * i],
+            packed[4 * i + 1],
+            packed[4 * i + 2],
+            packed[4 * i + 3],
+        ])
+    };
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
     let (a0, a1, tmp) = (word(0), word(1), word(2));
@@ -133,7 +143,11 @@ fn q3_k(b: &[u8], y: &mut [f32]) {
         ((a0 >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4),
         ((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4),
     ];
-    let scales: Vec<i8> = aux.iter().flat_map(|w| w.to_le_bytes()).map(|v| v as i8).collect();
+    let scales: Vec<i8> = aux
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .map(|v| v as i8)
+        .collect();
 
     let mut is = 0;
     let mut out = 0;
@@ -161,7 +175,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 

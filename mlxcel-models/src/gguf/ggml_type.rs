@@ -78,7 +78,10 @@ impl GgmlType {
     }
 
     fn row(self) -> &'static (GgmlType, u32, &'static str, usize, usize) {
-        TABLE.iter().find(|row| row.0 == self).expect("every type is in TABLE")
+        TABLE
+            .iter()
+            .find(|row| row.0 == self)
+            .expect("every type is in TABLE")
     }
 
     pub fn id(self) -> u32 {
@@ -103,7 +106,8 @@ impl GgmlType {
     /// (or the size overflows).
     pub fn bytes_for(self, n: u64) -> Option<u64> {
         let block = self.block_size() as u64;
-        (n % block == 0).then(|| (n / block).checked_mul(self.type_size() as u64))?
+        n.is_multiple_of(block)
+            .then(|| (n / block).checked_mul(self.type_size() as u64))?
     }
 }
 

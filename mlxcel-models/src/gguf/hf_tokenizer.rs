@@ -15,7 +15,13 @@ const TOKEN_CONTROL: i64 = 3;
 const TOKEN_USER_DEFINED: i64 = 4;
 
 /// Control tokens that end a turn: generation stops on them too.
-const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>"];
+const END_OF_TURN: &[&str] = &[
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+];
 
 /// Llama 3's pre-tokenizer split (`tokenizer.ggml.pre = llama-bpe`).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -42,7 +48,9 @@ struct Vocab {
 /// Builds the tokenizer files; `arch` is `general.architecture` (Gemma orders merges differently).
 pub fn build(gguf: &GgufFile, arch: &str, max_length: u64) -> Result<TokenizerFiles> {
     let invalid = |m: String| Error::invalid_file(&gguf.path, m);
-    let model = gguf.get_str("tokenizer.ggml.model").ok_or_else(|| invalid("missing `tokenizer.ggml.model`".into()))?;
+    let model = gguf
+        .get_str("tokenizer.ggml.model")
+        .ok_or_else(|| invalid("missing `tokenizer.ggml.model`".into()))?;
     let vocab = read_vocab(gguf)?;
     let n = vocab.tokens.len() as u64;
     let id = |key: &str| gguf.get_u64(key).filter(|&i| i < n);
@@ -51,10 +59,14 @@ pub fn build(gguf: &GgufFile, arch: &str, max_length: u64) -> Result<TokenizerFi
     let eos_id = id("tokenizer.ggml.eos_token_id");
     let unk_id = id("tokenizer.ggml.unknown_token_id");
     let pad_id = id("tokenizer.ggml.padding_token_id");
-    let mut eos_ids: Vec<u64> = [eos_id, id("tokenizer.ggml.eot_token_id"), id("tokenizer.ggml.eom_token_id")]
-        .into_iter()
-        .flatten()
-        .collect();
+    let mut eos_ids: Vec<u64> = [
+        eos_id,
+        id("tokenizer.ggml.eot_token_id"),
+        id("tokenizer.ggml.eom_token_id"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     for (i, (tok, &ty)) in vocab.tokens.iter().zip(&vocab.types).enumerate() {
         if ty == TOKEN_CONTROL && END_OF_TURN.contains(&tok.as_str()) {
             eos_ids.push(i as u64);
@@ -74,12 +86,21 @@ pub fn build(gguf: &GgufFile, arch: &str, max_length: u64) -> Result<TokenizerFi
         }
     };
     let add_bos = gguf.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(spm);
-    let add_eos = gguf.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false);
+    let add_eos = gguf
+        .get_bool("tokenizer.ggml.add_eos_token")
+        .unwrap_or(false);
     let token = |i: Option<u64>| i.map(|i| vocab.tokens[i as usize].clone());
-    let post = post_processor(spm, add_bos.then(|| bos_id).flatten(), add_eos.then(|| eos_id).flatten(), &vocab);
+    let post = post_processor(
+        spm,
+        add_bos.then_some(bos_id).flatten(),
+        add_eos.then_some(eos_id).flatten(),
+        &vocab,
+    );
 
     let tokenizer = if spm {
-        let add_prefix = gguf.get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true);
+        let add_prefix = gguf
+            .get_bool("tokenizer.ggml.add_space_prefix")
+            .unwrap_or(true);
         // Gemma's scores do not follow its merge order; the vocabulary order does.
         let by_position = arch.starts_with("gemma");
         spm_tokenizer(&vocab, token(unk_id), add_prefix, by_position, post)
@@ -89,9 +110,15 @@ pub fn build(gguf: &GgufFile, arch: &str, max_length: u64) -> Result<TokenizerFi
             .ok_or_else(|| invalid("missing `tokenizer.ggml.merges`".into()))?;
         let merges = merges
             .iter()
-            .map(|m| m.as_str().and_then(|m| m.split_once(' ')).map(|(a, b)| json!([a, b])))
+            .map(|m| {
+                m.as_str()
+                    .and_then(|m| m.split_once(' '))
+                    .map(|(a, b)| json!([a, b]))
+            })
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| invalid("`tokenizer.ggml.merges` holds an entry that is not \"a b\"".into()))?;
+            .ok_or_else(|| {
+                invalid("`tokenizer.ggml.merges` holds an entry that is not \"a b\"".into())
+            })?;
         let pre = gguf.get_str("tokenizer.ggml.pre").unwrap_or("default");
         bpe_tokenizer(&vocab, merges, pre, post)
     };
@@ -103,7 +130,12 @@ pub fn build(gguf: &GgufFile, arch: &str, max_length: u64) -> Result<TokenizerFi
     config.insert("add_eos_token".into(), add_eos.into());
     config.insert("clean_up_tokenization_spaces".into(), false.into());
     config.insert("model_max_length".into(), max_length.into());
-    for (key, id) in [("bos_token", bos_id), ("eos_token", eos_id), ("unk_token", unk_id), ("pad_token", pad_id)] {
+    for (key, id) in [
+        ("bos_token", bos_id),
+        ("eos_token", eos_id),
+        ("unk_token", unk_id),
+        ("pad_token", pad_id),
+    ] {
         if let Some(t) = token(id) {
             config.insert(key.into(), t.into());
         }
@@ -150,12 +182,26 @@ fn read_vocab(gguf: &GgufFile) -> Result<Vocab> {
                 .map(Value::as_f64)
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| invalid(&format!("`{key}` is not an array of numbers"))),
-            Some(a) => Err(invalid(&format!("`{key}` has {} entries for {} tokens", a.len(), tokens.len()))),
+            Some(a) => Err(invalid(&format!(
+                "`{key}` has {} entries for {} tokens",
+                a.len(),
+                tokens.len()
+            ))),
         }
     };
-    let types = numbers("tokenizer.ggml.token_type", 1.0)?.into_iter().map(|t| t as i64).collect();
-    let scores = numbers("tokenizer.ggml.scores", 0.0)?.into_iter().map(|s| s as f32).collect();
-    Ok(Vocab { tokens, types, scores })
+    let types = numbers("tokenizer.ggml.token_type", 1.0)?
+        .into_iter()
+        .map(|t| t as i64)
+        .collect();
+    let scores = numbers("tokenizer.ggml.scores", 0.0)?
+        .into_iter()
+        .map(|s| s as f32)
+        .collect();
+    Ok(Vocab {
+        tokens,
+        types,
+        scores,
+    })
 }
 
 fn added_token(id: usize, content: &str, special: bool) -> Json {
@@ -172,15 +218,34 @@ fn template(bos: Option<u64>, eos: Option<u64>, vocab: &Vocab) -> Option<Json> {
     }
     let name = |id: u64| vocab.tokens[id as usize].clone();
     let mut special_tokens = Map::new();
-    let piece = |id: Option<u64>, type_id: u32| id.map(|id| json!({"SpecialToken": {"id": name(id), "type_id": type_id}}));
+    let piece = |id: Option<u64>, type_id: u32| {
+        id.map(|id| json!({"SpecialToken": {"id": name(id), "type_id": type_id}}))
+    };
     for id in [bos, eos].into_iter().flatten() {
-        special_tokens.insert(name(id), json!({"id": name(id), "ids": [id], "tokens": [name(id)]}));
+        special_tokens.insert(
+            name(id),
+            json!({"id": name(id), "ids": [id], "tokens": [name(id)]}),
+        );
     }
     let seq = |s: &str, type_id: u32| Some(json!({"Sequence": {"id": s, "type_id": type_id}}));
-    let single: Vec<Json> = [piece(bos, 0), seq("A", 0), piece(eos, 0)].into_iter().flatten().collect();
-    let pair: Vec<Json> =
-        [piece(bos, 0), seq("A", 0), piece(eos, 0), piece(bos, 1), seq("B", 1), piece(eos, 1)].into_iter().flatten().collect();
-    Some(json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special_tokens}))
+    let single: Vec<Json> = [piece(bos, 0), seq("A", 0), piece(eos, 0)]
+        .into_iter()
+        .flatten()
+        .collect();
+    let pair: Vec<Json> = [
+        piece(bos, 0),
+        seq("A", 0),
+        piece(eos, 0),
+        piece(bos, 1),
+        seq("B", 1),
+        piece(eos, 1),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    Some(
+        json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special_tokens}),
+    )
 }
 
 fn post_processor(spm: bool, bos: Option<u64>, eos: Option<u64>, vocab: &Vocab) -> Json {
@@ -197,9 +262,7 @@ fn post_processor(spm: bool, bos: Option<u64>, eos: Option<u64>, vocab: &Vocab) 
 
 /// Byte-level BPE (`tokenizer.ggml.model = gpt2`).
 fn bpe_tokenizer(vocab: &Vocab, merges: Vec<Json>, pre: &str, post_processor: Json) -> Json {
-    let byte_level = |use_regex: bool, trim_offsets: bool| {
-        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": trim_offsets, "use_regex": use_regex})
-    };
+    let byte_level = |use_regex: bool, trim_offsets: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": trim_offsets, "use_regex": use_regex});
     let split = |regex: &str| json!({"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false});
     let (pre_tokenizer, normalizer, ignore_merges) = match pre {
         "smollm" => (
@@ -263,14 +326,24 @@ fn bpe_tokenizer(vocab: &Vocab, merges: Vec<Json>, pre: &str, post_processor: Js
 }
 
 /// SentencePiece BPE (`tokenizer.ggml.model = llama`), as `transformers` converts it.
-fn spm_tokenizer(vocab: &Vocab, unk: Option<String>, add_space_prefix: bool, by_position: bool, post_processor: Json) -> Json {
+fn spm_tokenizer(
+    vocab: &Vocab,
+    unk: Option<String>,
+    add_space_prefix: bool,
+    by_position: bool,
+    post_processor: Json,
+) -> Json {
     let replace = |from: &str, to: &str| json!({"type": "Replace", "pattern": {"String": from}, "content": to});
     let normalizer = if add_space_prefix {
         json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, replace(" ", "▁")]})
     } else {
         replace(" ", "▁")
     };
-    let mut decoders = vec![replace("▁", " "), json!({"type": "ByteFallback"}), json!({"type": "Fuse"})];
+    let mut decoders = vec![
+        replace("▁", " "),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
     if add_space_prefix {
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
@@ -279,7 +352,13 @@ fn spm_tokenizer(vocab: &Vocab, unk: Option<String>, add_space_prefix: bool, by_
     let tokens: Vec<String> = vocab
         .tokens
         .iter()
-        .map(|t| if !t.is_empty() && t.chars().all(|c| c == ' ') { "▁".repeat(t.len()) } else { t.clone() })
+        .map(|t| {
+            if !t.is_empty() && t.chars().all(|c| c == ' ') {
+                "▁".repeat(t.len())
+            } else {
+                t.clone()
+            }
+        })
         .collect();
     let mut vocab_map = Map::new();
     let mut added = Vec::new();
@@ -289,7 +368,11 @@ fn spm_tokenizer(vocab: &Vocab, unk: Option<String>, add_space_prefix: bool, by_
             added.push(added_token(id, tok, ty != TOKEN_USER_DEFINED));
         }
     }
-    let ranks: Vec<f32> = if by_position { (0..tokens.len()).map(|i| -(i as f32)).collect() } else { vocab.scores.clone() };
+    let ranks: Vec<f32> = if by_position {
+        (0..tokens.len()).map(|i| -(i as f32)).collect()
+    } else {
+        vocab.scores.clone()
+    };
     json!({
         "version": "1.0",
         "truncation": null,
@@ -312,7 +395,11 @@ fn spm_tokenizer(vocab: &Vocab, unk: Option<String>, add_space_prefix: bool, by_
 /// of `t` (highest first), then by the lengths of `a` and `b` (longest first), then by the ids
 /// of `a` and `b`.
 pub fn spm_merges(tokens: &[String], scores: &[f32]) -> Vec<Json> {
-    let ids: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let ids: HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
     let mut merges: Vec<(f32, usize, usize)> = Vec::new();
     for (t, tok) in tokens.iter().enumerate() {
         let start = merges.len();
@@ -325,8 +412,15 @@ pub fn spm_merges(tokens: &[String], scores: &[f32]) -> Vec<Json> {
     }
     // Stable: ties keep vocabulary order.
     let chars = |i: usize| tokens[i].chars().count();
-    merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(chars(y.1).cmp(&chars(x.1))).then(chars(y.2).cmp(&chars(x.2))));
-    merges.into_iter().map(|(_, a, b)| json!([tokens[a], tokens[b]])).collect()
+    merges.sort_by(|x, y| {
+        y.0.total_cmp(&x.0)
+            .then(chars(y.1).cmp(&chars(x.1)))
+            .then(chars(y.2).cmp(&chars(x.2)))
+    });
+    merges
+        .into_iter()
+        .map(|(_, a, b)| json!([tokens[a], tokens[b]]))
+        .collect()
 }
 
 fn printable(b: u8) -> bool {
@@ -359,6 +453,9 @@ pub fn byte_level_encode(text: &str) -> String {
 /// Byte-level symbols back to text; `None` if a char is not a byte symbol or the bytes are not UTF-8.
 pub fn byte_level_decode(symbols: &str) -> Option<String> {
     let table: HashMap<char, u8> = (0..=255u8).map(|b| (byte_to_char(b), b)).collect();
-    let bytes = symbols.chars().map(|c| table.get(&c).copied()).collect::<Option<Vec<u8>>>()?;
+    let bytes = symbols
+        .chars()
+        .map(|c| table.get(&c).copied())
+        .collect::<Option<Vec<u8>>>()?;
     String::from_utf8(bytes).ok()
 }

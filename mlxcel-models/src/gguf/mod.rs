@@ -13,6 +13,8 @@ pub mod hf_tokenizer;
 pub mod reader;
 mod safetensors_out;
 
-pub use convert::{convert_gguf, unpermute_source_row, ConvertOptions, ConvertReport, SUPPORTED_GROUP_SIZES};
+pub use convert::{
+    convert_gguf, unpermute_source_row, ConvertOptions, ConvertReport, SUPPORTED_GROUP_SIZES,
+};
 pub use ggml_type::GgmlType;
 pub use reader::{GgufFile, TensorInfo, Value};

@@ -139,7 +139,11 @@ impl GgufFile {
         // SAFETY: the map is read-only; like every mmap-based model loader we
         // assume the file is not truncated by another process while it is open.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let mut cursor = Cursor { bytes: &mmap, pos: 0, path };
+        let mut cursor = Cursor {
+            bytes: &mmap,
+            pos: 0,
+            path,
+        };
 
         let magic = cursor.take(4, "magic")?;
         if magic != MAGIC {
@@ -151,9 +155,21 @@ impl GgufFile {
         let version = cursor.u32("version")?;
         match version {
             2 | 3 => {}
-            1 => return Err(unsupported(path, "GGUF version 1 (re-convert with a newer llama.cpp)")),
-            v if matches!(v.swap_bytes(), 2 | 3) => return Err(unsupported(path, "big-endian GGUF files")),
-            v => return Err(Error::invalid_file(path, format!("unknown GGUF version {v}"))),
+            1 => {
+                return Err(unsupported(
+                    path,
+                    "GGUF version 1 (re-convert with a newer llama.cpp)",
+                ))
+            }
+            v if matches!(v.swap_bytes(), 2 | 3) => {
+                return Err(unsupported(path, "big-endian GGUF files"))
+            }
+            v => {
+                return Err(Error::invalid_file(
+                    path,
+                    format!("unknown GGUF version {v}"),
+                ))
+            }
         }
         let tensor_count = cursor.u64("tensor count")?;
         let kv_count = cursor.u64("metadata count")?;
@@ -175,7 +191,12 @@ impl GgufFile {
             None => DEFAULT_ALIGNMENT,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() => a,
-                _ => return Err(Error::invalid_file(path, format!("invalid general.alignment {v:?}"))),
+                _ => {
+                    return Err(Error::invalid_file(
+                        path,
+                        format!("invalid general.alignment {v:?}"),
+                    ))
+                }
             },
         };
         let data_offset = (cursor.pos as u64).div_ceil(alignment) * alignment;
@@ -184,11 +205,16 @@ impl GgufFile {
             if t.offset % alignment != 0 {
                 return Err(Error::invalid_file(
                     path,
-                    format!("tensor `{}`: offset {} is not aligned to {alignment}", t.name, t.offset),
+                    format!(
+                        "tensor `{}`: offset {} is not aligned to {alignment}",
+                        t.name, t.offset
+                    ),
                 ));
             }
-            let end = data_offset.checked_add(t.offset).and_then(|s| s.checked_add(t.n_bytes));
-            if end.map_or(true, |end| end > file_len) {
+            let end = data_offset
+                .checked_add(t.offset)
+                .and_then(|s| s.checked_add(t.n_bytes));
+            if end.is_none_or(|end| end > file_len) {
                 return Err(Error::invalid_file(
                     path,
                     format!(
@@ -200,7 +226,14 @@ impl GgufFile {
             }
         }
 
-        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, data_offset, mmap })
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            version,
+            metadata,
+            tensors,
+            data_offset,
+            mmap,
+        })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
@@ -239,7 +272,10 @@ impl GgufFile {
 }
 
 fn unsupported(path: &Path, what: &str) -> Error {
-    Error::Unsupported { path: path.to_path_buf(), message: what.to_string() }
+    Error::Unsupported {
+        path: path.to_path_buf(),
+        message: what.to_string(),
+    }
 }
 
 /// Maximum nesting of metadata arrays (the format allows arrays of arrays).
@@ -276,7 +312,10 @@ impl<'a> Cursor<'a> {
     }
 
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
-        Ok(self.take(N as u64, what)?.try_into().expect("take returns N bytes"))
+        Ok(self
+            .take(N as u64, what)?
+            .try_into()
+            .expect("take returns N bytes"))
     }
 
     fn u32(&mut self, what: &str) -> Result<u32> {
@@ -313,12 +352,20 @@ impl<'a> Cursor<'a> {
             7 => match self.array::<1>(what)?[0] {
                 0 => Value::Bool(false),
                 1 => Value::Bool(true),
-                b => return Err(Error::invalid_file(self.path, format!("metadata `{key}`: invalid bool byte {b}"))),
+                b => {
+                    return Err(Error::invalid_file(
+                        self.path,
+                        format!("metadata `{key}`: invalid bool byte {b}"),
+                    ))
+                }
             },
             8 => Value::String(self.string(what)?),
             9 => {
                 if depth >= MAX_DEPTH {
-                    return Err(Error::invalid_file(self.path, format!("metadata `{key}`: arrays nested too deeply")));
+                    return Err(Error::invalid_file(
+                        self.path,
+                        format!("metadata `{key}`: arrays nested too deeply"),
+                    ));
                 }
                 let item_ty = self.u32(what)?;
                 let len = self.u64(what)?;
@@ -331,7 +378,12 @@ impl<'a> Cursor<'a> {
             10 => Value::U64(u64::from_le_bytes(self.array(what)?)),
             11 => Value::I64(i64::from_le_bytes(self.array(what)?)),
             12 => Value::F64(f64::from_le_bytes(self.array(what)?)),
-            t => return Err(Error::invalid_file(self.path, format!("metadata `{key}`: unknown value type {t}"))),
+            t => {
+                return Err(Error::invalid_file(
+                    self.path,
+                    format!("metadata `{key}`: unknown value type {t}"),
+                ))
+            }
         })
     }
 
@@ -339,20 +391,30 @@ impl<'a> Cursor<'a> {
         let name = self.string("tensor name")?;
         let n_dims = self.u32("tensor rank")?;
         if n_dims > MAX_DIMS {
-            return Err(Error::invalid_file(self.path, format!("tensor `{name}`: rank {n_dims} > {MAX_DIMS}")));
+            return Err(Error::invalid_file(
+                self.path,
+                format!("tensor `{name}`: rank {n_dims} > {MAX_DIMS}"),
+            ));
         }
-        let dims = (0..n_dims).map(|_| self.u64("tensor dims")).collect::<Result<Vec<_>>>()?;
+        let dims = (0..n_dims)
+            .map(|_| self.u64("tensor dims"))
+            .collect::<Result<Vec<_>>>()?;
         let type_id = self.u32("tensor type")?;
         let offset = self.u64("tensor offset")?;
         let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
-            Error::invalid_file(self.path, format!("tensor `{name}`: unknown GGML type {type_id}"))
+            Error::invalid_file(
+                self.path,
+                format!("tensor `{name}`: unknown GGML type {type_id}"),
+            )
         })?;
         let n_bytes = dims
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .and_then(|n| {
                 // Rows must hold whole blocks.
-                let row_ok = dims.first().map_or(true, |&d0| d0 % ggml_type.block_size() as u64 == 0);
+                let row_ok = dims
+                    .first()
+                    .is_none_or(|&d0| d0.is_multiple_of(ggml_type.block_size() as u64));
                 row_ok.then(|| ggml_type.bytes_for(n)).flatten()
             })
             .ok_or_else(|| {
@@ -361,6 +423,12 @@ impl<'a> Cursor<'a> {
                     format!("tensor `{name}`: invalid shape {dims:?} for type {ggml_type}"),
                 )
             })?;
-        Ok(TensorInfo { name, dims, ggml_type, offset, n_bytes })
+        Ok(TensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset,
+            n_bytes,
+        })
     }
 }

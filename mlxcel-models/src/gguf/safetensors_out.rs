@@ -35,7 +35,10 @@ impl SafetensorsWriter {
         let mut offset = 0u64;
         for s in &specs {
             let end = offset + s.n_bytes;
-            header.insert(s.name.clone(), json!({"dtype": s.dtype, "shape": s.shape, "data_offsets": [offset, end]}));
+            header.insert(
+                s.name.clone(),
+                json!({"dtype": s.dtype, "shape": s.shape, "data_offsets": [offset, end]}),
+            );
             offset = end;
         }
         let mut header = serde_json::to_vec(&header).expect("JSON of strings and numbers");
@@ -44,7 +47,8 @@ impl SafetensorsWriter {
         let file = File::create(path).map_err(|e| Error::io(path, e))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         let io = |e| Error::io(path, e);
-        out.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
+        out.write_all(&(header.len() as u64).to_le_bytes())
+            .map_err(io)?;
         out.write_all(&header).map_err(io)?;
         Ok(SafetensorsWriter {
             path: path.to_path_buf(),
@@ -58,15 +62,25 @@ impl SafetensorsWriter {
     /// Writes the data of the next tensor of the plan.
     pub fn write_next(&mut self, data: &[u8]) -> Result<()> {
         let spec = self.specs.get(self.next).ok_or_else(|| {
-            Error::invalid_file(&self.path, "internal error: more tensors written than planned")
+            Error::invalid_file(
+                &self.path,
+                "internal error: more tensors written than planned",
+            )
         })?;
         if data.len() as u64 != spec.n_bytes {
             return Err(Error::invalid_file(
                 &self.path,
-                format!("internal error: tensor `{}` has {} bytes, planned {}", spec.name, data.len(), spec.n_bytes),
+                format!(
+                    "internal error: tensor `{}` has {} bytes, planned {}",
+                    spec.name,
+                    data.len(),
+                    spec.n_bytes
+                ),
             ));
         }
-        self.out.write_all(data).map_err(|e| Error::io(&self.path, e))?;
+        self.out
+            .write_all(data)
+            .map_err(|e| Error::io(&self.path, e))?;
         self.bytes_written += data.len() as u64;
         self.next += 1;
         Ok(())
@@ -75,10 +89,16 @@ impl SafetensorsWriter {
     /// Flushes and syncs; returns the file size.
     pub fn finish(mut self) -> Result<u64> {
         if self.next != self.specs.len() {
-            return Err(Error::invalid_file(&self.path, "internal error: fewer tensors written than planned"));
+            return Err(Error::invalid_file(
+                &self.path,
+                "internal error: fewer tensors written than planned",
+            ));
         }
         self.out.flush().map_err(|e| Error::io(&self.path, e))?;
-        let file = self.out.into_inner().map_err(|e| Error::io(&self.path, e.into_error()))?;
+        let file = self
+            .out
+            .into_inner()
+            .map_err(|e| Error::io(&self.path, e.into_error()))?;
         file.sync_all().map_err(|e| Error::io(&self.path, e))?;
         Ok(self.bytes_written)
     }

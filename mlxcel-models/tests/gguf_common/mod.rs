@@ -15,7 +15,12 @@ pub struct GgufBuilder {
 
 impl Default for GgufBuilder {
     fn default() -> Self {
-        GgufBuilder { version: 3, alignment: 32, metadata: Vec::new(), tensors: Vec::new() }
+        GgufBuilder {
+            version: 3,
+            alignment: 32,
+            metadata: Vec::new(),
+            tensors: Vec::new(),
+        }
     }
 }
 
@@ -72,7 +77,8 @@ impl GgufBuilder {
     }
 
     pub fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> &mut Self {
-        self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
+        self.tensors
+            .push((name.to_string(), dims.to_vec(), ty, data));
         self
     }
 
@@ -134,12 +140,21 @@ impl Rng {
 
 /// Random blocks of a GGML type with finite, modest f16 scale fields.
 /// `f16_fields`: byte offsets of the f16 fields in a block.
-pub fn random_blocks(rng: &mut Rng, n_blocks: usize, block_bytes: usize, f16_fields: &[usize]) -> Vec<u8> {
+pub fn random_blocks(
+    rng: &mut Rng,
+    n_blocks: usize,
+    block_bytes: usize,
+    f16_fields: &[usize],
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(n_blocks * block_bytes);
     for _ in 0..n_blocks {
         let mut b = rng.bytes(block_bytes);
         for (i, &off) in f16_fields.iter().enumerate() {
-            let v = if i == 0 { rng.uniform(0.001, 0.05) } else { rng.uniform(-0.05, 0.05) };
+            let v = if i == 0 {
+                rng.uniform(0.001, 0.05)
+            } else {
+                rng.uniform(-0.05, 0.05)
+            };
             b[off..off + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
         }
         out.extend(b);
@@ -157,7 +172,11 @@ pub fn decode_q4_0(data: &[u8]) -> Vec<f32> {
         .flat_map(|b| {
             let d = h(b, 0);
             (0..32).map(move |j| {
-                let q = if j < 16 { b[2 + j] & 15 } else { b[2 + j - 16] >> 4 };
+                let q = if j < 16 {
+                    b[2 + j] & 15
+                } else {
+                    b[2 + j - 16] >> 4
+                };
                 (q as f32 - 8.0) * d
             })
         })
@@ -169,7 +188,11 @@ pub fn decode_q4_1(data: &[u8]) -> Vec<f32> {
         .flat_map(|b| {
             let (d, m) = (h(b, 0), h(b, 2));
             (0..32).map(move |j| {
-                let q = if j < 16 { b[4 + j] & 15 } else { b[4 + j - 16] >> 4 };
+                let q = if j < 16 {
+                    b[4 + j] & 15
+                } else {
+                    b[4 + j - 16] >> 4
+                };
                 q as f32 * d + m
             })
         })
@@ -177,18 +200,29 @@ pub fn decode_q4_1(data: &[u8]) -> Vec<f32> {
 }
 
 pub fn decode_q8_0(data: &[u8]) -> Vec<f32> {
-    data.chunks(34).flat_map(|b| (0..32).map(move |j| b[2 + j] as i8 as f32 * h(b, 0))).collect()
+    data.chunks(34)
+        .flat_map(|b| (0..32).map(move |j| b[2 + j] as i8 as f32 * h(b, 0)))
+        .collect()
 }
 
 /// `scale * q + bias` of an MLX affine tensor (independent of the library's unpacking).
-pub fn affine_dequantize(weight: &[u32], scales: &[f16], biases: &[f16], rows: usize, cols: usize, bits: usize) -> Vec<f32> {
+pub fn affine_dequantize(
+    weight: &[u32],
+    scales: &[f16],
+    biases: &[f16],
+    rows: usize,
+    cols: usize,
+    bits: usize,
+) -> Vec<f32> {
     let group = cols / (scales.len() / rows);
     let words = cols * bits / 32;
     let mut out = Vec::with_capacity(rows * cols);
     for r in 0..rows {
         // The row as a little-endian bit string.
-        let bits_of_row: Vec<bool> =
-            weight[r * words..(r + 1) * words].iter().flat_map(|w| (0..32).map(move |k| (w >> k) & 1 == 1)).collect();
+        let bits_of_row: Vec<bool> = weight[r * words..(r + 1) * words]
+            .iter()
+            .flat_map(|w| (0..32).map(move |k| (w >> k) & 1 == 1))
+            .collect();
         for c in 0..cols {
             let q = (0..bits).fold(0u32, |acc, k| acc | (bits_of_row[c * bits + k] as u32) << k);
             let g = r * (cols / group) + c / group;
@@ -199,23 +233,40 @@ pub fn affine_dequantize(weight: &[u32], scales: &[f16], biases: &[f16], rows: u
 }
 
 /// Tensors of a safetensors file: name -> (dtype, shape, bytes).
-pub fn read_safetensors(path: &std::path::Path) -> std::collections::HashMap<String, (String, Vec<usize>, Vec<u8>)> {
+pub fn read_safetensors(
+    path: &std::path::Path,
+) -> std::collections::HashMap<String, (String, Vec<usize>, Vec<u8>)> {
     let bytes = std::fs::read(path).expect("read safetensors");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
     st.tensors()
         .into_iter()
-        .map(|(name, view)| (name, (format!("{:?}", view.dtype()), view.shape().to_vec(), view.data().to_vec())))
+        .map(|(name, view)| {
+            (
+                name,
+                (
+                    format!("{:?}", view.dtype()),
+                    view.shape().to_vec(),
+                    view.data().to_vec(),
+                ),
+            )
+        })
         .collect()
 }
 
 pub fn as_u32(b: &[u8]) -> Vec<u32> {
-    b.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 pub fn as_f16(b: &[u8]) -> Vec<f16> {
-    b.chunks(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()
+    b.chunks(2)
+        .map(|c| f16::from_le_bytes([c[0], c[1]]))
+        .collect()
 }
 
 pub fn as_f32(b: &[u8]) -> Vec<f32> {
-    b.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }

@@ -1,0 +1,136 @@
+//! The Engine on the real default model (SmolLM2-135M-Instruct, 4-bit).
+
+use std::sync::Arc;
+
+use mlxcel_engine::{CancelFlag, Error, FinishReason, GenerationRequest, Message, Prompt, SamplingParams};
+use mlxcel_tests::default_engine;
+
+fn request(prompt: &str, params: SamplingParams) -> GenerationRequest {
+    GenerationRequest { params, ..GenerationRequest::new(Prompt::Text(prompt.into())) }
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams { max_tokens, ..Default::default() }
+}
+
+#[test]
+fn greedy_continuation_is_coherent_and_streams_exactly_the_output() {
+    let engine = default_engine();
+    let mut streamed = String::new();
+    let out = engine
+        .generate(&request("The capital of France is", greedy(12)), |p| {
+            streamed.push_str(p.text);
+            true
+        })
+        .unwrap();
+    assert!(out.text.starts_with(" Paris."), "{:?}", out.text);
+    assert_eq!(streamed, out.text);
+    assert_eq!(out.tokens.len(), 12);
+    assert_eq!(out.finish_reason, FinishReason::Length);
+    assert_eq!(out.text, engine.model().tokenizer.decode(&out.tokens, true).unwrap());
+    assert_eq!(out.stats.prompt_tokens, 5);
+    assert!(out.stats.peak_memory_bytes > 0);
+}
+
+#[test]
+fn chat_prompt_stops_at_eos() {
+    let engine = default_engine();
+    let req = GenerationRequest {
+        params: greedy(64),
+        ..GenerationRequest::new(Prompt::Chat(vec![Message::user("What is the capital of France?")]))
+    };
+    let out = engine.generate(&req, |_| true).unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Stop);
+    assert!(engine.model().tokenizer.is_eos(*out.tokens.last().unwrap()));
+    assert!(out.text.contains("Paris"), "{:?}", out.text);
+    // The template inserted SmolLM2's default system prompt.
+    let ids = engine.tokenize_prompt(&req.prompt).unwrap();
+    let rendered = engine.model().tokenizer.decode(&ids, false).unwrap();
+    assert!(rendered.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"), "{rendered}");
+}
+
+#[test]
+fn stop_strings_end_the_text_before_them() {
+    let engine = default_engine();
+    let params = SamplingParams { stop: vec![".".into()], ..greedy(32) };
+    let out = engine.generate(&request("The capital of France is", params), |_| true).unwrap();
+    assert_eq!(out.text, " Paris");
+    assert_eq!(out.finish_reason, FinishReason::Stop);
+}
+
+#[test]
+fn chunked_prefill_matches_a_single_pass() {
+    let engine = default_engine();
+    let prompt = "Once upon a time, in a small village, there lived an old baker who";
+    let whole = engine.generate(&request(prompt, greedy(16)), |_| true).unwrap();
+    let chunked = GenerationRequest { prefill_chunk: 3, ..request(prompt, greedy(16)) };
+    assert_eq!(engine.generate(&chunked, |_| true).unwrap().tokens, whole.tokens);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let engine = default_engine();
+    let params = |seed| SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(seed), ..greedy(24) };
+    let a = engine.generate(&request("My favourite animal is", params(7)), |_| true).unwrap();
+    let b = engine.generate(&request("My favourite animal is", params(7)), |_| true).unwrap();
+    let c = engine.generate(&request("My favourite animal is", params(8)), |_| true).unwrap();
+    assert_eq!(a.tokens, b.tokens);
+    assert_ne!(a.tokens, c.tokens);
+}
+
+#[test]
+fn callback_and_flag_cancel() {
+    let engine = default_engine();
+    let mut pieces = 0;
+    let out = engine
+        .generate(&request("The capital of France is", greedy(32)), |_| {
+            pieces += 1;
+            false
+        })
+        .unwrap();
+    assert_eq!((pieces, out.finish_reason), (1, FinishReason::Cancelled));
+    assert!(out.tokens.len() <= 2);
+
+    let flag = CancelFlag::new();
+    flag.cancel();
+    let long_prompt = "word ".repeat(40);
+    let req = GenerationRequest { cancel: Some(flag), prefill_chunk: 8, ..request(&long_prompt, greedy(8)) };
+    let out = engine.generate(&req, |_| panic!("no piece after cancellation")).unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Cancelled);
+    assert!(out.tokens.is_empty());
+}
+
+#[test]
+fn invalid_requests_are_named_errors() {
+    let engine = default_engine();
+    let bad = SamplingParams { top_p: 1.5, ..greedy(4) };
+    match engine.generate(&request("Hi", bad), |_| true) {
+        Err(Error::InvalidParameter { name: "top_p", .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    match engine.generate(&request("", greedy(4)), |_| true) {
+        Err(Error::EmptyPrompt) => {}
+        other => panic!("{other:?}"),
+    }
+    let out_of_vocab = GenerationRequest { params: greedy(4), ..GenerationRequest::new(Prompt::Tokens(vec![1, 999_999])) };
+    let err = engine.generate(&out_of_vocab, |_| true).unwrap_err().to_string();
+    assert!(err.contains("999999"), "{err}");
+}
+
+#[test]
+fn one_engine_serves_four_threads_at_once() {
+    let engine = default_engine();
+    let prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is", "Water boils at"];
+    let expected: Vec<_> =
+        prompts.iter().map(|p| engine.generate(&request(p, greedy(16)), |_| true).unwrap().tokens).collect();
+    let engine = Arc::new(engine);
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (engine, p) = (engine.clone(), p.to_string());
+            std::thread::spawn(move || engine.generate(&request(&p, greedy(16)), |_| true).unwrap().tokens)
+        })
+        .collect();
+    let got: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(got, expected);
+}
