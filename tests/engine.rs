@@ -134,3 +134,29 @@ fn one_engine_serves_four_threads_at_once() {
     let got: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     assert_eq!(got, expected);
 }
+
+#[test]
+fn streams_from_a_background_thread() {
+    use mlxcel_engine::{GenerationStream, StreamEvent};
+    let engine = default_engine();
+    let mut text = String::new();
+    let mut done = None;
+    for event in GenerationStream::start(&engine, request("The capital of France is", greedy(10))) {
+        match event {
+            StreamEvent::Piece { text: t, .. } => text.push_str(&t),
+            StreamEvent::Done(output) => done = Some(output),
+            StreamEvent::Failed(e) => panic!("{e}"),
+        }
+    }
+    let done = done.expect("a Done event");
+    assert_eq!(text, done.text);
+    assert!(text.starts_with(" Paris."));
+
+    // Dropping a stream cancels its generation.
+    let mut stream = GenerationStream::start(&engine, request("Count to a hundred:", greedy(200)));
+    let first = stream.next();
+    assert!(matches!(first, Some(StreamEvent::Piece { .. })), "{first:?}");
+    let flag = stream.cancel_flag().clone();
+    drop(stream);
+    assert!(flag.is_cancelled());
+}

@@ -16,8 +16,10 @@ mod error;
 mod generate;
 mod sampling;
 mod stop;
+mod stream;
 
 pub use error::{Error, Result};
 pub use generate::{CancelFlag, Engine, FinishReason, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt};
 pub use mlxcel_models::chat_template::Message;
 pub use sampling::SamplingParams;
+pub use stream::{GenerationStream, StreamEvent};

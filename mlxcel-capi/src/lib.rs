@@ -1,0 +1,1 @@
+//! The stable C ABI of mlxcel.
