@@ -352,6 +352,13 @@ rust::String tensor_file_meta_value(const TensorFile& f, size_t i) { return rust
 #ifdef MLXCEL_OPENBLAS
 extern "C" int openblas_get_num_threads(void);
 extern "C" void openblas_set_num_threads(int);
+
+// A load-time reference to OpenBLAS that --gc-sections cannot drop, so that
+// --as-needed keeps libopenblas in DT_NEEDED, ahead of libmlx: MLX's cblas
+// calls then resolve to OpenBLAS instead of the wheel's reference BLAS.
+__attribute__((constructor, used)) static void mlxcel_keep_openblas() {
+  (void)openblas_get_num_threads();
+}
 #endif
 
 namespace mlxcel {

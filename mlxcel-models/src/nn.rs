@@ -9,6 +9,9 @@ use crate::error::{Error, Result};
 use crate::quantization::QuantParams;
 use crate::weights::Scope;
 
+/// From this many rows on, quantized matmuls dequantize and run a dense GEMM.
+const DENSE_PREFILL_MIN_ROWS: usize = 16;
+
 /// Affine-quantized weight: packed `weight`, per-group `scales` and `biases`.
 #[derive(Clone)]
 pub struct QuantizedWeight {
@@ -36,9 +39,16 @@ impl QuantizedWeight {
         })
     }
 
-    /// `x @ W.T`
+    /// `x @ W.T`. Many rows (prefill) run as a dense GEMM on the dequantized
+    /// weight, which MLX hands to BLAS; few rows (decode) use the quantized
+    /// kernel, which reads 4-8x fewer bytes.
     fn matmul_t(&self, x: &Array) -> Result<Array> {
         let p = self.params;
+        let rows = x.size() / x.dim(-1).max(1) as usize;
+        if rows >= DENSE_PREFILL_MIN_ROWS {
+            let w = mlx_sys::dequantize(&self.weight, &self.scales, &self.biases, p.group_size, p.bits)?;
+            return Ok(x.matmul(&w.astype(x.dtype())?.transpose(&[1, 0])?)?);
+        }
         Ok(quantized_matmul(x, &self.weight, &self.scales, &self.biases, true, p.group_size, p.bits)?)
     }
 }
