@@ -216,3 +216,22 @@ fn links_openblas_on_linux() {
     }
     assert_eq!(mlx_sys::mlx_version(), mlx_sys::MLX_PIN);
 }
+
+#[test]
+fn streams_and_devices() {
+    use mlx_sys::{Device, Stream};
+    assert!(Device::Cpu.is_available().unwrap());
+    let stream = Stream::new(Device::Cpu).unwrap();
+    assert_eq!(stream.device(), Device::Cpu);
+    let previous = Stream::default_for(Device::Cpu).unwrap();
+    stream.set_default().unwrap();
+    let y = arr(&[1.0, 2.0], &[2]).mul_scalar(3.0).unwrap();
+    mlx_sys::async_eval([&y]).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(y.to_vec::<f32>().unwrap(), [3.0, 6.0]);
+    previous.set_default().unwrap();
+    // Without a GPU build, asking for the GPU is an error, not an abort.
+    if !Device::Gpu.is_available().unwrap() {
+        assert!(Stream::new(Device::Gpu).is_err());
+    }
+}
