@@ -21,7 +21,15 @@ struct Pin {
 }
 
 fn main() {
-    for path in ["cpp/shim.h", "cpp/shim.cc", "src/ffi.rs", "mlx-pin.txt", "cmake-probe/CMakeLists.txt"] {
+    for path in [
+        "cpp/shim.h",
+        "cpp/shim.cc",
+        "src/ffi.rs",
+        "mlx-pin.txt",
+        "cmake-probe/CMakeLists.txt",
+        "../kernels/quantized_matmul.h",
+        "../kernels/quantized_matmul.cc",
+    ] {
         println!("cargo:rerun-if-changed={path}");
     }
     for var in ["MLX_DIR", "MLXCEL_CACHE_DIR", "MLXCEL_BLAS", "PYTHON"] {
@@ -40,13 +48,18 @@ fn main() {
     if openblas_dir.is_some() {
         build.define("MLXCEL_OPENBLAS", None);
     }
+    // Our own compute kernels (../kernels) build with the shim. They pick
+    // AVX-512, AVX2 or a portable loop at run time (target attributes plus
+    // __builtin_cpu_supports), so no -march flag is needed or wanted here.
     build
         .file("cpp/shim.cc")
+        .file(manifest_dir.join("../kernels/quantized_matmul.cc"))
         .include(&install.include_dir)
+        .include(manifest_dir.join("../kernels"))
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
-        .opt_level(2)
+        .opt_level(3)
         .compile("mlxcel_mlx_shim");
 
     let lib_dir = install.lib_dir.display().to_string();

@@ -4,6 +4,8 @@
 #include <stdexcept>
 
 #include "mlx-sys/src/ffi.rs.h"
+#include "mlx/primitives.h"
+#include "quantized_matmul.h"
 
 namespace mx = mlx::core;
 
@@ -375,5 +377,31 @@ void set_blas_threads(int32_t threads) {
 #else
   (void)threads;
 #endif
+}
+}  // namespace mlxcel
+
+namespace mlxcel {
+namespace {
+kernels::Path to_path(int32_t path) {
+  switch (path) {
+    case -1: return kernels::Path::Auto;
+    case 0: return kernels::Path::Portable;
+    case 1: return kernels::Path::Avx2;
+    case 2: return kernels::Path::Avx512;
+  }
+  throw std::invalid_argument("unknown kernel path " + std::to_string(path));
+}
+}  // namespace
+
+ArrayPtr kernels_quantized_matmul(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path) {
+  return wrap(kernels::quantized_matmul(x, w, scales, biases, group_size, bits, to_path(path)));
+}
+rust::String kernels_path_name(int32_t path) {
+  return rust::String(kernels::path_name(kernels::resolve_path(to_path(path))));
+}
+int32_t kernels_num_threads() { return kernels::num_threads(); }
+bool kernels_supports(int32_t group_size, int32_t bits) { return kernels::supports(group_size, bits); }
+rust::String array_primitive_name(const array& a) {
+  return rust::String(a.has_primitive() ? a.primitive().name() : "");
 }
 }  // namespace mlxcel

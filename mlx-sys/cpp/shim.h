@@ -184,3 +184,13 @@ namespace mlxcel {
 int32_t blas_threads();
 void set_blas_threads(int32_t threads);
 }  // namespace mlxcel
+
+namespace mlxcel {
+// mlxcel's own CPU kernels (../kernels). `path`: -1 auto, 0 portable, 1 avx2, 2 avx512.
+ArrayPtr kernels_quantized_matmul(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path);
+rust::String kernels_path_name(int32_t path);
+int32_t kernels_num_threads();
+bool kernels_supports(int32_t group_size, int32_t bits);
+// The name of the op that computes an unevaluated array ("" for a leaf).
+rust::String array_primitive_name(const array& a);
+}  // namespace mlxcel

@@ -144,6 +144,12 @@ mod bridge {
         fn tensor_file_array(file: &TensorFile, index: usize) -> Result<UniquePtr<MlxArray>>;
         fn tensor_file_meta_len(file: &TensorFile) -> usize;
         fn tensor_file_meta_key(file: &TensorFile, index: usize) -> Result<String>;
-        fn tensor_file_meta_value(file: &TensorFile, index: usize) -> Result<String>;    }
+        fn tensor_file_meta_value(file: &TensorFile, index: usize) -> Result<String>;
+        fn kernels_quantized_matmul(x: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, path: i32) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_path_name(path: i32) -> Result<String>;
+        fn kernels_num_threads() -> i32;
+        fn kernels_supports(group_size: i32, bits: i32) -> bool;
+        fn array_primitive_name(a: &MlxArray) -> String;
+    }
 }
 pub(crate) use bridge::*;

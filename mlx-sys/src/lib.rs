@@ -14,6 +14,7 @@ mod error;
 mod ffi;
 pub mod fast;
 pub mod io;
+pub mod kernels;
 pub mod memory;
 mod ops;
 pub mod random;

@@ -1,1 +1,1074 @@
-//! The stable C ABI of mlxcel.
+//! The stable C ABI of mlxcel: `libmlxcel.{so,a}` and `include/mlxcel.h`
+//! (generated from this crate by cbindgen; `tests/header.rs` fails when the
+//! committed header drifts from the code).
+//!
+//! Conventions (see docs/c-api.md):
+//! - every fallible function returns an `mlxcel_status` and records a message
+//!   for `mlxcel_last_error`;
+//! - strings are NUL-terminated UTF-8; output goes into caller buffers with
+//!   snprintf semantics, and the needed size comes back through an out-parameter;
+//! - handles are opaque values checked against a registry of live handles, so
+//!   NULL, garbage, double frees and use after free are errors, not crashes;
+//! - no panic crosses the boundary.
+
+#![allow(non_camel_case_types)]
+#![allow(clippy::missing_safety_doc)]
+
+mod handles;
+mod status;
+
+use std::ffi::{c_char, c_void, CStr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use mlxcel_engine::{
+    CancelFlag, Engine, FinishReason, GenerationRequest, Message, Prompt, SamplingParams,
+};
+use mlxcel_models::Model;
+
+use handles::Registry;
+use status::*;
+pub use status::{mlxcel_status, mlxcel_status_code};
+
+/// The major version of the ABI this header describes. It changes when a
+/// function's signature or a struct's layout changes incompatibly; a program
+/// must only run against a library with the same major version.
+pub const MLXCEL_ABI_VERSION_MAJOR: u32 = 1;
+/// The minor version of the ABI: it grows when functions or constants are
+/// added; a program built against minor N runs against any library of the
+/// same major version and minor >= N.
+pub const MLXCEL_ABI_VERSION_MINOR: u32 = 0;
+
+/// The values of `mlxcel_generation_result.finish_reason` (an `int32_t`).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum mlxcel_finish_reason {
+    /// An end-of-sequence token or a stop string.
+    MLXCEL_FINISH_STOP = 0,
+    /// `max_tokens` were generated.
+    MLXCEL_FINISH_LENGTH = 1,
+    /// `mlxcel_cancel` (or freeing the context) stopped the run.
+    MLXCEL_FINISH_CANCELLED = 2,
+    /// The streaming callback returned false.
+    MLXCEL_FINISH_CALLBACK = 3,
+    /// The call failed (see its status); any text is partial.
+    MLXCEL_FINISH_ERROR = 4,
+}
+
+const MLXCEL_FINISH_STOP: i32 = mlxcel_finish_reason::MLXCEL_FINISH_STOP as i32;
+const MLXCEL_FINISH_LENGTH: i32 = mlxcel_finish_reason::MLXCEL_FINISH_LENGTH as i32;
+const MLXCEL_FINISH_CANCELLED: i32 = mlxcel_finish_reason::MLXCEL_FINISH_CANCELLED as i32;
+const MLXCEL_FINISH_CALLBACK: i32 = mlxcel_finish_reason::MLXCEL_FINISH_CALLBACK as i32;
+const MLXCEL_FINISH_ERROR: i32 = mlxcel_finish_reason::MLXCEL_FINISH_ERROR as i32;
+
+/// A loaded model: weights, tokenizer and chat template. Opaque.
+///
+/// A model is immutable once loaded and may be used by any number of threads
+/// at once (tokenize, detokenize, chat templates, and one generation per
+/// context). Handles are opaque values, not pointers to readable memory.
+pub struct mlxcel_model {
+    _opaque: [u8; 0],
+}
+
+/// A generation context on a model: runs one generation at a time, can be
+/// cancelled from any thread, and keeps the text and tokens of its last run.
+/// Opaque; create one per thread that generates.
+pub struct mlxcel_context {
+    _opaque: [u8; 0],
+}
+
+/// Called with each piece of generated text as soon as it is complete UTF-8.
+///
+/// `text` is NUL-terminated and `len` bytes long (without the NUL); it is
+/// valid only during the call. `token` is the id of the token that completed
+/// the piece. `user_data` is the pointer given to the generate call. Return
+/// true to continue, false to stop (the call then returns `MLXCEL_CANCELLED`
+/// with `finish_reason` `MLXCEL_FINISH_CALLBACK`).
+///
+/// It runs on the thread that called the generate function. It must not
+/// unwind (C++ exceptions, longjmp) through mlxcel, and must not call
+/// `mlxcel_context_free` or a generate function on the same context (use
+/// `mlxcel_cancel` or return false instead).
+pub type mlxcel_piece_callback = Option<
+    unsafe extern "C" fn(
+        text: *const c_char,
+        len: usize,
+        token: i32,
+        user_data: *mut c_void,
+    ) -> bool,
+>;
+
+/// How to load a model. Get the defaults from `mlxcel_model_default_params()`
+/// and change the fields you need.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct mlxcel_model_params {
+    /// A checkpoint directory (MLX / Hugging Face layout), NUL-terminated. NULL
+    /// means the default model (SmolLM2-135M-Instruct), downloaded and converted
+    /// into `$MLXCEL_CACHE_DIR` (else `~/.cache/mlxcel`) on first use. Only
+    /// read during `mlxcel_model_load`.
+    pub path: *const c_char,
+}
+
+/// How to generate. Get the defaults from `mlxcel_generate_default_params()`
+/// and change the fields you need. Only read during the generate call.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct mlxcel_generate_params {
+    /// The most tokens to generate, >= 1 (default 256).
+    pub max_tokens: i32,
+    /// 0 is greedy (argmax), the default; otherwise > 0.
+    pub temperature: f32,
+    /// Nucleus sampling: in (0, 1], 1 = off (default).
+    pub top_p: f32,
+    /// Keep the k most likely tokens: >= 0, 0 = off (default).
+    pub top_k: i32,
+    /// Drop tokens less likely than min_p × the most likely: [0, 1], 0 = off (default).
+    pub min_p: f32,
+    /// > 0, 1 = off (default).
+    pub repetition_penalty: f32,
+    /// How many recent tokens the repetition penalty looks at, >= 0 (default 20).
+    pub repetition_context_size: i32,
+    /// Prompt tokens evaluated per forward pass, >= 1 (default 64).
+    /// Cancellation is checked between chunks, so smaller chunks cancel sooner.
+    pub prefill_chunk: i32,
+    /// The sampling seed, used when `has_seed` is true.
+    pub seed: u64,
+    /// `n_stop` NUL-terminated UTF-8 strings; generation stops before the
+    /// first occurrence of any of them (it is not part of the output).
+    /// May be NULL when `n_stop` is 0.
+    pub stop: *const *const c_char,
+    pub n_stop: usize,
+    /// With false (default) the seed is drawn from the clock.
+    pub has_seed: bool,
+}
+
+/// What a generate call produced, besides the text.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct mlxcel_generation_result {
+    /// One of the `MLXCEL_FINISH_*` values.
+    pub finish_reason: i32,
+    /// Tokens in the prompt (after the chat template and special tokens).
+    pub prompt_tokens: usize,
+    /// Tokens generated, including an end-of-sequence token.
+    pub generated_tokens: usize,
+    /// The length in bytes of the whole generated text (without the NUL):
+    /// when it is >= `out_cap` the text in `out` was truncated; the whole text
+    /// is available from `mlxcel_context_text`.
+    pub text_len: usize,
+    /// Prefill time, up to and including the first generated token.
+    pub prompt_seconds: f64,
+    /// From the first generated token to the last.
+    pub decode_seconds: f64,
+    /// MLX's peak memory use during the run.
+    pub peak_memory_bytes: u64,
+}
+
+/// A summary of a loaded model. Strings are NUL-terminated (truncated if
+/// they do not fit); `mlxcel_model_info_json` has the full details.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct mlxcel_model_info {
+    /// The architecture (`model_type` in config.json), e.g. "llama".
+    pub architecture: [c_char; 32],
+    /// The compute dtype of activations and the KV cache, e.g. "float16".
+    pub dtype: [c_char; 16],
+    /// The tokenizer's kind, e.g. "BPE (byte-level)".
+    pub tokenizer_kind: [c_char; 32],
+    /// Parameters (quantized weights count as their unpacked size).
+    pub parameters: u64,
+    /// Bytes of the weights as stored (quantized weights with their scales).
+    pub weight_bytes: u64,
+    pub num_layers: u32,
+    pub hidden_size: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    /// Rows of the output layer (token ids are below this).
+    pub vocab_size: u32,
+    /// Tokens the tokenizer knows, including added tokens.
+    pub tokenizer_vocab_size: u32,
+    /// The longest prompt, in tokens; 0 when the checkpoint does not say.
+    pub context_length: u32,
+    /// The quantization of most parameters: bits per weight (0 = not quantized).
+    pub quant_bits: u32,
+    /// The quantization group size (0 = not quantized).
+    pub quant_group_size: u32,
+    /// Stored weight bits per parameter, over the whole model.
+    pub bits_per_weight: f64,
+}
+
+// ---------------------------------------------------------------------------
+// Internals
+
+struct ContextInner {
+    engine: Engine,
+    running: AtomicBool,
+    /// The flag of the current run, or of the next one; replaced by a fresh
+    /// one when a run ends.
+    cancel: Mutex<CancelFlag>,
+    last: Mutex<(String, Vec<u32>)>,
+}
+
+static MODELS: Registry<Model> = Registry::new(1, "model");
+static CONTEXTS: Registry<ContextInner> = Registry::new(2, "context");
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+unsafe fn c_str<'a>(ptr: *const c_char, name: &str) -> CResult<&'a str> {
+    if ptr.is_null() {
+        return Err(CError::null(name));
+    }
+    CStr::from_ptr(ptr).to_str().map_err(|e| {
+        CError::new(
+            MLXCEL_ERR_INVALID_UTF8,
+            format!("`{name}` is not valid UTF-8 (at byte {})", e.valid_up_to()),
+        )
+    })
+}
+
+/// `n` C strings from an array that may be NULL only when `n` is 0.
+unsafe fn c_str_array(ptr: *const *const c_char, n: usize, name: &str) -> CResult<Vec<String>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if ptr.is_null() {
+        return Err(CError::null(name));
+    }
+    (0..n)
+        .map(|i| c_str(*ptr.add(i), &format!("{name}[{i}]")).map(str::to_owned))
+        .collect()
+}
+
+unsafe fn messages(
+    roles: *const *const c_char,
+    contents: *const *const c_char,
+    n: usize,
+) -> CResult<Vec<Message>> {
+    let roles = c_str_array(roles, n, "roles")?;
+    let contents = c_str_array(contents, n, "contents")?;
+    Ok(roles
+        .into_iter()
+        .zip(contents)
+        .map(|(r, c)| Message::new(r, c))
+        .collect())
+}
+
+/// Checks that a buffer of `cap` elements is usable: NULL only when `cap` is 0.
+fn check_buffer<T>(out: *const T, cap: usize, name: &str) -> CResult<()> {
+    if out.is_null() && cap > 0 {
+        return Err(CError::null(name));
+    }
+    Ok(())
+}
+
+/// The longest prefix of `s` that fits in `cap - 1` bytes and ends on a
+/// character boundary, then a NUL. Returns whether all of `s` fit.
+unsafe fn write_str(s: &str, out: *mut c_char, cap: usize) -> bool {
+    if cap == 0 || out.is_null() {
+        return s.is_empty() && cap > 0;
+    }
+    let mut n = s.len().min(cap - 1);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    std::ptr::copy_nonoverlapping(s.as_ptr(), out as *mut u8, n);
+    *out.add(n) = 0;
+    n == s.len()
+}
+
+/// snprintf-style output of a string: `*needed` (if not NULL) gets `s.len()`.
+unsafe fn output_str(
+    s: &str,
+    out: *mut c_char,
+    cap: usize,
+    needed: *mut usize,
+) -> CResult<mlxcel_status> {
+    if !needed.is_null() {
+        *needed = s.len();
+    }
+    if write_str(s, out, cap) {
+        Ok(MLXCEL_OK)
+    } else {
+        Err(CError::new(
+            MLXCEL_ERR_BUFFER_TOO_SMALL,
+            format!(
+                "the output needs {} bytes plus the NUL; the buffer has {cap}",
+                s.len()
+            ),
+        ))
+    }
+}
+
+/// Writes up to `cap` tokens; `*n_tokens` gets the count.
+unsafe fn output_tokens(
+    ids: &[u32],
+    out: *mut i32,
+    cap: usize,
+    n_tokens: *mut usize,
+) -> CResult<mlxcel_status> {
+    *n_tokens = ids.len();
+    for (i, &id) in ids.iter().take(cap).enumerate() {
+        *out.add(i) = id as i32;
+    }
+    if ids.len() <= cap {
+        Ok(MLXCEL_OK)
+    } else {
+        Err(CError::new(
+            MLXCEL_ERR_BUFFER_TOO_SMALL,
+            format!(
+                "the output needs room for {} tokens; the buffer has {cap}",
+                ids.len()
+            ),
+        ))
+    }
+}
+
+unsafe fn token_ids(tokens: *const i32, n: usize, vocab: usize) -> CResult<Vec<u32>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if tokens.is_null() {
+        return Err(CError::null("tokens"));
+    }
+    std::slice::from_raw_parts(tokens, n)
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            if t < 0 || t as usize >= vocab {
+                Err(CError::invalid(
+                    "tokens",
+                    format!("tokens[{i}] = {t} is outside the vocabulary of {vocab}"),
+                ))
+            } else {
+                Ok(t as u32)
+            }
+        })
+        .collect()
+}
+
+fn model_vocab(model: &Model) -> usize {
+    model
+        .info
+        .shape
+        .vocab_size
+        .max(model.tokenizer.vocab_size())
+}
+
+unsafe fn sampling_params(p: &mlxcel_generate_params) -> CResult<(SamplingParams, usize)> {
+    let non_negative = |v: i32, name: &str| -> CResult<usize> {
+        usize::try_from(v).map_err(|_| CError::invalid(name, format!("must be >= 0, got {v}")))
+    };
+    if p.max_tokens < 1 {
+        return Err(CError::invalid(
+            "max_tokens",
+            format!("must be at least 1, got {}", p.max_tokens),
+        ));
+    }
+    if p.prefill_chunk < 1 {
+        return Err(CError::invalid(
+            "prefill_chunk",
+            format!("must be at least 1, got {}", p.prefill_chunk),
+        ));
+    }
+    let params = SamplingParams {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: non_negative(p.top_k, "top_k")? as u32,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        repetition_context_size: non_negative(
+            p.repetition_context_size,
+            "repetition_context_size",
+        )?,
+        seed: p.has_seed.then_some(p.seed),
+        max_tokens: p.max_tokens as usize,
+        stop: c_str_array(p.stop, p.n_stop, "stop")?,
+    };
+    params.validate()?;
+    Ok((params, p.prefill_chunk as usize))
+}
+
+/// Clears the context's busy flag however the run ends.
+struct RunGuard<'a>(&'a AtomicBool);
+
+impl Drop for RunGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+fn empty_result() -> mlxcel_generation_result {
+    mlxcel_generation_result {
+        finish_reason: MLXCEL_FINISH_ERROR,
+        prompt_tokens: 0,
+        generated_tokens: 0,
+        text_len: 0,
+        prompt_seconds: 0.0,
+        decode_seconds: 0.0,
+        peak_memory_bytes: 0,
+    }
+}
+
+/// The body shared by the three generate functions. `prompt` converts the
+/// caller's prompt arguments once the context is known.
+#[allow(clippy::too_many_arguments)]
+unsafe fn generate_with(
+    ctx: *mut mlxcel_context,
+    prompt: impl FnOnce(&Model) -> CResult<Prompt>,
+    params: &mlxcel_generate_params,
+    callback: mlxcel_piece_callback,
+    user_data: *mut c_void,
+    out: *mut c_char,
+    out_cap: usize,
+    result: *mut mlxcel_generation_result,
+) -> mlxcel_status {
+    if !result.is_null() {
+        *result = empty_result();
+    }
+    if !out.is_null() && out_cap > 0 {
+        *out = 0;
+    }
+    guard(|| {
+        let ctx = CONTEXTS.get(ctx as usize)?;
+        check_buffer(out, out_cap, "out")?;
+        let (sampling, prefill_chunk) = sampling_params(params)?;
+        let prompt = prompt(ctx.engine.model())?;
+        if ctx.running.swap(true, Ordering::AcqRel) {
+            return Err(CError::new(
+                MLXCEL_ERR_BUSY,
+                "this context is already generating on another thread",
+            ));
+        }
+        let _running = RunGuard(&ctx.running);
+        let cancel = lock(&ctx.cancel).clone();
+        let request = GenerationRequest {
+            prompt,
+            params: sampling,
+            prefill_chunk,
+            cancel: Some(cancel),
+        };
+
+        let mut text = String::new();
+        let mut piece_buf: Vec<u8> = Vec::new();
+        let mut stopped_by_callback = false;
+        let outcome = ctx.engine.generate(&request, |piece| {
+            text.push_str(piece.text);
+            let Some(cb) = callback else { return true };
+            piece_buf.clear();
+            piece_buf.extend_from_slice(piece.text.as_bytes());
+            piece_buf.push(0);
+            let go_on = cb(
+                piece_buf.as_ptr() as *const c_char,
+                piece.text.len(),
+                piece.token as i32,
+                user_data,
+            );
+            stopped_by_callback |= !go_on;
+            go_on
+        });
+        // A cancel that arrived during this run is spent; later ones apply to the next run.
+        *lock(&ctx.cancel) = CancelFlag::new();
+
+        let mut res = empty_result();
+        res.text_len = text.len();
+        write_str(&text, out, out_cap);
+        let status = match outcome {
+            Ok(output) => {
+                let stats = &output.stats;
+                res.prompt_tokens = stats.prompt_tokens;
+                res.generated_tokens = stats.generated_tokens;
+                res.prompt_seconds = stats.prompt_time.as_secs_f64();
+                res.decode_seconds = stats.decode_time.as_secs_f64();
+                res.peak_memory_bytes = stats.peak_memory_bytes as u64;
+                let (finish, status) = match output.finish_reason {
+                    FinishReason::Stop => (MLXCEL_FINISH_STOP, Ok(MLXCEL_OK)),
+                    FinishReason::Length => (MLXCEL_FINISH_LENGTH, Ok(MLXCEL_OK)),
+                    FinishReason::Cancelled if stopped_by_callback => {
+                        (MLXCEL_FINISH_CALLBACK, Ok(MLXCEL_CANCELLED))
+                    }
+                    FinishReason::Cancelled => (MLXCEL_FINISH_CANCELLED, Ok(MLXCEL_CANCELLED)),
+                };
+                res.finish_reason = finish;
+                *lock(&ctx.last) = (text, output.tokens);
+                status
+            }
+            Err(e) => {
+                *lock(&ctx.last) = (text, Vec::new());
+                Err(CError::from(e))
+            }
+        };
+        if !result.is_null() {
+            *result = res;
+        }
+        status
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Version and errors
+
+/// The library's version, e.g. "0.1.0". A static string; never free it.
+/// Thread-safe.
+#[no_mangle]
+pub extern "C" fn mlxcel_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
+}
+
+/// The ABI version of the library: `(MAJOR << 16) | MINOR`. Compare it with
+/// `MLXCEL_ABI_VERSION_MAJOR` / `MLXCEL_ABI_VERSION_MINOR` from the header
+/// the program was built with. Thread-safe.
+#[no_mangle]
+pub extern "C" fn mlxcel_abi_version() -> u32 {
+    (MLXCEL_ABI_VERSION_MAJOR << 16) | MLXCEL_ABI_VERSION_MINOR
+}
+
+/// The message of the most recent failed call on this thread ("" if none).
+/// Owned by the library and thread-local: valid until the next mlxcel call
+/// on this thread; copy it to keep it. Never NULL. Successful calls leave it
+/// unchanged.
+#[no_mangle]
+pub extern "C" fn mlxcel_last_error() -> *const c_char {
+    std::panic::catch_unwind(status::last_error_ptr).unwrap_or(c"".as_ptr())
+}
+
+/// A short static description of a status code (e.g. "invalid handle");
+/// "unknown status" for values that are not statuses. Never free it.
+/// Thread-safe.
+#[no_mangle]
+pub extern "C" fn mlxcel_status_string(status: mlxcel_status) -> *const c_char {
+    status::status_name(status).as_ptr() as *const c_char
+}
+
+// ---------------------------------------------------------------------------
+// Models
+
+/// The default model parameters: `path` NULL (the default model).
+#[no_mangle]
+pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
+    mlxcel_model_params {
+        path: std::ptr::null(),
+    }
+}
+
+/// Loads a model. On success stores a new handle in `*out_model`; free it
+/// with `mlxcel_model_free`.
+///
+/// Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
+/// `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
+/// On failure `*out_model` is set to NULL (if out_model is not NULL) and
+/// nothing is allocated. May take seconds (and download the default model on
+/// first use). Thread-safe: several threads may load models at once.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_model_load(
+    params: mlxcel_model_params,
+    out_model: *mut *mut mlxcel_model,
+) -> mlxcel_status {
+    guard(|| {
+        if out_model.is_null() {
+            return Err(CError::null("out_model"));
+        }
+        *out_model = std::ptr::null_mut();
+        let dir = if params.path.is_null() {
+            mlxcel_models::default_model::default_model_dir().map_err(|e| {
+                CError::new(MLXCEL_ERR_MODEL_LOAD, format!("the default model: {e}"))
+            })?
+        } else {
+            path_from_c(params.path)
+        };
+        let model =
+            Model::load(&dir).map_err(|e| CError::new(MLXCEL_ERR_MODEL_LOAD, e.to_string()))?;
+        *out_model = MODELS.insert(Arc::new(model)) as *mut mlxcel_model;
+        Ok(MLXCEL_OK)
+    })
+}
+
+#[cfg(unix)]
+unsafe fn path_from_c(path: *const c_char) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    PathBuf::from(std::ffi::OsStr::from_bytes(CStr::from_ptr(path).to_bytes()))
+}
+
+#[cfg(not(unix))]
+unsafe fn path_from_c(path: *const c_char) -> PathBuf {
+    PathBuf::from(CStr::from_ptr(path).to_string_lossy().into_owned())
+}
+
+/// Releases the caller's handle to a model. The handle is invalid afterwards
+/// (using or freeing it again gives `MLXCEL_ERR_INVALID_HANDLE`). Contexts
+/// created from the model and calls still running on it keep the model alive
+/// until they end. NULL is a no-op returning `MLXCEL_OK`. Thread-safe.
+#[no_mangle]
+pub extern "C" fn mlxcel_model_free(model: *mut mlxcel_model) -> mlxcel_status {
+    guard(|| {
+        if model.is_null() {
+            return Ok(MLXCEL_OK);
+        }
+        MODELS.remove(model as usize)?;
+        Ok(MLXCEL_OK)
+    })
+}
+
+fn fill_c_chars(dst: &mut [c_char], s: &str) {
+    let n = s.len().min(dst.len() - 1);
+    for (d, &b) in dst.iter_mut().zip(&s.as_bytes()[..n]) {
+        *d = b as c_char;
+    }
+    dst[n] = 0;
+}
+
+/// The quantization covering most parameters.
+fn main_quantization(model: &Model) -> Option<mlxcel_models::quantization::QuantParams> {
+    let mut by_params: Vec<(u64, Option<mlxcel_models::quantization::QuantParams>)> = Vec::new();
+    for g in &model.info.groups {
+        match by_params.iter_mut().find(|(_, q)| *q == g.quantization) {
+            Some(entry) => entry.0 += g.parameters,
+            None => by_params.push((g.parameters, g.quantization)),
+        }
+    }
+    by_params
+        .into_iter()
+        .max_by_key(|(p, _)| *p)
+        .and_then(|(_, q)| q)
+}
+
+/// Fills `*out_info` with a summary of the model. Fails with
+/// `MLXCEL_ERR_NULL_POINTER` or `MLXCEL_ERR_INVALID_HANDLE`, leaving
+/// `*out_info` unchanged. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_model_get_info(
+    model: *const mlxcel_model,
+    out_info: *mut mlxcel_model_info,
+) -> mlxcel_status {
+    guard(|| {
+        let model = MODELS.get(model as usize)?;
+        if out_info.is_null() {
+            return Err(CError::null("out_info"));
+        }
+        let info = &model.info;
+        let shape = &info.shape;
+        let quant = main_quantization(&model);
+        let mut out = mlxcel_model_info {
+            architecture: [0; 32],
+            dtype: [0; 16],
+            tokenizer_kind: [0; 32],
+            parameters: info.parameters,
+            weight_bytes: info.weight_bytes,
+            num_layers: shape.num_layers as u32,
+            hidden_size: shape.hidden_size as u32,
+            num_kv_heads: shape.kv_heads as u32,
+            head_dim: shape.head_dim as u32,
+            vocab_size: shape.vocab_size as u32,
+            tokenizer_vocab_size: model.tokenizer.vocab_size() as u32,
+            context_length: shape.max_position_embeddings.unwrap_or(0) as u32,
+            quant_bits: quant.map_or(0, |q| q.bits as u32),
+            quant_group_size: quant.map_or(0, |q| q.group_size as u32),
+            bits_per_weight: if info.parameters > 0 {
+                info.weight_bytes as f64 * 8.0 / info.parameters as f64
+            } else {
+                0.0
+            },
+        };
+        fill_c_chars(&mut out.architecture, &info.model_type);
+        fill_c_chars(&mut out.dtype, shape.dtype.name());
+        fill_c_chars(&mut out.tokenizer_kind, &model.tokenizer.kind().to_string());
+        *out_info = out;
+        Ok(MLXCEL_OK)
+    })
+}
+
+/// Writes a JSON description of the model (architecture, shape, parameters,
+/// weight bytes, the quantization of every module group, tokenizer, special
+/// tokens, chat templates, directory) into `out` (snprintf-style: at most
+/// `out_cap` bytes including the NUL; `out` may be NULL when `out_cap` is 0).
+/// `*needed` (if `needed` is not NULL) gets the full length without the NUL.
+/// Returns `MLXCEL_ERR_BUFFER_TOO_SMALL` when it did not fit (the buffer then
+/// holds a truncated prefix). Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_model_info_json(
+    model: *const mlxcel_model,
+    out: *mut c_char,
+    out_cap: usize,
+    needed: *mut usize,
+) -> mlxcel_status {
+    guard(|| {
+        let model = MODELS.get(model as usize)?;
+        check_buffer(out, out_cap, "out")?;
+        let info = &model.info;
+        let shape = &info.shape;
+        let tok = &model.tokenizer;
+        let groups: Vec<_> = info
+            .groups
+            .iter()
+            .map(|g| {
+                serde_json::json!({
+                    "name": g.name,
+                    "count": g.count,
+                    "dtype": g.dtype.name(),
+                    "parameters": g.parameters,
+                    "quantization": g.quantization.map(|q| serde_json::json!({"bits": q.bits, "group_size": q.group_size})),
+                })
+            })
+            .collect();
+        let json = serde_json::json!({
+            "architecture": info.model_type,
+            "directory": model.dir.display().to_string(),
+            "parameters": info.parameters,
+            "weight_bytes": info.weight_bytes,
+            "dtype": shape.dtype.name(),
+            "num_layers": shape.num_layers,
+            "hidden_size": shape.hidden_size,
+            "num_kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "vocab_size": shape.vocab_size,
+            "context_length": shape.max_position_embeddings,
+            "kv_bytes_per_token": shape.kv_bytes_per_token(),
+            "groups": groups,
+            "tokenizer": {
+                "kind": tok.kind().to_string(),
+                "vocab_size": tok.vocab_size(),
+                "bos_token": tok.bos_token(),
+                "eos_token": tok.eos_token(),
+                "eos_token_ids": tok.eos_token_ids(),
+                "chat_templates": tok.chat_template_names().collect::<Vec<_>>(),
+            },
+        });
+        output_str(&json.to_string(), out, out_cap, needed)
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Tokenizer and chat template
+
+/// Tokenizes NUL-terminated UTF-8 `text`. With `add_special` the tokenizer's
+/// special tokens (e.g. BOS) are added as for a text prompt.
+///
+/// Writes up to `out_cap` token ids to `out` (NULL allowed when `out_cap` is
+/// 0) and stores the full count in `*n_tokens` (required). Returns
+/// `MLXCEL_ERR_BUFFER_TOO_SMALL` when the count exceeds `out_cap` (the first
+/// `out_cap` ids are written): call again with a buffer of `*n_tokens`.
+/// Other errors: NULL_POINTER, INVALID_UTF8, INVALID_HANDLE, TOKENIZER; then
+/// `out` and `*n_tokens` are unspecified. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_tokenize(
+    model: *const mlxcel_model,
+    text: *const c_char,
+    add_special: bool,
+    out: *mut i32,
+    out_cap: usize,
+    n_tokens: *mut usize,
+) -> mlxcel_status {
+    guard(|| {
+        let model = MODELS.get(model as usize)?;
+        let text = c_str(text, "text")?;
+        check_buffer(out, out_cap, "out")?;
+        if n_tokens.is_null() {
+            return Err(CError::null("n_tokens"));
+        }
+        let ids = model.tokenizer.encode(text, add_special)?;
+        output_tokens(&ids, out, out_cap, n_tokens)
+    })
+}
+
+/// Turns `n_tokens` token ids into text (with `skip_special`, special tokens
+/// such as EOS are left out). `tokens` may be NULL when `n_tokens` is 0; an id
+/// outside the vocabulary is `MLXCEL_ERR_INVALID_ARGUMENT`.
+///
+/// Output is snprintf-style: at most `out_cap` bytes including the NUL (`out`
+/// may be NULL when `out_cap` is 0); `*needed` (if not NULL) gets the full
+/// length without the NUL; `MLXCEL_ERR_BUFFER_TOO_SMALL` when it did not fit
+/// (the buffer then holds a prefix cut at a UTF-8 character boundary).
+/// Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_detokenize(
+    model: *const mlxcel_model,
+    tokens: *const i32,
+    n_tokens: usize,
+    skip_special: bool,
+    out: *mut c_char,
+    out_cap: usize,
+    needed: *mut usize,
+) -> mlxcel_status {
+    guard(|| {
+        let model = MODELS.get(model as usize)?;
+        check_buffer(out, out_cap, "out")?;
+        let ids = token_ids(tokens, n_tokens, model_vocab(&model))?;
+        let text = model.tokenizer.decode(&ids, skip_special)?;
+        output_str(&text, out, out_cap, needed)
+    })
+}
+
+/// Renders `n_messages` messages (parallel arrays of NUL-terminated UTF-8
+/// roles such as "system", "user", "assistant", and contents) with the
+/// model's chat template; with `add_generation_prompt` the assistant turn's
+/// opening is appended. The arrays may be NULL when `n_messages` is 0.
+///
+/// Output is snprintf-style as for `mlxcel_detokenize`. Fails with
+/// `MLXCEL_ERR_TOKENIZER` when the model has no chat template or it fails to
+/// render. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_apply_chat_template(
+    model: *const mlxcel_model,
+    roles: *const *const c_char,
+    contents: *const *const c_char,
+    n_messages: usize,
+    add_generation_prompt: bool,
+    out: *mut c_char,
+    out_cap: usize,
+    needed: *mut usize,
+) -> mlxcel_status {
+    guard(|| {
+        let model = MODELS.get(model as usize)?;
+        check_buffer(out, out_cap, "out")?;
+        let messages = messages(roles, contents, n_messages)?;
+        let text = model
+            .tokenizer
+            .apply_chat_template(&messages, add_generation_prompt)?;
+        output_str(&text, out, out_cap, needed)
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Contexts and generation
+
+/// Creates a generation context on `model` and stores its handle in
+/// `*out_ctx`; free it with `mlxcel_context_free`. The context keeps the
+/// model alive (the model handle may be freed first). Cheap: the KV cache is
+/// allocated per run. On failure (NULL_POINTER, INVALID_HANDLE) `*out_ctx` is
+/// set to NULL when out_ctx is not NULL. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_context_new(
+    model: *const mlxcel_model,
+    out_ctx: *mut *mut mlxcel_context,
+) -> mlxcel_status {
+    guard(|| {
+        if out_ctx.is_null() {
+            return Err(CError::null("out_ctx"));
+        }
+        *out_ctx = std::ptr::null_mut();
+        let model = MODELS.get(model as usize)?;
+        let inner = ContextInner {
+            engine: Engine::new(model),
+            running: AtomicBool::new(false),
+            cancel: Mutex::new(CancelFlag::new()),
+            last: Mutex::new((String::new(), Vec::new())),
+        };
+        *out_ctx = CONTEXTS.insert(Arc::new(inner)) as *mut mlxcel_context;
+        Ok(MLXCEL_OK)
+    })
+}
+
+/// Releases a context. The handle is invalid afterwards (using or freeing it
+/// again gives `MLXCEL_ERR_INVALID_HANDLE`). A generation running on it in
+/// another thread is cancelled and returns normally (`MLXCEL_CANCELLED`)
+/// before the memory is released. NULL is a no-op returning `MLXCEL_OK`.
+/// Thread-safe.
+#[no_mangle]
+pub extern "C" fn mlxcel_context_free(ctx: *mut mlxcel_context) -> mlxcel_status {
+    guard(|| {
+        if ctx.is_null() {
+            return Ok(MLXCEL_OK);
+        }
+        let inner = CONTEXTS.remove(ctx as usize)?;
+        lock(&inner.cancel).cancel();
+        Ok(MLXCEL_OK)
+    })
+}
+
+/// The default generation parameters: greedy, 256 tokens, no filters, no
+/// repetition penalty (context 20), prefill chunks of 64 tokens, no stop
+/// strings, seed from the clock.
+#[no_mangle]
+pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
+    let d = SamplingParams::default();
+    mlxcel_generate_params {
+        max_tokens: d.max_tokens as i32,
+        temperature: d.temperature,
+        top_p: d.top_p,
+        top_k: d.top_k as i32,
+        min_p: d.min_p,
+        repetition_penalty: d.repetition_penalty,
+        repetition_context_size: d.repetition_context_size as i32,
+        prefill_chunk: 64,
+        seed: 0,
+        stop: std::ptr::null(),
+        n_stop: 0,
+        has_seed: false,
+    }
+}
+
+/// Generates a continuation of the NUL-terminated UTF-8 `prompt` (tokenized
+/// with the model's special tokens, e.g. BOS) on `ctx`.
+///
+/// - `callback` (may be NULL) receives each piece of text as it is
+///   generated, with `user_data`; returning false stops the run.
+/// - `out` (may be NULL when `out_cap` is 0) receives the whole generated
+///   text, NUL-terminated, truncated to `out_cap - 1` bytes at a UTF-8
+///   character boundary; truncation is not an error (see
+///   `result->text_len`, and `mlxcel_context_text` for the whole text).
+/// - `result` (may be NULL) is always written: counts, timings and
+///   `finish_reason` (`MLXCEL_FINISH_ERROR` on failure).
+///
+/// Returns `MLXCEL_OK` (stopped by EOS, a stop string or `max_tokens`), or
+/// `MLXCEL_CANCELLED` (by `mlxcel_cancel` or the callback; the partial output
+/// is valid), or an error: NULL_POINTER, INVALID_HANDLE, INVALID_UTF8,
+/// INVALID_ARGUMENT (a parameter out of range; the message names it), BUSY
+/// (the context is running on another thread), EMPTY_PROMPT,
+/// PROMPT_TOO_LONG, TOKENIZER, MLX.
+///
+/// State after the call: on an argument error (NULL_POINTER through BUSY)
+/// nothing changes and `out` holds "". Otherwise the context's last text and
+/// tokens (`mlxcel_context_text`, `mlxcel_context_tokens`) are replaced by this
+/// run's; after an error raised during the run they hold the text streamed
+/// before it and no tokens, and `out` holds that text. The model is never
+/// changed, and the context stays usable after any status.
+///
+/// Blocking: returns when the run ends. Thread safety: one run per context
+/// at a time; use one context per thread to generate in parallel on one
+/// model. `mlxcel_cancel` may be called from any thread.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_generate(
+    ctx: *mut mlxcel_context,
+    prompt: *const c_char,
+    params: mlxcel_generate_params,
+    callback: mlxcel_piece_callback,
+    user_data: *mut c_void,
+    out: *mut c_char,
+    out_cap: usize,
+    result: *mut mlxcel_generation_result,
+) -> mlxcel_status {
+    generate_with(
+        ctx,
+        |_| Ok(Prompt::Text(c_str(prompt, "prompt")?.to_owned())),
+        &params,
+        callback,
+        user_data,
+        out,
+        out_cap,
+        result,
+    )
+}
+
+/// Like `mlxcel_generate`, for a conversation: `n_messages` messages (parallel
+/// arrays of NUL-terminated UTF-8 roles and contents, NULL allowed when
+/// `n_messages` is 0) are rendered with the model's chat template and the
+/// assistant's reply is generated. Same outputs, statuses, state and thread
+/// safety as `mlxcel_generate`.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_generate_chat(
+    ctx: *mut mlxcel_context,
+    roles: *const *const c_char,
+    contents: *const *const c_char,
+    n_messages: usize,
+    params: mlxcel_generate_params,
+    callback: mlxcel_piece_callback,
+    user_data: *mut c_void,
+    out: *mut c_char,
+    out_cap: usize,
+    result: *mut mlxcel_generation_result,
+) -> mlxcel_status {
+    generate_with(
+        ctx,
+        |_| Ok(Prompt::Chat(messages(roles, contents, n_messages)?)),
+        &params,
+        callback,
+        user_data,
+        out,
+        out_cap,
+        result,
+    )
+}
+
+/// Like `mlxcel_generate`, from `n_tokens` prompt token ids used as they are
+/// (no special tokens added); an id outside the vocabulary is
+/// `MLXCEL_ERR_INVALID_ARGUMENT`. Same outputs, statuses, state and thread
+/// safety as `mlxcel_generate`.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_generate_tokens(
+    ctx: *mut mlxcel_context,
+    tokens: *const i32,
+    n_tokens: usize,
+    params: mlxcel_generate_params,
+    callback: mlxcel_piece_callback,
+    user_data: *mut c_void,
+    out: *mut c_char,
+    out_cap: usize,
+    result: *mut mlxcel_generation_result,
+) -> mlxcel_status {
+    generate_with(
+        ctx,
+        |model| {
+            Ok(Prompt::Tokens(token_ids(
+                tokens,
+                n_tokens,
+                model_vocab(model),
+            )?))
+        },
+        &params,
+        callback,
+        user_data,
+        out,
+        out_cap,
+        result,
+    )
+}
+
+/// Asks the generation running on `ctx` to stop. Safe to call from any
+/// thread (e.g. a UI or signal-watching thread) at any time. The run stops at
+/// its next check, between prompt chunks (`prefill_chunk` tokens) or between
+/// generated tokens, and returns `MLXCEL_CANCELLED` with the text so far.
+/// When no run is in progress, the request applies to the next run on
+/// `ctx`, which then stops at its first check. Fails only with NULL_POINTER or
+/// INVALID_HANDLE.
+#[no_mangle]
+pub extern "C" fn mlxcel_cancel(ctx: *mut mlxcel_context) -> mlxcel_status {
+    guard(|| {
+        let inner = CONTEXTS.get(ctx as usize)?;
+        lock(&inner.cancel).cancel();
+        Ok(MLXCEL_OK)
+    })
+}
+
+/// The whole text of the last run on `ctx` (see `mlxcel_generate` for what a
+/// failed run leaves), snprintf-style as for `mlxcel_detokenize`. While a run
+/// is in progress it is the previous run's text. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_context_text(
+    ctx: *const mlxcel_context,
+    out: *mut c_char,
+    out_cap: usize,
+    needed: *mut usize,
+) -> mlxcel_status {
+    guard(|| {
+        let inner = CONTEXTS.get(ctx as usize)?;
+        check_buffer(out, out_cap, "out")?;
+        let last = lock(&inner.last);
+        output_str(&last.0, out, out_cap, needed)
+    })
+}
+
+/// The token ids generated by the last successful or cancelled run on `ctx`
+/// (including an end-of-sequence token; none after a failed run). Writes up
+/// to `out_cap` ids to `out` (NULL allowed when `out_cap` is 0) and the count
+/// to `*n_tokens` (required); `MLXCEL_ERR_BUFFER_TOO_SMALL` when they did not
+/// all fit. Thread-safe.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_context_tokens(
+    ctx: *const mlxcel_context,
+    out: *mut i32,
+    out_cap: usize,
+    n_tokens: *mut usize,
+) -> mlxcel_status {
+    guard(|| {
+        let inner = CONTEXTS.get(ctx as usize)?;
+        check_buffer(out, out_cap, "out")?;
+        if n_tokens.is_null() {
+            return Err(CError::null("n_tokens"));
+        }
+        let last = lock(&inner.last);
+        output_tokens(&last.1, out, out_cap, n_tokens)
+    })
+}

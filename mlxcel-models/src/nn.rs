@@ -2,7 +2,7 @@
 //! embeddings, RMSNorm, RoPE, the gated MLP and grouped-query attention.
 
 use mlx_sys::fast::{self, AttentionMask};
-use mlx_sys::{quantized_matmul, Array, Dtype};
+use mlx_sys::{kernels, Array, Dtype};
 
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
@@ -40,8 +40,8 @@ impl QuantizedWeight {
     }
 
     /// `x @ W.T`. Many rows (prefill) run as a dense GEMM on the dequantized
-    /// weight, which MLX hands to BLAS; few rows (decode) use the quantized
-    /// kernel, which reads 4-8x fewer bytes.
+    /// weight, which MLX hands to BLAS; few rows (decode) use our quantized
+    /// matvec kernel (`kernels/`), which reads 4-8x fewer bytes.
     fn matmul_t(&self, x: &Array) -> Result<Array> {
         let p = self.params;
         let rows = x.size() / x.dim(-1).max(1) as usize;
@@ -49,7 +49,7 @@ impl QuantizedWeight {
             let w = mlx_sys::dequantize(&self.weight, &self.scales, &self.biases, p.group_size, p.bits)?;
             return Ok(x.matmul(&w.astype(x.dtype())?.transpose(&[1, 0])?)?);
         }
-        Ok(quantized_matmul(x, &self.weight, &self.scales, &self.biases, true, p.group_size, p.bits)?)
+        Ok(kernels::quantized_matmul(x, &self.weight, &self.scales, &self.biases, p.group_size, p.bits)?)
     }
 }
 

@@ -1,0 +1,54 @@
+// mlxcel's CPU kernels for MLX's affine-quantized matmul, `x @ dequantize(w).T`.
+//
+// MLX 0.32's CPU `quantized_matmul` is scalar and single-threaded; for decode
+// (a handful of activation rows against a large quantized weight) it is the
+// whole cost of a forward pass. `quantized_matmul` below builds an MLX graph
+// node whose CPU evaluation is ours: f32-exact math (weights unpacked to f32,
+// f32 FMAs, f32 accumulation), split over output rows across a small
+// persistent thread pool, with an AVX-512, AVX2 or portable inner loop chosen
+// at run time. On any other device, or for a layout the kernel does not
+// handle, it returns MLX's own `quantized_matmul` node unchanged.
+#pragma once
+
+#include <string>
+
+#include "mlx/mlx.h"
+
+namespace mlxcel::kernels {
+
+// Which inner loop evaluates the kernel. `Auto` takes the best the CPU runs,
+// unless the environment variable MLXCEL_KERNELS (read once) names one of
+// `portable`, `avx2`, `avx512`; a path the CPU cannot run falls back to the
+// best one below it.
+enum class Path : int { Auto = -1, Portable = 0, Avx2 = 1, Avx512 = 2 };
+
+// The path `Auto` resolves to in this process.
+Path auto_path();
+// The path that actually runs when `requested` is asked for.
+Path resolve_path(Path requested);
+const char* path_name(Path path);
+
+// Threads the kernels use (the evaluating thread included): MLXCEL_NUM_THREADS
+// when set, else std::thread::hardware_concurrency().
+int num_threads();
+
+// Whether `quantized_matmul` computes a layout itself (true) or hands it to
+// MLX: bits 2, 3, 4, 5, 6 or 8 (3, 5 and 6 on the portable loop only),
+// group_size a positive multiple of the values per 32-bit word, a 2-D weight.
+bool supports(int group_size, int bits);
+
+// `x @ dequantize(w, scales, biases).T` over the last axis of `x`, the same
+// result (shape, dtype, errors) as
+// `mlx::core::quantized_matmul(x, w, scales, biases, /*transpose=*/true,
+// group_size, bits, "affine", s)`.
+mlx::core::array quantized_matmul(
+    const mlx::core::array& x,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const mlx::core::array& biases,
+    int group_size,
+    int bits,
+    Path path = Path::Auto,
+    mlx::core::StreamOrDevice s = {});
+
+}  // namespace mlxcel::kernels

@@ -1,0 +1,354 @@
+//! mlxcel's CPU kernels against MLX's reference op and an f64 host reference.
+//!
+//! Tolerance. Every implementation computes the same exact real number,
+//! y = sum_k x_k (s_g q_k + b_g) over f32 (or f16/bf16-valued) inputs, and
+//! differs only in rounding and summation order. With f32 accumulation the
+//! rounding error of a sum of K terms is bounded by ~K·eps·Σ|terms| and is in
+//! practice ~sqrt(K)·eps·Σ|terms|, so errors are measured against
+//! mag = Σ_k |x_k|·|s_g q_k + b_g| (not against |y|, which can be near zero
+//! through cancellation). We require |ours - exact| <= 1e-5·mag (about 80 f32
+//! ulps of mag: 10-20x the ~sqrt(K)·eps we expect for K <= 1536, still 1000x
+//! below any real bug such as a wrong nibble or scale, which moves the result
+//! by ~1e-2·mag or more). f16/bf16 outputs add their own final rounding, half
+//! an ulp of |y|: 2^-11·|y| and 2^-8·|y|.
+
+use std::sync::Mutex;
+
+use half::{bf16, f16};
+use mlx_sys::kernels::{self, KernelPath};
+use mlx_sys::{quantize, quantized_matmul, random, Array, Dtype};
+
+/// MLX evaluation is not meant to run from several threads at once.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn to_f32(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+}
+
+fn to_f32_checked(a: &Array) -> mlx_sys::Result<Vec<f32>> {
+    a.astype(Dtype::Float32)?.to_vec::<f32>()
+}
+
+struct Quantized {
+    w: Array,
+    scales: Array,
+    biases: Array,
+    n: usize,
+    k: usize,
+}
+
+fn make_weights(seed: u64, n: i32, k: i32, group: i32, bits: i32, sdtype: Dtype) -> Quantized {
+    let key = random::key(seed).unwrap();
+    // A row-dependent spread makes scales differ a lot between rows.
+    let wf = random::normal(&[n, k], Dtype::Float32, 0.0, 1.0, &key).unwrap();
+    let row_scale = random::uniform(0.01, 2.0, &[n, 1], Dtype::Float32, &random::split(&key, 2).unwrap()[1]).unwrap();
+    let wf = wf.multiply(&row_scale).unwrap().add_scalar(0.1).unwrap();
+    let (w, scales, biases) = quantize(&wf, group, bits).unwrap();
+    let scales = scales.astype(sdtype).unwrap();
+    let biases = biases.astype(sdtype).unwrap();
+    mlx_sys::eval([&w, &scales, &biases]).unwrap();
+    Quantized { w, scales, biases, n: n as usize, k: k as usize }
+}
+
+fn make_x(seed: u64, shape: &[i32], dtype: Dtype) -> Array {
+    let key = random::key(seed ^ 0x5eed).unwrap();
+    let x = random::normal(shape, Dtype::Float32, 0.0, 1.0, &key).unwrap().astype(dtype).unwrap();
+    x.eval().unwrap();
+    x
+}
+
+/// Exact (f64) y and mag = Σ|x||w| for every (row of x, output), unpacking w
+/// as a little-endian bit stream (element k of a row at bit k·bits).
+fn reference(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, Vec<f64>) {
+    let xs = to_f32(x);
+    let words = q.w.to_vec::<u32>().unwrap();
+    let s = to_f32(&q.scales);
+    let b = to_f32(&q.biases);
+    let (n, k) = (q.n, q.k);
+    let g = k / group;
+    let m = xs.len() / k;
+    let row_words = k * bits / 32;
+    let mask = (1u64 << bits) - 1;
+    let mut deq = vec![0f64; k];
+    let mut y = vec![0f64; m * n];
+    let mut mag = vec![0f64; m * n];
+    for o in 0..n {
+        let row = &words[o * row_words..(o + 1) * row_words];
+        for (j, d) in deq.iter_mut().enumerate() {
+            let bit = j * bits;
+            let lo = row[bit / 32] as u64;
+            let hi = if bit / 32 + 1 < row_words { row[bit / 32 + 1] as u64 } else { 0 };
+            let v = ((lo | (hi << 32)) >> (bit % 32)) & mask;
+            let gi = o * g + j / group;
+            *d = s[gi] as f64 * v as f64 + b[gi] as f64;
+        }
+        for r in 0..m {
+            let xr = &xs[r * k..(r + 1) * k];
+            let (mut acc, mut a) = (0f64, 0f64);
+            for j in 0..k {
+                acc += xr[j] as f64 * deq[j];
+                a += (xr[j] as f64 * deq[j]).abs();
+            }
+            y[r * n + o] = acc;
+            mag[r * n + o] = a;
+        }
+    }
+    (y, mag)
+}
+
+fn out_rounding(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::Float16 => 2f64.powi(-11),
+        Dtype::Bfloat16 => 2f64.powi(-8),
+        _ => 0.0,
+    }
+}
+
+/// Checks `got` against the exact result; returns the worst error / mag.
+fn check(label: &str, got: &Array, exact: &[f64], mag: &[f64]) -> f64 {
+    let vals = to_f32(got);
+    assert_eq!(vals.len(), exact.len(), "{label}: length");
+    let round = out_rounding(got.dtype());
+    let mut worst = 0f64;
+    for (i, ((&v, &e), &a)) in vals.iter().zip(exact).zip(mag).enumerate() {
+        let err = (v as f64 - e).abs();
+        let tol = 1e-5 * a + round * e.abs() + 1e-30;
+        assert!(err <= tol, "{label}: element {i}: got {v}, exact {e}, |err| {err:.3e} > tol {tol:.3e} (mag {a:.3e})");
+        worst = worst.max(err / a.max(1e-30));
+    }
+    worst
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    seed: u64,
+    bits: i32,
+    group: i32,
+    k: i32,
+    n: i32,
+    x_shape: &[i32],
+    xdtype: Dtype,
+    sdtype: Dtype,
+    paths: &[KernelPath],
+) {
+    let q = make_weights(seed, n, k, group, bits, sdtype);
+    let mut shape = x_shape.to_vec();
+    shape.push(k);
+    let x = make_x(seed, &shape, xdtype);
+    let (exact, mag) = reference(&x, &q, group as usize, bits as usize);
+    let mlx = quantized_matmul(&x, &q.w, &q.scales, &q.biases, true, group, bits).unwrap();
+    for &path in paths {
+        let label = format!("bits={bits} group={group} K={k} N={n} x={shape:?} {xdtype}/{sdtype} path={path:?}");
+        let ours = kernels::quantized_matmul_with_path(&x, &q.w, &q.scales, &q.biases, group, bits, path).unwrap();
+        assert!(kernels::is_kernel_node(&ours), "{label}: fell back to MLX's op");
+        assert_eq!(ours.shape(), mlx.shape(), "{label}: shape");
+        assert_eq!(ours.dtype(), mlx.dtype(), "{label}: dtype");
+        check(&label, &ours, &exact, &mag);
+    }
+    // MLX's own op must meet the same bar in f32, or the bar is wrong.
+    if xdtype == Dtype::Float32 && sdtype == Dtype::Float32 {
+        check(&format!("MLX reference bits={bits} group={group} K={k} N={n}"), &mlx, &exact, &mag);
+    }
+}
+
+const ALL_PATHS: [KernelPath; 4] = [KernelPath::Auto, KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512];
+
+#[test]
+fn reports_its_path_and_threads() {
+    let auto = kernels::path_name(KernelPath::Auto);
+    assert!(["avx512", "avx2", "portable"].contains(&auto.as_str()), "{auto}");
+    assert_eq!(kernels::path_name(KernelPath::Portable), "portable");
+    assert!(kernels::num_threads() >= 1);
+    assert!(kernels::supports(32, 4) && kernels::supports(64, 8) && kernels::supports(128, 2));
+    assert!(!kernels::supports(32, 7) && !kernels::supports(0, 4));
+    eprintln!("auto path: {auto}, threads: {}", kernels::num_threads());
+}
+
+#[test]
+fn matches_mlx_bits_4_and_8_f32_all_groups_and_shapes() {
+    let _g = lock();
+    let mut seed = 1;
+    for bits in [4, 8] {
+        for (group, ks) in [(32, [32, 96, 576]), (64, [64, 192, 576]), (128, [128, 384, 640])] {
+            for k in ks {
+                for n in [1, 3, 49, 200] {
+                    for x_shape in [&[1][..], &[3], &[2, 3], &[1, 1], &[5]] {
+                        seed += 1;
+                        run_case(seed, bits, group, k, n, x_shape, Dtype::Float32, Dtype::Float32, &ALL_PATHS);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matches_mlx_on_smollm_shapes() {
+    let _g = lock();
+    for bits in [4, 8] {
+        for (k, n) in [(576, 1536), (1536, 576), (576, 192)] {
+            run_case(100 + k as u64 + n as u64, bits, 32, k, n, &[1, 1], Dtype::Float32, Dtype::Float32, &ALL_PATHS);
+        }
+    }
+}
+
+#[test]
+fn large_odd_row_count() {
+    let _g = lock();
+    // More rows than the lm_head (49152) and not a multiple of anything.
+    run_case(7, 4, 32, 576, 49155, &[1, 1], Dtype::Float32, Dtype::Float32, &[KernelPath::Auto]);
+    run_case(8, 8, 64, 128, 49157, &[2], Dtype::Float32, Dtype::Float32, &[KernelPath::Auto, KernelPath::Avx2]);
+}
+
+#[test]
+fn more_rows_of_x() {
+    let _g = lock();
+    // M from 1 to 17 covers every row-tile remainder (4-row and 2-row tiles).
+    for m in 1..=17 {
+        run_case(200 + m as u64, 4, 64, 192, 37, &[m], Dtype::Float32, Dtype::Float32, &ALL_PATHS);
+    }
+    run_case(300, 8, 32, 96, 11, &[2, 3, 4], Dtype::Float32, Dtype::Float32, &ALL_PATHS);
+}
+
+#[test]
+fn other_bit_widths() {
+    let _g = lock();
+    for (bits, group) in [(2, 32), (2, 64), (2, 128), (3, 32), (3, 64), (5, 32), (6, 32), (6, 64)] {
+        let k = if group == 128 { 256 } else { 192 };
+        // MLX may not support every width; whatever it rejects, we must reject too.
+        let key = random::key(bits as u64).unwrap();
+        let wf = random::normal(&[5, k], Dtype::Float32, 0.0, 1.0, &key).unwrap();
+        if quantize(&wf, group, bits).and_then(|(w, _, _)| w.eval()).is_err() {
+            eprintln!("MLX does not quantize bits={bits} group={group}; skipped");
+            continue;
+        }
+        for x_shape in [&[1][..], &[3], &[2, 3]] {
+            run_case(400 + bits as u64, bits, group, k, 19, x_shape, Dtype::Float32, Dtype::Float32, &ALL_PATHS);
+        }
+    }
+}
+
+#[test]
+fn half_precision_activations_and_scales() {
+    let _g = lock();
+    for (xdt, sdt) in [
+        (Dtype::Float16, Dtype::Float16),
+        (Dtype::Bfloat16, Dtype::Bfloat16),
+        (Dtype::Float32, Dtype::Float16),
+        (Dtype::Float32, Dtype::Bfloat16),
+        (Dtype::Bfloat16, Dtype::Float32),
+    ] {
+        for bits in [4, 8] {
+            for x_shape in [&[1][..], &[2, 3]] {
+                run_case(500 + bits as u64, bits, 32, 576, 67, x_shape, xdt, sdt, &ALL_PATHS);
+            }
+        }
+    }
+}
+
+#[test]
+fn portable_and_simd_paths_agree() {
+    let _g = lock();
+    let q = make_weights(900, 300, 1536, 32, 4, Dtype::Bfloat16);
+    let x = make_x(900, &[3, 1536], Dtype::Float32);
+    let results: Vec<Vec<f32>> = [KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512]
+        .iter()
+        .map(|&p| to_f32(&kernels::quantized_matmul_with_path(&x, &q.w, &q.scales, &q.biases, 32, 4, p).unwrap()))
+        .collect();
+    let (_, mag) = reference(&x, &q, 32, 4);
+    for other in &results[1..] {
+        for (i, ((a, b), m)) in results[0].iter().zip(other).zip(&mag).enumerate() {
+            assert!(((a - b).abs() as f64) <= 2e-5 * m, "element {i}: portable {a} vs simd {b} (mag {m})");
+        }
+    }
+}
+
+#[test]
+fn strided_and_lazy_inputs() {
+    let _g = lock();
+    let (k, n, group, bits) = (192, 21, 64, 4);
+    let q = make_weights(1000, n, k, group, bits, Dtype::Float32);
+    // x as a transposed view: [3, K] with strides [1, 3].
+    let xt = make_x(1000, &[k, 3], Dtype::Float32);
+    let x = xt.transpose(&[1, 0]).unwrap();
+    let ours = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, group, bits).unwrap();
+    let (exact, mag) = reference(&x.contiguous().unwrap(), &q, group as usize, bits as usize);
+    check("transposed x", &ours, &exact, &mag);
+    // x with a broadcast (stride-0) batch axis.
+    let x1 = make_x(1001, &[1, k], Dtype::Float32);
+    let xb = x1.broadcast_to(&[4, k]).unwrap();
+    let ours = kernels::quantized_matmul(&xb, &q.w, &q.scales, &q.biases, group, bits).unwrap();
+    let (exact, mag) = reference(&xb.contiguous().unwrap(), &q, group as usize, bits as usize);
+    check("broadcast x", &ours, &exact, &mag);
+    // Lazy weight, scales and biases: row slices of a bigger, unevaluated set.
+    let big = make_weights(1002, 2 * n, k, group, bits, Dtype::Float32);
+    let lazy = |a: &Array| a.add_scalar(0.0).unwrap().slice_axis(0, n, 2 * n).unwrap();
+    let w = big.w.slice_axis(0, n, 2 * n).unwrap();
+    let w = w.add(&Array::from_slice(&[0u32], &[1]).unwrap()).unwrap();
+    let (s, b) = (lazy(&big.scales), lazy(&big.biases));
+    let x = make_x(1003, &[2, k], Dtype::Float32);
+    let ours = kernels::quantized_matmul(&x, &w, &s, &b, group, bits).unwrap();
+    assert!(kernels::is_kernel_node(&ours));
+    let mlx = quantized_matmul(&x, &w, &s, &b, true, group, bits).unwrap();
+    assert!(!kernels::is_kernel_node(&mlx));
+    mlx_sys::eval([&w, &s, &b]).unwrap();
+    let sliced = Quantized { w, scales: s, biases: b, n: n as usize, k: k as usize };
+    let (exact, mag) = reference(&x, &sliced, group as usize, bits as usize);
+    check("lazy sliced weights", &ours, &exact, &mag);
+    check("lazy sliced weights (MLX)", &mlx, &exact, &mag);
+}
+
+#[test]
+fn rejects_what_mlx_rejects() {
+    let _g = lock();
+    let q = make_weights(1100, 8, 128, 32, 4, Dtype::Float32);
+    let x = make_x(1100, &[1, 96], Dtype::Float32);
+    let err = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, 32, 4);
+    assert!(err.is_err(), "K mismatch must be an error");
+    let err = kernels::quantized_matmul(&make_x(1, &[1, 128], Dtype::Float32), &q.w, &q.scales, &q.biases, 64, 4);
+    assert!(err.is_err(), "group mismatch must be an error");
+    // Integer activations: whatever MLX does (it promotes them), we do too.
+    let xi = Array::from_slice(&[1i32; 128], &[1, 128]).unwrap();
+    let ours = kernels::quantized_matmul(&xi, &q.w, &q.scales, &q.biases, 32, 4).and_then(|a| to_f32_checked(&a));
+    let mlx = quantized_matmul(&xi, &q.w, &q.scales, &q.biases, true, 32, 4).and_then(|a| to_f32_checked(&a));
+    assert_eq!(ours.is_ok(), mlx.is_ok());
+    if let (Ok(a), Ok(b)) = (ours, mlx) {
+        assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn repeated_calls_across_idle_gaps() {
+    let _g = lock();
+    // Exercises the pool's spin, sleep and wake paths and the reuse of its
+    // per-thread buffers across calls of different shapes.
+    let qa = make_weights(1200, 1536, 576, 32, 4, Dtype::Float16);
+    let qb = make_weights(1201, 576, 1536, 32, 8, Dtype::Float32);
+    let xa = make_x(1200, &[1, 576], Dtype::Float32);
+    let xb = make_x(1201, &[1, 1536], Dtype::Float32);
+    let (ea, ma) = reference(&xa, &qa, 32, 4);
+    let (eb, mb) = reference(&xb, &qb, 32, 8);
+    for i in 0..60 {
+        let ya = kernels::quantized_matmul(&xa, &qa.w, &qa.scales, &qa.biases, 32, 4).unwrap();
+        let yb = kernels::quantized_matmul(&xb, &qb.w, &qb.scales, &qb.biases, 32, 8).unwrap();
+        check("a", &ya, &ea, &ma);
+        check("b", &yb, &eb, &mb);
+        if i % 10 == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+    // And a chain inside one graph: y = W2 · (W1 · x).
+    let y1 = kernels::quantized_matmul(&xb, &qb.w, &qb.scales, &qb.biases, 32, 8).unwrap();
+    let y2 = kernels::quantized_matmul(&y1, &qa.w, &qa.scales, &qa.biases, 32, 4).unwrap();
+    let r1 = quantized_matmul(&xb, &qb.w, &qb.scales, &qb.biases, true, 32, 8).unwrap();
+    let r2 = quantized_matmul(&r1, &qa.w, &qa.scales, &qa.biases, true, 32, 4).unwrap();
+    let (_, mag) = reference(&y1, &qa, 32, 4);
+    for ((a, b), m) in to_f32(&y2).iter().zip(to_f32(&r2)).zip(mag) {
+        assert!(((a - b).abs() as f64) <= 1e-4 * m, "{a} vs {b}");
+    }
+    let _ = (f16::ZERO, bf16::ZERO);
+}

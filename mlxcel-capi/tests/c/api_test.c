@@ -1,0 +1,579 @@
+/*
+ * C tests of the mlxcel ABI, one scenario per command-line argument:
+ *   api_test errors | buffers | generate | cancel_prefill | cancel_decode | concurrent
+ * Every scenario loads the default model (NULL path). Exit status 0 = pass.
+ * Run by mlxcel-capi/tests/c_api.rs.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mlxcel.h"
+
+#define CHECK(cond)                                                                                        \
+    do {                                                                                                   \
+        if (!(cond)) {                                                                                     \
+            fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond,      \
+                    mlxcel_last_error());                                                                  \
+            exit(1);                                                                                       \
+        }                                                                                                  \
+    } while (0)
+
+#define CHECK_STATUS(expr, expected)                                                                       \
+    do {                                                                                                   \
+        mlxcel_status s_ = (expr);                                                                         \
+        if (s_ != (expected)) {                                                                            \
+            fprintf(stderr, "%s:%d: %s returned %d (%s), expected %d (last error: %s)\n", __FILE__,         \
+                    __LINE__, #expr, s_, mlxcel_status_string(s_), (int)(expected), mlxcel_last_error());   \
+            exit(1);                                                                                       \
+        }                                                                                                  \
+    } while (0)
+
+#define CHECK_ERROR_MENTIONS(needle)                                                                        \
+    do {                                                                                                   \
+        if (strstr(mlxcel_last_error(), (needle)) == NULL) {                                               \
+            fprintf(stderr, "%s:%d: last error \"%s\" does not mention \"%s\"\n", __FILE__, __LINE__,       \
+                    mlxcel_last_error(), (needle));                                                        \
+            exit(1);                                                                                       \
+        }                                                                                                  \
+    } while (0)
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static mlxcel_model *load_default(void) {
+    mlxcel_model *model = NULL;
+    CHECK_STATUS(mlxcel_model_load(mlxcel_model_default_params(), &model), MLXCEL_OK);
+    CHECK(model != NULL);
+    return model;
+}
+
+static mlxcel_generate_params greedy(int max_tokens) {
+    mlxcel_generate_params p = mlxcel_generate_default_params();
+    p.max_tokens = max_tokens;
+    return p;
+}
+
+/* ------------------------------------------------------------------------ */
+
+static void test_errors(void) {
+    /* Version and status strings. */
+    CHECK(strlen(mlxcel_version()) > 0);
+    CHECK(mlxcel_abi_version() == ((MLXCEL_ABI_VERSION_MAJOR << 16) | MLXCEL_ABI_VERSION_MINOR));
+    CHECK(strcmp(mlxcel_status_string(MLXCEL_ERR_INVALID_HANDLE), "invalid handle") == 0);
+    CHECK(strcmp(mlxcel_status_string(12345), "unknown status") == 0);
+    CHECK(mlxcel_last_error() != NULL);
+
+    /* Bad paths: a load error naming the path; *out is set to NULL. */
+    mlxcel_model *model = (mlxcel_model *)0x1;
+    mlxcel_model_params mp = mlxcel_model_default_params();
+    mp.path = "/nonexistent/mlxcel-model";
+    CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_ERR_MODEL_LOAD);
+    CHECK(model == NULL);
+    CHECK_ERROR_MENTIONS("/nonexistent/mlxcel-model");
+    mp.path = "/tmp";
+    CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_ERR_MODEL_LOAD);
+    CHECK_ERROR_MENTIONS("/tmp/");
+    CHECK_STATUS(mlxcel_model_load(mlxcel_model_default_params(), NULL), MLXCEL_ERR_NULL_POINTER);
+
+    /* NULL handles. */
+    mlxcel_model_info info;
+    mlxcel_context *ctx = NULL;
+    size_t n = 0;
+    int32_t ids[8];
+    char buf[64];
+    mlxcel_generation_result result;
+    CHECK_STATUS(mlxcel_model_get_info(NULL, &info), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_tokenize(NULL, "hi", true, ids, 8, &n), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_context_new(NULL, &ctx), MLXCEL_ERR_NULL_POINTER);
+    CHECK(ctx == NULL);
+    CHECK_STATUS(mlxcel_generate(NULL, "hi", greedy(4), NULL, NULL, buf, sizeof buf, &result), MLXCEL_ERR_NULL_POINTER);
+    CHECK(result.finish_reason == MLXCEL_FINISH_ERROR && buf[0] == '\0');
+    CHECK_STATUS(mlxcel_cancel(NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_model_free(NULL), MLXCEL_OK);   /* like free(NULL) */
+    CHECK_STATUS(mlxcel_context_free(NULL), MLXCEL_OK);
+
+    /* Garbage handles. */
+    CHECK_STATUS(mlxcel_model_get_info((mlxcel_model *)0x1234, &info), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_model_get_info((mlxcel_model *)(uintptr_t)0xdeadbeef1, &info), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_model_free((mlxcel_model *)0x4321), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_cancel((mlxcel_context *)buf), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_ERROR_MENTIONS("not a live context handle");
+
+    model = load_default();
+    CHECK_STATUS(mlxcel_context_new(model, &ctx), MLXCEL_OK);
+
+    /* A handle of the wrong kind. */
+    CHECK_STATUS(mlxcel_model_get_info((mlxcel_model *)ctx, &info), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_cancel((mlxcel_context *)model), MLXCEL_ERR_INVALID_HANDLE);
+
+    /* NULL out-parameters and arguments. */
+    CHECK_STATUS(mlxcel_model_get_info(model, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_context_new(model, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_tokenize(model, NULL, true, ids, 8, &n), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_tokenize(model, "hi", true, ids, 8, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_tokenize(model, "hi", true, NULL, 8, &n), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_generate(ctx, NULL, greedy(4), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_ERROR_MENTIONS("prompt");
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", greedy(4), NULL, NULL, NULL, 16, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_generate_chat(ctx, NULL, NULL, 1, greedy(4), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_generate_tokens(ctx, NULL, 3, greedy(4), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_NULL_POINTER);
+
+    /* Invalid parameters: each named in the message; the context is unchanged. */
+    mlxcel_generate_params p = greedy(4);
+    p.temperature = -1.0f;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, buf, sizeof buf, &result), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("temperature");
+    CHECK(result.finish_reason == MLXCEL_FINISH_ERROR && result.generated_tokens == 0);
+    p = greedy(4); p.top_p = 0.0f;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("top_p");
+    p = greedy(0);
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("max_tokens");
+    p = greedy(4); p.top_k = -3;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("top_k");
+    p = greedy(4); p.prefill_chunk = 0;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("prefill_chunk");
+    p = greedy(4); p.min_p = 2.0f;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    p = greedy(4); p.repetition_penalty = 0.0f;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    p = greedy(4); p.n_stop = 2; p.stop = NULL;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_ERROR_MENTIONS("stop");
+    const char *stops_with_null[] = {".", NULL};
+    p.stop = stops_with_null;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_ERROR_MENTIONS("stop[1]");
+    int32_t bad_tokens[] = {1, -5};
+    CHECK_STATUS(mlxcel_generate_tokens(ctx, bad_tokens, 2, greedy(4), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    int32_t huge_token[] = {1 << 30};
+    CHECK_STATUS(mlxcel_detokenize(model, huge_token, 1, true, buf, sizeof buf, &n), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("vocabulary");
+
+    /* Invalid UTF-8. */
+    CHECK_STATUS(mlxcel_generate(ctx, "caf\xc3", greedy(4), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_UTF8);
+    CHECK_ERROR_MENTIONS("prompt");
+    CHECK_STATUS(mlxcel_tokenize(model, "\xff\xfe", true, ids, 8, &n), MLXCEL_ERR_INVALID_UTF8);
+    const char *bad_roles[] = {"us\x80r"};
+    const char *contents[] = {"hello"};
+    CHECK_STATUS(mlxcel_apply_chat_template(model, bad_roles, contents, 1, true, buf, sizeof buf, &n), MLXCEL_ERR_INVALID_UTF8);
+    CHECK_ERROR_MENTIONS("roles[0]");
+    const char *bad_stop[] = {"\xc0"};
+    p = greedy(4); p.stop = bad_stop; p.n_stop = 1;
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_UTF8);
+
+    /* An empty prompt (no BOS for this tokenizer). */
+    CHECK_STATUS(mlxcel_generate(ctx, "", greedy(4), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_EMPTY_PROMPT);
+
+    /* Double free and use after free are detected. */
+    mlxcel_context *ctx2 = NULL;
+    CHECK_STATUS(mlxcel_context_new(model, &ctx2), MLXCEL_OK);
+    CHECK(ctx2 != ctx);
+    CHECK_STATUS(mlxcel_context_free(ctx2), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_context_free(ctx2), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_ERROR_MENTIONS("not a live context handle");
+    CHECK_STATUS(mlxcel_generate(ctx2, "hi", greedy(4), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_cancel(ctx2), MLXCEL_ERR_INVALID_HANDLE);
+    /* A new handle never reuses a freed one. */
+    mlxcel_context *ctx3 = NULL;
+    CHECK_STATUS(mlxcel_context_new(model, &ctx3), MLXCEL_OK);
+    CHECK(ctx3 != ctx2);
+    CHECK_STATUS(mlxcel_cancel(ctx2), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_context_free(ctx3), MLXCEL_OK);
+
+    /* The model handle can be freed before its context: the context keeps it alive. */
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_model_get_info(model, &info), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_tokenize(model, "hi", true, ids, 8, &n), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", greedy(2), NULL, NULL, buf, sizeof buf, &result), MLXCEL_OK);
+    CHECK(result.generated_tokens == 2 && result.finish_reason == MLXCEL_FINISH_LENGTH);
+    CHECK(strncmp(buf, " Paris", 6) == 0);
+    CHECK_STATUS(mlxcel_context_free(ctx), MLXCEL_OK);
+
+    /* The last error is per thread and survives successful calls. */
+    CHECK_STATUS(mlxcel_model_free((mlxcel_model *)0x77), MLXCEL_ERR_INVALID_HANDLE);
+    CHECK_ERROR_MENTIONS("0x77");
+    CHECK(strlen(mlxcel_version()) > 0);
+    CHECK_ERROR_MENTIONS("0x77");
+    printf("errors: ok\n");
+}
+
+/* ------------------------------------------------------------------------ */
+
+static void test_buffers(void) {
+    mlxcel_model *model = load_default();
+    size_t n = 0, needed = 0;
+
+    /* Model info. */
+    mlxcel_model_info info;
+    CHECK_STATUS(mlxcel_model_get_info(model, &info), MLXCEL_OK);
+    CHECK(strcmp(info.architecture, "llama") == 0);
+    CHECK(info.num_layers == 30 && info.hidden_size == 576 && info.vocab_size == 49152);
+    CHECK(info.parameters > 100000000ull && info.parameters < 200000000ull);
+    CHECK(info.weight_bytes > 0 && info.weight_bytes < info.parameters * 2);
+    CHECK(info.context_length == 8192);
+    CHECK(info.bits_per_weight > 3.0 && info.bits_per_weight < 16.0);
+    CHECK(strlen(info.dtype) > 0 && strlen(info.tokenizer_kind) > 0);
+    printf("info: %s %s, %llu params, %llu bytes, q%u/g%u, %.2f bpw, tokenizer %s\n", info.architecture, info.dtype,
+           (unsigned long long)info.parameters, (unsigned long long)info.weight_bytes, info.quant_bits,
+           info.quant_group_size, info.bits_per_weight, info.tokenizer_kind);
+
+    /* JSON info: size query, then fill. */
+    CHECK_STATUS(mlxcel_model_info_json(model, NULL, 0, &needed), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK(needed > 100);
+    char *json = malloc(needed + 1);
+    size_t needed2 = 0;
+    CHECK_STATUS(mlxcel_model_info_json(model, json, needed + 1, &needed2), MLXCEL_OK);
+    CHECK(needed2 == needed && strlen(json) == needed);
+    CHECK(strstr(json, "\"architecture\":\"llama\"") != NULL);
+    CHECK(strstr(json, "\"groups\":[") != NULL);
+    /* One byte short: truncated, NUL-terminated, BUFFER_TOO_SMALL. */
+    CHECK_STATUS(mlxcel_model_info_json(model, json, needed, &needed2), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK(strlen(json) == needed - 1);
+    free(json);
+
+    /* Tokenize: size query then fill, and a too-small buffer. */
+    const char *text = "The capital of France is";
+    CHECK_STATUS(mlxcel_tokenize(model, text, true, NULL, 0, &n), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK(n == 5);
+    int32_t ids[16];
+    for (int i = 0; i < 16; i++) ids[i] = -7;
+    CHECK_STATUS(mlxcel_tokenize(model, text, true, ids, 2, &n), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK(n == 5 && ids[0] >= 0 && ids[1] >= 0 && ids[2] == -7);
+    CHECK_STATUS(mlxcel_tokenize(model, text, true, ids, 16, &n), MLXCEL_OK);
+    CHECK(n == 5);
+
+    /* Detokenize round trip, with the snprintf contract. */
+    char out[64];
+    CHECK_STATUS(mlxcel_detokenize(model, ids, n, true, out, sizeof out, &needed), MLXCEL_OK);
+    CHECK(strcmp(out, text) == 0 && needed == strlen(text));
+    CHECK_STATUS(mlxcel_detokenize(model, ids, n, true, out, 8, &needed), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK(needed == strlen(text) && strcmp(out, "The cap") == 0);
+    CHECK_STATUS(mlxcel_detokenize(model, ids, n, true, NULL, 0, &needed), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK_STATUS(mlxcel_detokenize(model, NULL, 0, true, out, sizeof out, &needed), MLXCEL_OK);
+    CHECK(needed == 0 && out[0] == '\0');
+
+    /* Truncation never splits a UTF-8 character. */
+    const char *utf8 = "caf\xc3\xa9!";  /* café! */
+    CHECK_STATUS(mlxcel_tokenize(model, utf8, false, ids, 16, &n), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_detokenize(model, ids, n, true, out, 5, &needed), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK(needed == 6 && strcmp(out, "caf") == 0);
+
+    /* Chat template. */
+    const char *roles[] = {"system", "user"};
+    const char *contents[] = {"You are terse.", "Hi!"};
+    CHECK_STATUS(mlxcel_apply_chat_template(model, roles, contents, 2, true, NULL, 0, &needed), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    char *rendered = malloc(needed + 1);
+    CHECK_STATUS(mlxcel_apply_chat_template(model, roles, contents, 2, true, rendered, needed + 1, NULL), MLXCEL_OK);
+    CHECK(strstr(rendered, "<|im_start|>system\nYou are terse.<|im_end|>") != NULL);
+    CHECK(strstr(rendered, "<|im_start|>user\nHi!<|im_end|>") != NULL);
+    size_t len = strlen(rendered);
+    CHECK(len >= 22 && strcmp(rendered + len - 22, "<|im_start|>assistant\n") == 0);
+    free(rendered);
+
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("buffers: ok\n");
+}
+
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    char text[4096];
+    size_t len;
+    int pieces;
+    int stop_after;   /* return false after this many pieces (0 = never) */
+} Collector;
+
+static bool collect(const char *text, size_t len, int32_t token, void *user_data) {
+    Collector *c = user_data;
+    CHECK(text[len] == '\0' && strlen(text) == len && token >= 0);
+    if (c->len + len < sizeof c->text) {
+        memcpy(c->text + c->len, text, len);
+        c->len += len;
+        c->text[c->len] = '\0';
+    }
+    c->pieces++;
+    return c->stop_after == 0 || c->pieces < c->stop_after;
+}
+
+static void test_generate(void) {
+    mlxcel_model *model = load_default();
+    mlxcel_context *ctx = NULL;
+    CHECK_STATUS(mlxcel_context_new(model, &ctx), MLXCEL_OK);
+    mlxcel_generation_result r;
+
+    /* Greedy text: streamed pieces == returned text == context text. */
+    Collector c = {0};
+    char out[256];
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", greedy(6), collect, &c, out, sizeof out, &r), MLXCEL_OK);
+    printf("greedy: [%s]\n", out);
+    CHECK(strncmp(out, " Paris", 6) == 0);
+    CHECK(strcmp(out, c.text) == 0 && r.text_len == strlen(out));
+    CHECK(r.finish_reason == MLXCEL_FINISH_LENGTH && r.generated_tokens == 6 && r.prompt_tokens == 5);
+    CHECK(r.prompt_seconds > 0 && r.peak_memory_bytes > 0);
+    char again[256];
+    size_t needed = 0;
+    CHECK_STATUS(mlxcel_context_text(ctx, again, sizeof again, &needed), MLXCEL_OK);
+    CHECK(strcmp(again, out) == 0 && needed == strlen(out));
+    int32_t toks[16];
+    size_t n = 0;
+    CHECK_STATUS(mlxcel_context_tokens(ctx, toks, 16, &n), MLXCEL_OK);
+    CHECK(n == 6);
+    CHECK_STATUS(mlxcel_detokenize(model, toks, n, true, again, sizeof again, &needed), MLXCEL_OK);
+    CHECK(strcmp(again, out) == 0);
+
+    /* A truncated output buffer is not an error; the context has the whole text. */
+    char small[4];
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", greedy(6), NULL, NULL, small, sizeof small, &r), MLXCEL_OK);
+    CHECK(strcmp(small, " Pa") == 0 && r.text_len == strlen(out));
+    CHECK_STATUS(mlxcel_context_text(ctx, again, sizeof again, &needed), MLXCEL_OK);
+    CHECK(strcmp(again, out) == 0);
+
+    /* The same from token ids. */
+    int32_t prompt_ids[16];
+    CHECK_STATUS(mlxcel_tokenize(model, "The capital of France is", true, prompt_ids, 16, &n), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_generate_tokens(ctx, prompt_ids, n, greedy(6), NULL, NULL, again, sizeof again, &r), MLXCEL_OK);
+    CHECK(strcmp(again, out) == 0);
+
+    /* Stop strings end the text before the match. */
+    const char *stops[] = {"."};
+    mlxcel_generate_params p = greedy(12);
+    p.stop = stops;
+    p.n_stop = 1;
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", p, NULL, NULL, again, sizeof again, &r), MLXCEL_OK);
+    CHECK(strcmp(again, " Paris") == 0 && r.finish_reason == MLXCEL_FINISH_STOP);
+
+    /* The callback returning false stops the run. */
+    Collector stopper = {0};
+    stopper.stop_after = 2;
+    CHECK_STATUS(mlxcel_generate(ctx, "Once upon a time", greedy(40), collect, &stopper, NULL, 0, &r), MLXCEL_CANCELLED);
+    CHECK(r.finish_reason == MLXCEL_FINISH_CALLBACK && stopper.pieces == 2 && r.generated_tokens < 40);
+
+    /* Seeded sampling is reproducible. */
+    p = greedy(8);
+    p.temperature = 0.9f;
+    p.top_p = 0.95f;
+    p.seed = 1234;
+    p.has_seed = true;
+    char s1[256], s2[256];
+    CHECK_STATUS(mlxcel_generate(ctx, "Once upon a time", p, NULL, NULL, s1, sizeof s1, &r), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_generate(ctx, "Once upon a time", p, NULL, NULL, s2, sizeof s2, &r), MLXCEL_OK);
+    CHECK(strcmp(s1, s2) == 0 && strlen(s1) > 0);
+
+    /* Chat. */
+    const char *roles[] = {"user"};
+    const char *contents[] = {"What is the capital of France?"};
+    CHECK_STATUS(mlxcel_generate_chat(ctx, roles, contents, 1, greedy(16), NULL, NULL, again, sizeof again, &r), MLXCEL_OK);
+    printf("chat: [%s]\n", again);
+    CHECK(strstr(again, "Paris") != NULL);
+    CHECK(r.prompt_tokens > 10);
+
+    /* A cancel requested while idle applies to the next run only. */
+    CHECK_STATUS(mlxcel_cancel(ctx), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_generate(ctx, "Once upon a time", greedy(40), NULL, NULL, NULL, 0, &r), MLXCEL_CANCELLED);
+    CHECK(r.finish_reason == MLXCEL_FINISH_CANCELLED && r.generated_tokens <= 1);
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", greedy(3), NULL, NULL, NULL, 0, &r), MLXCEL_OK);
+    CHECK(r.generated_tokens == 3);
+
+    CHECK_STATUS(mlxcel_context_free(ctx), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("generate: ok\n");
+}
+
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    mlxcel_context *ctx;
+    const char *prompt;
+    mlxcel_generate_params params;
+    atomic_int started;
+    atomic_int pieces;
+    mlxcel_status status;
+    mlxcel_generation_result result;
+    double finished_at;
+} Run;
+
+static bool count_pieces(const char *text, size_t len, int32_t token, void *user_data) {
+    (void)text;
+    (void)len;
+    (void)token;
+    atomic_fetch_add(&((Run *)user_data)->pieces, 1);
+    return true;
+}
+
+static void *run_thread(void *arg) {
+    Run *run = arg;
+    atomic_store(&run->started, 1);
+    run->status = mlxcel_generate(run->ctx, run->prompt, run->params, count_pieces, run, NULL, 0, &run->result);
+    run->finished_at = now();
+    return NULL;
+}
+
+static char *long_prompt(int repeats) {
+    const char *sentence = "The quick brown fox jumps over the lazy dog while the cat watches from the fence. ";
+    size_t len = strlen(sentence);
+    char *p = malloc(len * repeats + 1);
+    for (int i = 0; i < repeats; i++) memcpy(p + i * len, sentence, len);
+    p[len * repeats] = '\0';
+    return p;
+}
+
+static void test_cancel_prefill(void) {
+    mlxcel_model *model = load_default();
+    mlxcel_context *ctx = NULL;
+    CHECK_STATUS(mlxcel_context_new(model, &ctx), MLXCEL_OK);
+    char *prompt = long_prompt(120);  /* about 2,000 tokens */
+    size_t n = 0;
+    CHECK_STATUS(mlxcel_tokenize(model, prompt, true, NULL, 0, &n), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK(n > 1500 && n < 8000);
+
+    Run run = {.ctx = ctx, .prompt = prompt, .params = greedy(8)};
+    run.params.prefill_chunk = 32;
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, run_thread, &run) == 0);
+    while (!atomic_load(&run.started)) sleep_ms(1);
+    sleep_ms(400);
+    /* While it runs, the context is busy for other threads. */
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", greedy(2), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_BUSY);
+    double cancelled_at = now();
+    CHECK_STATUS(mlxcel_cancel(ctx), MLXCEL_OK);
+    CHECK(pthread_join(thread, NULL) == 0);
+    double latency = run.finished_at - cancelled_at;
+    printf("cancel during prefill of %zu tokens: returned %.3f s after mlxcel_cancel\n", n, latency);
+    CHECK_STATUS(run.status, MLXCEL_CANCELLED);
+    CHECK(run.result.finish_reason == MLXCEL_FINISH_CANCELLED);
+    CHECK(run.result.generated_tokens == 0 && atomic_load(&run.pieces) == 0);  /* still in the prompt */
+    CHECK(latency < 10.0);
+
+    /* Freeing the context cancels its run, which returns normally. */
+    Run run2 = {.ctx = ctx, .prompt = prompt, .params = greedy(8)};
+    run2.params.prefill_chunk = 32;
+    CHECK(pthread_create(&thread, NULL, run_thread, &run2) == 0);
+    while (!atomic_load(&run2.started)) sleep_ms(1);
+    sleep_ms(300);
+    CHECK_STATUS(mlxcel_context_free(ctx), MLXCEL_OK);
+    CHECK(pthread_join(thread, NULL) == 0);
+    CHECK_STATUS(run2.status, MLXCEL_CANCELLED);
+    CHECK(run2.result.generated_tokens == 0);
+    CHECK_STATUS(mlxcel_cancel(ctx), MLXCEL_ERR_INVALID_HANDLE);
+
+    free(prompt);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("cancel_prefill: ok\n");
+}
+
+static void test_cancel_decode(void) {
+    mlxcel_model *model = load_default();
+    mlxcel_context *ctx = NULL;
+    CHECK_STATUS(mlxcel_context_new(model, &ctx), MLXCEL_OK);
+    Run run = {.ctx = ctx, .prompt = "Count from one to one thousand in words: one, two, three,", .params = greedy(400)};
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, run_thread, &run) == 0);
+    while (atomic_load(&run.pieces) < 3) sleep_ms(2);
+    CHECK_STATUS(mlxcel_generate(ctx, "hi", greedy(2), NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_BUSY);
+    int at_cancel = atomic_load(&run.pieces);
+    double cancelled_at = now();
+    CHECK_STATUS(mlxcel_cancel(ctx), MLXCEL_OK);
+    CHECK(pthread_join(thread, NULL) == 0);
+    printf("cancel during decode after %d pieces: %zu tokens, returned %.3f s after mlxcel_cancel\n", at_cancel,
+           run.result.generated_tokens, run.finished_at - cancelled_at);
+    CHECK_STATUS(run.status, MLXCEL_CANCELLED);
+    CHECK(run.result.finish_reason == MLXCEL_FINISH_CANCELLED);
+    CHECK(run.result.generated_tokens >= 3 && run.result.generated_tokens < 400);
+    CHECK((int)run.result.generated_tokens <= at_cancel + 4);
+    size_t n = 0;
+    CHECK_STATUS(mlxcel_context_tokens(ctx, NULL, 0, &n), n > 0 ? MLXCEL_ERR_BUFFER_TOO_SMALL : MLXCEL_OK);
+    CHECK(n == run.result.generated_tokens);
+
+    /* The cancel was spent on that run: the next one completes. */
+    mlxcel_generation_result r;
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", greedy(2), NULL, NULL, NULL, 0, &r), MLXCEL_OK);
+    CHECK(r.generated_tokens == 2);
+    CHECK_STATUS(mlxcel_context_free(ctx), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("cancel_decode: ok\n");
+}
+
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    mlxcel_model *model;
+    const char *prompt;
+    char out[256];
+    mlxcel_status status;
+} Worker;
+
+static void *worker(void *arg) {
+    Worker *w = arg;
+    mlxcel_context *ctx = NULL;
+    w->status = mlxcel_context_new(w->model, &ctx);
+    if (w->status != MLXCEL_OK) return NULL;
+    w->status = mlxcel_generate(ctx, w->prompt, greedy(8), NULL, NULL, w->out, sizeof w->out, NULL);
+    mlxcel_status freed = mlxcel_context_free(ctx);
+    if (w->status == MLXCEL_OK) w->status = freed;
+    return NULL;
+}
+
+static void test_concurrent(void) {
+    mlxcel_model *model = load_default();
+    const char *prompts[2] = {"The capital of France is", "Once upon a time"};
+    char reference[2][256];
+    for (int i = 0; i < 2; i++) {
+        Worker w = {.model = model, .prompt = prompts[i]};
+        worker(&w);
+        CHECK_STATUS(w.status, MLXCEL_OK);
+        strcpy(reference[i], w.out);
+    }
+    Worker workers[4];
+    pthread_t threads[4];
+    for (int i = 0; i < 4; i++) {
+        workers[i] = (Worker){.model = model, .prompt = prompts[i % 2]};
+        CHECK(pthread_create(&threads[i], NULL, worker, &workers[i]) == 0);
+    }
+    for (int i = 0; i < 4; i++) CHECK(pthread_join(threads[i], NULL) == 0);
+    for (int i = 0; i < 4; i++) {
+        CHECK_STATUS(workers[i].status, MLXCEL_OK);
+        printf("thread %d: [%s]\n", i, workers[i].out);
+        CHECK(strcmp(workers[i].out, reference[i % 2]) == 0);
+    }
+    CHECK(strncmp(reference[0], " Paris", 6) == 0);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("concurrent: ok\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent\n", argv[0]);
+        return 2;
+    }
+    const char *t = argv[1];
+    if (strcmp(t, "errors") == 0) test_errors();
+    else if (strcmp(t, "buffers") == 0) test_buffers();
+    else if (strcmp(t, "generate") == 0) test_generate();
+    else if (strcmp(t, "cancel_prefill") == 0) test_cancel_prefill();
+    else if (strcmp(t, "cancel_decode") == 0) test_cancel_decode();
+    else if (strcmp(t, "concurrent") == 0) test_concurrent();
+    else {
+        fprintf(stderr, "unknown test %s\n", t);
+        return 2;
+    }
+    return 0;
+}
