@@ -62,6 +62,9 @@ struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Also print the generated token ids to stderr.
+    #[arg(long)]
+    show_tokens: bool,
 }
 
 #[derive(Args)]
@@ -143,6 +146,9 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
         stdout.write_all(piece.text.as_bytes()).and_then(|_| stdout.flush()).is_ok()
     })?;
     let _ = writeln!(stdout);
+    if args.show_tokens {
+        eprintln!("tokens: {:?}", output.tokens);
+    }
     let s = &output.stats;
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | time to first token: {:.3} s | peak memory: {} | finish: {}",

@@ -1,0 +1,205 @@
+"""Type stubs for the mlxcel._mlxcel extension (re-exported by ``mlxcel``)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Union
+
+__version__: str
+#: The pinned MLX version the extension was built against.
+MLX_VERSION: str
+
+#: An OpenAI-style chat message, e.g. ``{"role": "user", "content": "Hi"}``.
+Message = Mapping[str, Any]
+#: Text, or token ids used as they are.
+PromptLike = Union[str, Sequence[int]]
+Stop = Union[str, Sequence[str], None]
+
+def load(path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: int = 64) -> Model:
+    """Loads a model directory (MLX / Hugging Face layout).
+
+    ``None`` loads the default model, SmolLM2-135M-Instruct, fetched and
+    converted into ``~/.cache/mlxcel`` on first use. ``prefill_chunk`` is the
+    number of prompt tokens per forward pass: small values let Ctrl-C and
+    ``Stream.close()`` take effect sooner during a long prompt.
+
+    Raises ModelLoadError.
+    """
+
+def default_model_path() -> pathlib.Path:
+    """The default model's directory, fetched and converted on first use."""
+
+class Chunk:
+    """One piece of streamed text.
+
+    ``finish_reason`` is None on every chunk but the last one, which has empty
+    ``text``, ``token`` None and ``finish_reason`` "stop" (EOS or a stop
+    string), "length" (max_tokens) or "cancelled".
+    """
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def token(self) -> Optional[int]:
+        """The token that completed this text (None on the last chunk)."""
+    @property
+    def finish_reason(self) -> Optional[str]: ...
+
+class Stream(Iterator[Chunk]):
+    """Chunks of a generation running on a background thread.
+
+    Closing it (``close()``, leaving a ``with`` block, or dropping it) cancels
+    the generation. Ctrl-C while waiting for a chunk cancels it and raises
+    KeyboardInterrupt.
+    """
+
+    def __iter__(self) -> Stream: ...
+    def __next__(self) -> Chunk: ...
+    def close(self) -> None:
+        """Cancels the generation; iteration then ends. Safe from any thread."""
+    def __enter__(self) -> Stream: ...
+    def __exit__(self, *args: object) -> bool: ...
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """"stop", "length" or "cancelled" once the stream has ended, else None."""
+    @property
+    def text(self) -> Optional[str]:
+        """The whole generated text once the stream has ended, else None."""
+    @property
+    def tokens(self) -> Optional[List[int]]:
+        """All generated token ids once the stream has ended, else None."""
+    @property
+    def stats(self) -> Optional[dict[str, Union[int, float]]]:
+        """prompt_tokens, generated_tokens, time_to_first_token (s),
+        prompt_tokens_per_second, decode_tokens_per_second, peak_memory_bytes;
+        None until the stream has ended."""
+
+class ModelInfo:
+    """What a checkpoint is: architecture, size and quantization."""
+
+    @property
+    def architecture(self) -> str:
+        """The config's ``model_type``, e.g. "llama"."""
+    @property
+    def parameters(self) -> int: ...
+    @property
+    def bytes(self) -> int:
+        """Bytes of weights as stored (quantized or not)."""
+    @property
+    def quantization(self) -> Optional[dict[str, int]]:
+        """``{"bits": ..., "group_size": ...}`` of the quantization that covers
+        most parameters; None for an unquantized model."""
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def context_length(self) -> Optional[int]: ...
+    @property
+    def dtype(self) -> str:
+        """The compute dtype, e.g. "float16"."""
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer's kind, e.g. "BPE (byte-level)"."""
+    @property
+    def groups(self) -> List[dict[str, Any]]:
+        """Per module group: name, count, quantization, dtype, parameters."""
+    def to_dict(self) -> dict[str, Any]: ...
+
+class Model:
+    """A loaded model. One Model may be used from several threads at once;
+    every call releases the GIL while MLX works."""
+
+    def __init__(self, path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: int = 64) -> None:
+        """Same as ``mlxcel.load(path)``."""
+    def generate(
+        self,
+        prompt: PromptLike,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_context_size: int = 20,
+        seed: Optional[int] = None,
+        stop: Stop = None,
+    ) -> str:
+        """Generates a continuation of ``prompt``.
+
+        temperature 0 is greedy; top_k 0, top_p 1, min_p 0 and
+        repetition_penalty 1 turn those filters off. ``seed`` makes sampling
+        reproducible. Generation stops at EOS, ``max_tokens``, or before the
+        first occurrence of a ``stop`` string.
+
+        Raises InvalidParameter (bad values, empty or too long prompt),
+        TypeError (wrong types), GenerationError, KeyboardInterrupt.
+        """
+    def stream(
+        self,
+        prompt: PromptLike,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_context_size: int = 20,
+        seed: Optional[int] = None,
+        stop: Stop = None,
+    ) -> Stream:
+        """Like ``generate``, yielding Chunks as the text is generated."""
+    def chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_context_size: int = 20,
+        seed: Optional[int] = None,
+        stop: Stop = None,
+    ) -> str:
+        """The assistant's reply to ``messages``, rendered with the model's
+        chat template (with the generation prompt)."""
+    def chat_stream(
+        self,
+        messages: Sequence[Message],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_context_size: int = 20,
+        seed: Optional[int] = None,
+        stop: Stop = None,
+    ) -> Stream:
+        """Like ``chat``, yielding Chunks."""
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]: ...
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str: ...
+    @property
+    def info(self) -> ModelInfo: ...
+    @property
+    def path(self) -> pathlib.Path:
+        """The checkpoint directory."""
+    @property
+    def eos_token_ids(self) -> List[int]: ...
+    @property
+    def prefill_chunk(self) -> int: ...
+
+def _matmul_seconds(n: int = 1024) -> float: ...
+def _shutdown(timeout: float = 10.0) -> int:
+    """Waits for cancelled generations to stop (registered with atexit)."""
+
+def _default_model_source() -> dict[str, Any]: ...

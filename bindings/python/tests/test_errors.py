@@ -1,0 +1,117 @@
+"""Bad input: clear exceptions of the right class."""
+
+import json
+
+import pytest
+
+import mlxcel
+from mlxcel import GenerationError, InvalidParameter, MlxcelError, ModelLoadError, TokenizerError
+
+
+def test_exception_hierarchy():
+    for cls in (ModelLoadError, InvalidParameter, GenerationError, TokenizerError):
+        assert issubclass(cls, MlxcelError)
+    assert issubclass(InvalidParameter, ValueError)
+    assert issubclass(MlxcelError, Exception)
+    assert MlxcelError.__module__ == "mlxcel"
+
+
+def test_bad_path_raises_model_load_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such model directory"):
+        mlxcel.load(tmp_path / "does-not-exist")
+    with pytest.raises(ModelLoadError):
+        mlxcel.load(str(tmp_path))  # empty directory: no config.json / tokenizer
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(MlxcelError):
+        mlxcel.load(tmp_path)
+
+
+def test_unknown_architecture(tmp_path, model):
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model.path}/{name}", tmp_path / name)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))
+    with pytest.raises(ModelLoadError, match="no-such-arch"):
+        mlxcel.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_context_size": -1}, "repetition_context_size"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+    ],
+)
+def test_invalid_parameters(model, kwargs, name):
+    for call in (
+        lambda: model.generate("Hi", **kwargs),
+        lambda: model.stream("Hi", **kwargs),
+        lambda: model.chat([{"role": "user", "content": "Hi"}], **kwargs),
+        lambda: model.chat_stream([{"role": "user", "content": "Hi"}], **kwargs),
+    ):
+        with pytest.raises(InvalidParameter) as err:
+            call()
+        assert err.value.name == name
+        assert name in str(err.value)
+
+
+def test_bad_prompts(model):
+    with pytest.raises(InvalidParameter, match="empty"):
+        model.generate([])
+    with pytest.raises(InvalidParameter, match="vocabulary"):
+        model.generate([10**6])
+    with pytest.raises(InvalidParameter, match="context"):
+        model.generate([42] * 9000, max_tokens=1)
+    with pytest.raises(InvalidParameter):
+        model.generate([-1])
+    with pytest.raises(InvalidParameter):
+        mlxcel.load(model.path, prefill_chunk=0)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.generate(123),
+        lambda m: m.generate(None),
+        lambda m: m.generate(b"bytes"),
+        lambda m: m.generate(["a", "b"]),
+        lambda m: m.generate({"role": "user"}),
+        lambda m: m.generate("Hi", temperature="hot"),
+        lambda m: m.generate("Hi", max_tokens=1.5),
+        lambda m: m.generate("Hi", max_tokens="8"),
+        lambda m: m.generate("Hi", seed="x"),
+        lambda m: m.generate("Hi", stop=5),
+        lambda m: m.generate("Hi", stop=["ok", 5]),
+        lambda m: m.generate("Hi", no_such_option=1),
+        lambda m: m.generate("Hi", 8),  # options are keyword-only
+        lambda m: m.stream(3.5),
+        lambda m: m.chat("Hello"),
+        lambda m: m.chat({"role": "user", "content": "Hi"}),
+        lambda m: m.chat(["Hello"]),
+        lambda m: m.chat([{"content": "no role"}]),
+        lambda m: m.chat([{"role": 1, "content": "Hi"}]),
+        lambda m: m.chat([{"role": "user", "content": 5}]),
+        lambda m: m.chat([{"role": "user", "content": object()}]),
+        lambda m: m.chat_stream(None),
+        lambda m: m.apply_chat_template("Hello"),
+        lambda m: m.tokenize(b"bytes"),
+        lambda m: m.tokenize(None),
+        lambda m: m.detokenize("abc"),
+        lambda m: m.detokenize([1, "2"]),
+        lambda m: mlxcel.load(42),
+    ],
+)
+def test_wrong_types_raise_type_error(model, call):
+    with pytest.raises(TypeError):
+        call(model)
