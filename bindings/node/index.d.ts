@@ -1,0 +1,140 @@
+// Type definitions for require('mlxcel').
+
+/** An OpenAI-style chat message. */
+export interface Message {
+  role: 'system' | 'user' | 'assistant' | (string & {})
+  content: string
+}
+
+/** Options of generate(), stream(), chat() and chatStream(). All are optional. */
+export interface GenerateOptions {
+  /** Most tokens to generate (default 256). */
+  maxTokens?: number
+  /** 0 (the default) is greedy decoding. */
+  temperature?: number
+  /** Nucleus sampling: keep the smallest set of tokens reaching this probability; 1 (default) is off. */
+  topP?: number
+  /** Keep only the k most likely tokens; 0 (default) is off. */
+  topK?: number
+  /** Drop tokens less likely than minP times the most likely one; 0 (default) is off. */
+  minP?: number
+  /** Penalize recently generated tokens; 1 (default) is off. */
+  repetitionPenalty?: number
+  /** How many recent tokens the repetition penalty looks at (default 20). */
+  repetitionContextSize?: number
+  /** Seed for reproducible sampling: an integer in [0, 2^53). Without one, each call draws a seed. */
+  seed?: number
+  /** Stop before the first occurrence of any of these strings (not included in the output). */
+  stop?: string | string[]
+  /** Aborting cancels the generation (in the prompt too) and rejects with an AbortError (code 'CANCELLED'). */
+  signal?: AbortSignal
+  /** Prompt tokens evaluated per forward pass (default 64); smaller makes aborts during a long prompt land sooner. */
+  prefillChunk?: number
+}
+
+export type FinishReason = 'stop' | 'length' | 'cancelled'
+
+export interface GenerationStats {
+  promptTokens: number
+  generatedTokens: number
+  /** Prefill, up to and including the first token (time to first token). */
+  promptMs: number
+  /** From the first token to the last. */
+  decodeMs: number
+}
+
+/** A piece of streamed text. */
+export interface Chunk {
+  /** Complete UTF-8 text; '' on the final chunk. */
+  text: string
+  /** The token that completed this text; null on the final chunk. */
+  token: number | null
+  /** null until the final chunk, which has the reason and the stats. */
+  finishReason: FinishReason | null
+  stats?: GenerationStats
+}
+
+/** A running generation. Starts when iteration starts; leaving the loop early cancels it. */
+export interface GenerationStream extends AsyncIterableIterator<Chunk> {
+  [Symbol.asyncIterator](): GenerationStream
+}
+
+export interface ModelInfo {
+  /** `model_type` from config.json, e.g. 'llama'. */
+  readonly modelType: string
+  /** The checkpoint directory. */
+  readonly path: string
+  readonly parameters: number
+  readonly weightBytes: number
+  readonly numLayers: number
+  readonly hiddenSize: number
+  readonly vocabSize: number
+  /** The model's context window, when config.json gives one. */
+  readonly contextLength?: number
+  /** The dtype of activations and the KV cache, e.g. 'float16'. */
+  readonly dtype: string
+  readonly tokenizerKind: string
+  readonly tokenizerVocabSize: number
+  readonly eosTokenIds: readonly number[]
+  readonly bosTokenId?: number
+  readonly hasChatTemplate: boolean
+}
+
+/**
+ * Error codes on the `code` property of every error mlxcel throws or rejects with:
+ * - MODEL_LOAD: loadModel() failed (bad path, bad checkpoint, download failed).
+ * - INVALID_ARGUMENT: an argument has the wrong type (the error is a TypeError).
+ * - INVALID_PARAMETER: a value is out of range (`param` names the option).
+ * - EMPTY_PROMPT, PROMPT_TOO_LONG: the prompt tokenizes to nothing / past the context window.
+ * - CANCELLED: the signal was aborted (the error's name is 'AbortError', `cause` the abort reason).
+ * - GENERATION: the model failed while generating.
+ * - TOKENIZER, CHAT_TEMPLATE: tokenize()/detokenize() or applyChatTemplate() failed.
+ * - ADDON_LOAD: the native addon is missing or could not be loaded (thrown by require()).
+ */
+export type ErrorCode =
+  | 'MODEL_LOAD'
+  | 'INVALID_ARGUMENT'
+  | 'INVALID_PARAMETER'
+  | 'EMPTY_PROMPT'
+  | 'PROMPT_TOO_LONG'
+  | 'CANCELLED'
+  | 'GENERATION'
+  | 'TOKENIZER'
+  | 'CHAT_TEMPLATE'
+  | 'ADDON_LOAD'
+
+export interface MlxcelError extends Error {
+  code: ErrorCode
+  /** On INVALID_PARAMETER: the option at fault, e.g. 'temperature'. */
+  param?: string
+}
+
+/**
+ * A loaded model. Generations run on native threads, never on the event loop;
+ * several may run at once on one model.
+ */
+export declare class Model {
+  private constructor()
+  readonly info: ModelInfo
+  /** Token ids of `text` (with the tokenizer's special tokens, e.g. BOS, unless addSpecialTokens is false). */
+  tokenize(text: string, options?: { addSpecialTokens?: boolean }): number[]
+  detokenize(ids: ArrayLike<number>, options?: { skipSpecialTokens?: boolean }): string
+  /** Renders messages with the model's chat template (with the assistant prompt, unless addGenerationPrompt is false). */
+  applyChatTemplate(messages: Message[], options?: { addGenerationPrompt?: boolean }): string
+  /** Continues a prompt (text, or token ids used as they are) and resolves to the generated text. */
+  generate(prompt: string | ArrayLike<number>, options?: GenerateOptions): Promise<string>
+  /** Like generate(), chunk by chunk: `for await (const { text } of model.stream(prompt)) ...` */
+  stream(prompt: string | ArrayLike<number>, options?: GenerateOptions): GenerationStream
+  /** Answers chat messages, rendered with the model's chat template. */
+  chat(messages: Message[], options?: GenerateOptions): Promise<string>
+  chatStream(messages: Message[], options?: GenerateOptions): GenerationStream
+}
+
+/**
+ * Loads a model directory (MLX / Hugging Face layout: config.json, safetensors,
+ * tokenizer.json), off the event loop. Without a path, loads the default model
+ * (SmolLM2-135M-Instruct), downloading and converting it into the cache
+ * directory ($MLXCEL_CACHE_DIR or ~/.cache/mlxcel) on first use.
+ * Rejects with code MODEL_LOAD on failure.
+ */
+export declare function loadModel(path?: string): Promise<Model>

@@ -1,0 +1,410 @@
+// require('mlxcel'): in-process LLM inference over MLX.
+//
+// This file loads the native addon (mlxcel.<platform>.node, built by
+// scripts/build.js or `napi build --platform`) and builds the public API on
+// it: promises, async iterators, AbortSignal support, argument checking and
+// error codes. The model runs on native threads; nothing here blocks the
+// event loop.
+'use strict'
+
+const path = require('node:path')
+const { addonFileName } = require('./platform')
+
+// ------------------------------------------------------------ the addon
+
+function loadAddon() {
+  const override = process.env.MLXCEL_NODE_ADDON
+  const file = override ? path.resolve(override) : path.join(__dirname, addonFileName())
+  try {
+    return require(file)
+  } catch (cause) {
+    const missing = cause && cause.code === 'MODULE_NOT_FOUND' && String(cause.message).includes(file)
+    let hint = missing
+      ? `it has not been built: run \`npm run build\` in ${__dirname} (needs cargo)`
+      : `it could not be loaded: ${cause && cause.message}`
+    if (!missing && /libmlx/.test(String(cause && cause.message))) {
+      hint += ' (the addon finds libmlx through the rpath it was built with; rebuild it with `npm run build` after moving or clearing the MLX folder, see README.md)'
+    }
+    const error = new Error(`mlxcel: native addon ${file}: ${hint}`, { cause })
+    error.code = 'ADDON_LOAD'
+    throw error
+  }
+}
+
+const native = loadAddon()
+
+// ------------------------------------------------------------ errors
+
+function codedError(code, message, Ctor = Error, extra) {
+  const error = new Ctor(message)
+  error.code = code
+  if (extra) Object.assign(error, extra)
+  return error
+}
+
+function argumentError(message) {
+  return codedError('INVALID_ARGUMENT', message, TypeError)
+}
+
+const camel = (name) => name.replace(/_([a-z])/g, (_, c) => c.toUpperCase())
+
+// An error thrown by the addon's synchronous calls: napi puts its status in
+// `code` ('InvalidArg' for a bad parameter).
+function fromNative(error, code) {
+  if (error && error.code === 'InvalidArg') code = 'INVALID_PARAMETER'
+  return withParam(codedError(code, error && error.message ? error.message : String(error)))
+}
+
+// Names the offending option (camelCase, as passed) on INVALID_PARAMETER.
+function withParam(error) {
+  const match = /invalid parameter `(\w+)`/.exec(error.message)
+  if (error.code === 'INVALID_PARAMETER' && match) error.param = camel(match[1])
+  return error
+}
+
+function abortError(signal) {
+  const error = codedError('CANCELLED', 'The operation was aborted')
+  error.name = 'AbortError'
+  if (signal && signal.reason !== undefined) error.cause = signal.reason
+  return error
+}
+
+// ------------------------------------------------------------ arguments
+
+const INTEGER_OPTIONS = {
+  maxTokens: [1, 0xffffffff],
+  topK: [0, 0xffffffff],
+  repetitionContextSize: [0, 0xffffffff],
+  seed: [0, Number.MAX_SAFE_INTEGER],
+  prefillChunk: [1, 0xffffffff],
+}
+const NUMBER_OPTIONS = ['temperature', 'topP', 'minP', 'repetitionPenalty']
+const KNOWN_OPTIONS = new Set([...Object.keys(INTEGER_OPTIONS), ...NUMBER_OPTIONS, 'stop', 'signal'])
+
+function isAbortSignal(value) {
+  return (
+    value != null &&
+    typeof value === 'object' &&
+    typeof value.aborted === 'boolean' &&
+    typeof value.addEventListener === 'function' &&
+    typeof value.removeEventListener === 'function'
+  )
+}
+
+// Checks generation options (types here, ranges in the engine) and splits
+// them into the addon's options and the AbortSignal.
+function parseOptions(model, opts) {
+  if (opts === undefined || opts === null) opts = {}
+  if (typeof opts !== 'object' || Array.isArray(opts)) throw argumentError('options must be an object')
+  const options = {}
+  let signal = null
+  for (const [key, value] of Object.entries(opts)) {
+    if (!KNOWN_OPTIONS.has(key)) {
+      throw argumentError(`unknown option \`${key}\` (known: ${[...KNOWN_OPTIONS].join(', ')})`)
+    }
+    if (value === undefined || value === null) continue
+    if (key === 'signal') {
+      if (!isAbortSignal(value)) throw argumentError('option `signal` must be an AbortSignal')
+      signal = value
+    } else if (key === 'stop') {
+      const stop = typeof value === 'string' ? [value] : value
+      if (!Array.isArray(stop) || !stop.every((s) => typeof s === 'string')) {
+        throw argumentError('option `stop` must be a string or an array of strings')
+      }
+      options.stop = stop
+    } else {
+      if (typeof value !== 'number') throw argumentError(`option \`${key}\` must be a number, got ${typeof value}`)
+      if (key in INTEGER_OPTIONS) {
+        const [min, max] = INTEGER_OPTIONS[key]
+        if (!Number.isInteger(value) || value < min || value > max) {
+          throw codedError('INVALID_PARAMETER', `invalid parameter \`${key}\`: must be an integer in [${min}, ${max}], got ${value}`, RangeError, { param: key })
+        }
+      }
+      options[key] = value
+    }
+  }
+  try {
+    model.validateOptions(options)
+  } catch (error) {
+    throw fromNative(error, 'INVALID_PARAMETER')
+  }
+  return { options, signal }
+}
+
+function checkMessages(messages) {
+  if (!Array.isArray(messages)) throw argumentError('messages must be an array of { role, content } objects')
+  return messages.map((m, i) => {
+    if (m === null || typeof m !== 'object' || typeof m.role !== 'string' || typeof m.content !== 'string') {
+      throw argumentError(`messages[${i}] must be an object with string \`role\` and \`content\``)
+    }
+    return { role: m.role, content: m.content }
+  })
+}
+
+function checkTokenIds(ids, what) {
+  if (!Array.isArray(ids) && !ArrayBuffer.isView(ids)) throw argumentError(`${what} must be an array of token ids`)
+  const list = Array.from(ids)
+  for (const id of list) {
+    if (!Number.isInteger(id) || id < 0 || id > 0xffffffff) {
+      throw argumentError(`${what} must hold non-negative integer token ids, got ${id}`)
+    }
+  }
+  return list
+}
+
+function textPrompt(prompt) {
+  if (typeof prompt === 'string') return { text: prompt }
+  if (Array.isArray(prompt) || ArrayBuffer.isView(prompt)) return { tokens: checkTokenIds(prompt, 'a token prompt') }
+  throw argumentError('the prompt must be a string or an array of token ids')
+}
+
+// ------------------------------------------------------------ generation
+
+// Generations whose native thread may still be running. When the process
+// exits (process.exit(), or the loop ends with a generation abandoned), they
+// are cancelled and joined first: tearing MLX and OpenBLAS down while another
+// thread is inside them can hang or crash the exit.
+const running = new Set()
+const EXIT_WAIT_MS = 10_000
+
+function stopAllOnExit() {
+  for (const handle of running) handle.cancel()
+  const deadline = Date.now() + EXIT_WAIT_MS
+  for (const handle of running) {
+    if (!handle.waitFinished(Math.max(0, deadline - Date.now()))) break
+  }
+  running.clear()
+}
+process.once('exit', stopAllOnExit)
+
+// Starts one native generation. `onPiece(text, token)` gets each piece;
+// `onEnd(error, done)` is called once, when the native thread has stopped.
+// An aborted signal cancels it; it then ends with an AbortError.
+function startGeneration(model, prompt, options, signal, onPiece, onEnd) {
+  if (signal && signal.aborted) {
+    onEnd(abortError(signal))
+    return { cancel() {} }
+  }
+  let handle = null
+  let ended = false
+  const onAbort = () => handle && handle.cancel()
+  const onEvent = (event) => {
+    if (ended) return
+    if (event.kind === 'piece') {
+      onPiece(event.text, event.token)
+      return
+    }
+    ended = true
+    running.delete(handle)
+    if (signal) signal.removeEventListener('abort', onAbort)
+    if (signal && signal.aborted) onEnd(abortError(signal))
+    else if (event.kind === 'error') onEnd(withParam(codedError(event.code || 'GENERATION', event.message)))
+    else onEnd(null, event)
+  }
+  try {
+    handle = model.start(prompt, options, onEvent)
+  } catch (error) {
+    onEnd(fromNative(error, 'GENERATION'))
+    return { cancel() {} }
+  }
+  if (!ended) running.add(handle)
+  if (signal) signal.addEventListener('abort', onAbort, { once: true })
+  return handle
+}
+
+function generateText(model, prompt, opts) {
+  return new Promise((resolve, reject) => {
+    const { options, signal } = parseOptions(model, opts)
+    let text = ''
+    startGeneration(
+      model,
+      prompt,
+      options,
+      signal,
+      (piece) => {
+        text += piece
+      },
+      (error) => (error ? reject(error) : resolve(text)),
+    )
+  })
+}
+
+function statsOf(done) {
+  return {
+    promptTokens: done.promptTokens,
+    generatedTokens: done.generatedTokens,
+    promptMs: done.promptMs,
+    decodeMs: done.decodeMs,
+  }
+}
+
+// The async iterator `stream()` returns. The generation starts at the first
+// `next()`; leaving a `for await` loop early (`return()`) cancels it.
+class GenerationStream {
+  #model
+  #prompt
+  #options
+  #signal
+  #handle = null
+  #chunks = []
+  #waiters = []
+  #error = null
+  #finished = false
+
+  constructor(model, prompt, options, signal) {
+    this.#model = model
+    this.#prompt = prompt
+    this.#options = options
+    this.#signal = signal
+  }
+
+  [Symbol.asyncIterator]() {
+    return this
+  }
+
+  #start() {
+    this.#handle = startGeneration(
+      this.#model,
+      this.#prompt,
+      this.#options,
+      this.#signal,
+      (text, token) => this.#push({ text, token, finishReason: null }),
+      (error, done) => {
+        if (error) this.#error = error
+        else this.#push({ text: '', token: null, finishReason: done.finishReason, stats: statsOf(done) })
+        this.#finished = true
+        this.#flush()
+      },
+    )
+  }
+
+  #push(chunk) {
+    this.#chunks.push(chunk)
+    this.#flush()
+  }
+
+  #flush() {
+    while (this.#waiters.length > 0) {
+      if (this.#chunks.length > 0) {
+        this.#waiters.shift().resolve({ value: this.#chunks.shift(), done: false })
+      } else if (this.#error) {
+        const error = this.#error
+        this.#error = null
+        this.#chunks = []
+        this.#waiters.shift().reject(error)
+      } else if (this.#finished) {
+        this.#waiters.shift().resolve({ value: undefined, done: true })
+      } else {
+        break
+      }
+    }
+  }
+
+  next() {
+    if (this.#handle === null && !this.#finished) this.#start()
+    return new Promise((resolve, reject) => {
+      this.#waiters.push({ resolve, reject })
+      this.#flush()
+    })
+  }
+
+  return() {
+    if (this.#handle !== null && !this.#finished) this.#handle.cancel()
+    this.#finished = true
+    this.#chunks = []
+    this.#error = null
+    this.#flush()
+    return Promise.resolve({ value: undefined, done: true })
+  }
+}
+
+// ------------------------------------------------------------ the model
+
+/** A loaded model; get one from `loadModel()`. */
+class Model {
+  #native
+  #info
+
+  constructor(nativeModel) {
+    if (!(nativeModel instanceof native.NativeModel)) {
+      throw argumentError('use `await loadModel(path)` to get a Model')
+    }
+    this.#native = nativeModel
+    this.#info = Object.freeze(nativeModel.info)
+  }
+
+  /** What the model is: architecture, sizes, tokenizer, path. */
+  get info() {
+    return this.#info
+  }
+
+  tokenize(text, { addSpecialTokens = true } = {}) {
+    if (typeof text !== 'string') throw argumentError('text must be a string')
+    try {
+      return this.#native.tokenize(text, Boolean(addSpecialTokens))
+    } catch (error) {
+      throw fromNative(error, 'TOKENIZER')
+    }
+  }
+
+  detokenize(ids, { skipSpecialTokens = false } = {}) {
+    const list = checkTokenIds(ids, 'ids')
+    try {
+      return this.#native.detokenize(list, Boolean(skipSpecialTokens))
+    } catch (error) {
+      throw fromNative(error, 'TOKENIZER')
+    }
+  }
+
+  applyChatTemplate(messages, { addGenerationPrompt = true } = {}) {
+    const list = checkMessages(messages)
+    try {
+      return this.#native.applyChatTemplate(list, Boolean(addGenerationPrompt))
+    } catch (error) {
+      throw fromNative(error, 'CHAT_TEMPLATE')
+    }
+  }
+
+  /** Continues `prompt` (a string, or token ids); resolves to the generated text. */
+  async generate(prompt, opts) {
+    return generateText(this.#native, textPrompt(prompt), opts)
+  }
+
+  /** Like generate(), as an async iterator of `{ text, token, finishReason }` chunks. */
+  stream(prompt, opts) {
+    const p = textPrompt(prompt)
+    const { options, signal } = parseOptions(this.#native, opts)
+    return new GenerationStream(this.#native, p, options, signal)
+  }
+
+  /** Answers OpenAI-style `{ role, content }` messages with the model's chat template. */
+  async chat(messages, opts) {
+    return generateText(this.#native, { messages: checkMessages(messages) }, opts)
+  }
+
+  chatStream(messages, opts) {
+    const p = { messages: checkMessages(messages) }
+    const { options, signal } = parseOptions(this.#native, opts)
+    return new GenerationStream(this.#native, p, options, signal)
+  }
+}
+
+/**
+ * Loads a model directory (MLX / Hugging Face layout). Without a path, loads
+ * the default model (SmolLM2-135M-Instruct), downloading and converting it
+ * into the cache directory on first use. Runs off the event loop.
+ */
+async function loadModel(modelPath) {
+  if (modelPath !== undefined && modelPath !== null && typeof modelPath !== 'string') {
+    throw argumentError('the model path must be a string (or undefined for the default model)')
+  }
+  let nativeModel
+  try {
+    nativeModel = await native.loadModel(modelPath == null ? undefined : modelPath)
+  } catch (error) {
+    throw codedError('MODEL_LOAD', error && error.message ? error.message : String(error))
+  }
+  return new Model(nativeModel)
+}
+
+module.exports = { loadModel, Model }

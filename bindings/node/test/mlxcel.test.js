@@ -1,0 +1,368 @@
+// Tests of require('mlxcel') on the default model (SmolLM2-135M-Instruct,
+// fetched into the cache on first use). Run: node --test test/
+'use strict'
+
+const { test, before, describe } = require('node:test')
+const assert = require('node:assert/strict')
+const { spawnSync } = require('node:child_process')
+const path = require('node:path')
+const { loadModel, Model } = require('..')
+
+const CAPITAL = 'The capital of France is'
+// A prompt of about 250 tokens: prefill takes several chunks.
+const LONG_PROMPT = 'The quick brown fox jumps over the lazy dog. '.repeat(25)
+
+let model
+
+before(async () => {
+  model = await loadModel()
+})
+
+async function collect(iterable) {
+  const chunks = []
+  for await (const chunk of iterable) chunks.push(chunk)
+  return chunks
+}
+
+async function rejectsWith(promise, code, name) {
+  await assert.rejects(promise, (error) => {
+    assert.ok(error instanceof Error, `expected an Error, got ${error}`)
+    assert.equal(error.code, code, `${error.name}: ${error.message}`)
+    if (name) assert.equal(error.name, name)
+    return true
+  })
+}
+
+function throwsWith(fn, code, Ctor = Error) {
+  assert.throws(fn, (error) => {
+    assert.ok(error instanceof Ctor, `expected ${Ctor.name}, got ${error}`)
+    assert.equal(error.code, code, error.message)
+    return true
+  })
+}
+
+describe('model', () => {
+  test('loadModel() loads the default model', () => {
+    assert.ok(model instanceof Model)
+    const info = model.info
+    assert.equal(info.modelType, 'llama')
+    assert.equal(info.numLayers, 30)
+    assert.equal(info.vocabSize, 49152)
+    assert.ok(info.parameters > 100e6)
+    assert.ok(info.path.includes('SmolLM2-135M-Instruct'))
+    assert.ok(info.hasChatTemplate)
+    assert.ok(Object.isFrozen(info))
+  })
+
+  test('tokenize, detokenize and applyChatTemplate', () => {
+    const ids = model.tokenize('Hello world')
+    assert.ok(Array.isArray(ids) && ids.length > 0 && ids.every(Number.isInteger))
+    assert.equal(model.detokenize(ids), 'Hello world')
+    assert.equal(model.detokenize(new Uint32Array(ids)), 'Hello world')
+    const rendered = model.applyChatTemplate([{ role: 'user', content: 'Hi there' }])
+    assert.match(rendered, /<\|im_start\|>user\nHi there<\|im_end\|>/)
+    assert.ok(rendered.endsWith('<|im_start|>assistant\n'))
+    const noPrompt = model.applyChatTemplate([{ role: 'user', content: 'Hi there' }], { addGenerationPrompt: false })
+    assert.ok(!noPrompt.endsWith('<|im_start|>assistant\n'))
+  })
+})
+
+describe('generate', () => {
+  test('greedy continuation of "The capital of France is" starts with " Paris"', async () => {
+    const text = await model.generate(CAPITAL, { maxTokens: 8 })
+    assert.equal(typeof text, 'string')
+    assert.ok(text.startsWith(' Paris'), JSON.stringify(text))
+  })
+
+  test('a token-id prompt gives the same text as the string', async () => {
+    const fromText = await model.generate(CAPITAL, { maxTokens: 6 })
+    const fromIds = await model.generate(model.tokenize(CAPITAL), { maxTokens: 6 })
+    assert.equal(fromIds, fromText)
+  })
+
+  test('stop strings end the text before them', async () => {
+    const text = await model.generate(CAPITAL, { maxTokens: 12, stop: ['.'] })
+    assert.equal(text, ' Paris')
+  })
+
+  test('stream chunks concatenate to the generated text', async () => {
+    const expected = await model.generate(CAPITAL, { maxTokens: 8 })
+    const chunks = await collect(model.stream(CAPITAL, { maxTokens: 8 }))
+    const last = chunks.at(-1)
+    assert.equal(last.finishReason, 'length')
+    assert.equal(last.text, '')
+    assert.equal(last.stats.generatedTokens, 8)
+    for (const chunk of chunks.slice(0, -1)) {
+      assert.equal(typeof chunk.text, 'string')
+      assert.ok(Number.isInteger(chunk.token))
+      assert.equal(chunk.finishReason, null)
+    }
+    assert.ok(chunks.length >= 3)
+    assert.equal(chunks.map((c) => c.text).join(''), expected)
+  })
+
+  test('seeded sampling is reproducible', async () => {
+    const opts = { maxTokens: 8, temperature: 1.0, topP: 0.95, seed: 42 }
+    const a = await model.generate('Once upon a time', opts)
+    const b = await model.generate('Once upon a time', opts)
+    assert.equal(a, b)
+    const c = await model.generate('Once upon a time', { ...opts, seed: 43 })
+    const d = await model.generate('Once upon a time', { ...opts, seed: 44 })
+    assert.ok(c !== a || d !== a, 'other seeds should give other text')
+  })
+
+  test('four concurrent generations match the same four run one by one', async () => {
+    const prompts = [CAPITAL, 'The largest planet is', 'Water is made of', 'My favourite colour is']
+    const opts = { maxTokens: 8 }
+    const sequential = []
+    for (const p of prompts) sequential.push(await model.generate(p, opts))
+    const concurrent = await Promise.all(prompts.map((p) => model.generate(p, opts)))
+    assert.deepEqual(concurrent, sequential)
+  })
+
+  test('a setInterval timer keeps firing while the model generates', async () => {
+    let ticks = 0
+    let last = Date.now()
+    let maxGap = 0
+    const timer = setInterval(() => {
+      const now = Date.now()
+      maxGap = Math.max(maxGap, now - last)
+      last = now
+      ticks++
+    }, 10)
+    const started = Date.now()
+    try {
+      await model.generate(CAPITAL, { maxTokens: 16 })
+    } finally {
+      clearInterval(timer)
+    }
+    const elapsed = Date.now() - started
+    assert.ok(elapsed > 100, `generation took only ${elapsed} ms: too short to tell`)
+    assert.ok(ticks >= 5, `${ticks} ticks in ${elapsed} ms`)
+    assert.ok(maxGap < Math.max(500, elapsed / 4), `the timer stalled for ${maxGap} ms of ${elapsed} ms`)
+  })
+})
+
+describe('chat', () => {
+  const question = [
+    { role: 'system', content: 'You are a concise assistant.' },
+    { role: 'user', content: 'What is the capital of France?' },
+  ]
+
+  test('chat answers with the chat template applied', async () => {
+    const answer = await model.chat(question, { maxTokens: 16 })
+    assert.match(answer, /Paris/)
+    // The same as generating from the rendered template by hand (its special
+    // tokens are not added again).
+    const ids = model.tokenize(model.applyChatTemplate(question), { addSpecialTokens: false })
+    assert.equal(await model.generate(ids, { maxTokens: 16 }), answer)
+  })
+
+  test('chatStream chunks concatenate to the chat answer', async () => {
+    const answer = await model.chat(question, { maxTokens: 6 })
+    const chunks = await collect(model.chatStream(question, { maxTokens: 6 }))
+    assert.ok(chunks.at(-1).finishReason)
+    assert.equal(chunks.map((c) => c.text).join(''), answer)
+  })
+})
+
+describe('cancellation', () => {
+  // How long the long prompt's prefill takes here in chunks of 64; the tests
+  // below abort after a quarter of that while prefilling in chunks of 16
+  // (slower), so the abort lands well inside the prompt.
+  let prefillMs
+
+  before(async () => {
+    assert.ok(model.tokenize(LONG_PROMPT).length > 200)
+    const chunks = await collect(model.stream(LONG_PROMPT, { maxTokens: 1, prefillChunk: 64 }))
+    prefillMs = chunks.at(-1).stats.promptMs
+    if (process.env.MLXCEL_TEST_VERBOSE) console.error('prefill ms', prefillMs)
+  })
+
+  test('aborting during the prompt cancels before any token', async () => {
+    const controller = new AbortController()
+    const chunks = []
+    let abortedAt = 0
+    const timer = setTimeout(() => {
+      abortedAt = Date.now()
+      controller.abort()
+    }, prefillMs / 4)
+    const run = (async () => {
+      for await (const chunk of model.stream(LONG_PROMPT, { maxTokens: 4, prefillChunk: 16, signal: controller.signal })) {
+        chunks.push(chunk)
+      }
+    })()
+    await rejectsWith(run, 'CANCELLED', 'AbortError')
+    clearTimeout(timer)
+    assert.ok(abortedAt > 0, 'rejected before the abort')
+    // A finished prompt would have produced a token before the cancellation
+    // was seen; none came, so the prefill itself was cut short.
+    assert.deepEqual(chunks, [])
+    const latency = Date.now() - abortedAt
+    assert.ok(latency < Math.max(1000, prefillMs), `cancellation took ${latency} ms (the whole prefill takes ${prefillMs} ms)`)
+  })
+
+  test('aborting right after the start cancels during the prompt', async () => {
+    const controller = new AbortController()
+    const stream = model.stream(LONG_PROMPT, { maxTokens: 4, signal: controller.signal })
+    const first = stream.next()
+    controller.abort()
+    await rejectsWith(first, 'CANCELLED', 'AbortError')
+  })
+
+  test('aborting generate() during the prompt rejects with an AbortError', async () => {
+    const controller = new AbortController()
+    const reason = new Error('user hit stop')
+    setTimeout(() => controller.abort(reason), prefillMs / 4)
+    await assert.rejects(model.generate(LONG_PROMPT, { maxTokens: 4, prefillChunk: 16, signal: controller.signal }), (error) => {
+      assert.equal(error.name, 'AbortError')
+      assert.equal(error.code, 'CANCELLED')
+      assert.equal(error.cause, reason)
+      return true
+    })
+  })
+
+  test('aborting during decoding stops the stream', async () => {
+    const controller = new AbortController()
+    const chunks = []
+    const run = (async () => {
+      for await (const chunk of model.stream(CAPITAL, { maxTokens: 200, signal: controller.signal })) {
+        chunks.push(chunk)
+        if (chunks.length === 3) controller.abort()
+      }
+    })()
+    await rejectsWith(run, 'CANCELLED', 'AbortError')
+    assert.ok(chunks.length >= 3 && chunks.length < 50, `${chunks.length} chunks`)
+    assert.ok(chunks.every((c) => c.finishReason === null))
+  })
+
+  test('aborting generate() during decoding rejects', async () => {
+    const controller = new AbortController()
+    // Abort once the first token is out: learn when that is from a stream.
+    const first = await collect(model.stream(CAPITAL, { maxTokens: 1 }))
+    const ttft = first.at(-1).stats.promptMs
+    setTimeout(() => controller.abort(), ttft + 100)
+    const started = Date.now()
+    await rejectsWith(model.generate(CAPITAL, { maxTokens: 400, signal: controller.signal }), 'CANCELLED', 'AbortError')
+    assert.ok(Date.now() - started < 60_000)
+  })
+
+  test('an already aborted signal rejects without generating', async () => {
+    await rejectsWith(model.generate(CAPITAL, { signal: AbortSignal.abort() }), 'CANCELLED', 'AbortError')
+    await rejectsWith(collect(model.stream(CAPITAL, { signal: AbortSignal.abort() })), 'CANCELLED', 'AbortError')
+  })
+
+  test('leaving a for-await loop early cancels the generation', async () => {
+    const stream = model.stream(CAPITAL, { maxTokens: 200 })
+    let n = 0
+    for await (const chunk of stream) {
+      assert.equal(chunk.finishReason, null)
+      if (++n === 2) break
+    }
+    assert.equal(n, 2)
+    assert.deepEqual(await stream.next(), { value: undefined, done: true })
+    // The model is free for the next request.
+    assert.ok((await model.generate(CAPITAL, { maxTokens: 3 })).startsWith(' Paris'))
+  })
+})
+
+describe('bad input', () => {
+  test('a bad model path rejects with MODEL_LOAD', async () => {
+    await rejectsWith(loadModel('/nonexistent/model/dir'), 'MODEL_LOAD')
+    await rejectsWith(loadModel(__dirname), 'MODEL_LOAD')
+  })
+
+  test('out-of-range parameters reject with INVALID_PARAMETER', async () => {
+    for (const opts of [
+      { temperature: -1 },
+      { temperature: NaN },
+      { topP: 0 },
+      { topP: 1.5 },
+      { minP: 2 },
+      { repetitionPenalty: 0 },
+      { maxTokens: 0 },
+      { maxTokens: 2.5 },
+      { topK: -1 },
+      { seed: -3 },
+      { seed: 0.5 },
+      { prefillChunk: 0 },
+    ]) {
+      await assert.rejects(model.generate(CAPITAL, opts), (error) => {
+        assert.equal(error.code, 'INVALID_PARAMETER', `${JSON.stringify(opts)}: ${error.message}`)
+        assert.equal(error.param, Object.keys(opts)[0])
+        return true
+      })
+    }
+    await rejectsWith(model.chat([{ role: 'user', content: 'hi' }], { temperature: -1 }), 'INVALID_PARAMETER')
+  })
+
+  test('stream() and chatStream() check their arguments when called', () => {
+    throwsWith(() => model.stream(CAPITAL, { temperature: -1 }), 'INVALID_PARAMETER')
+    throwsWith(() => model.stream(42), 'INVALID_ARGUMENT', TypeError)
+    throwsWith(() => model.chatStream('hello'), 'INVALID_ARGUMENT', TypeError)
+  })
+
+  test('wrong types reject with a TypeError coded INVALID_ARGUMENT', async () => {
+    const bad = [
+      () => model.generate(42),
+      () => model.generate(null),
+      () => model.generate({ text: CAPITAL }),
+      () => model.generate([1, -2]),
+      () => model.generate(CAPITAL, 'fast'),
+      () => model.generate(CAPITAL, { maxTokens: '8' }),
+      () => model.generate(CAPITAL, { temperature: '0.5' }),
+      () => model.generate(CAPITAL, { max_tokens: 8 }),
+      () => model.generate(CAPITAL, { stop: 5 }),
+      () => model.generate(CAPITAL, { signal: {} }),
+      () => model.chat('hello'),
+      () => model.chat([{ role: 'user' }]),
+      () => model.chat([{ role: 'user', content: 5 }]),
+      () => loadModel(123),
+    ]
+    for (const call of bad) {
+      await assert.rejects(call(), (error) => {
+        assert.ok(error instanceof TypeError, `${call}: ${error}`)
+        assert.equal(error.code, 'INVALID_ARGUMENT', `${call}: ${error.message}`)
+        return true
+      })
+    }
+    throwsWith(() => model.tokenize(5), 'INVALID_ARGUMENT', TypeError)
+    throwsWith(() => model.detokenize('abc'), 'INVALID_ARGUMENT', TypeError)
+    throwsWith(() => model.detokenize([1.5]), 'INVALID_ARGUMENT', TypeError)
+    throwsWith(() => model.applyChatTemplate({ role: 'user', content: 'x' }), 'INVALID_ARGUMENT', TypeError)
+    throwsWith(() => new Model({}), 'INVALID_ARGUMENT', TypeError)
+  })
+
+  test('token ids outside the vocabulary are rejected', async () => {
+    throwsWith(() => model.detokenize([10_000_000]), 'INVALID_PARAMETER')
+    await rejectsWith(model.generate([1, 10_000_000]), 'INVALID_PARAMETER')
+  })
+
+  test('an empty prompt rejects with EMPTY_PROMPT', async () => {
+    await rejectsWith(model.generate(''), 'EMPTY_PROMPT')
+    await rejectsWith(model.generate([]), 'EMPTY_PROMPT')
+  })
+
+  test('the model still works after all that', async () => {
+    assert.ok((await model.generate(CAPITAL, { maxTokens: 3 })).startsWith(' Paris'))
+  })
+})
+
+describe('process', () => {
+  test('process.exit() during two generations exits cleanly', () => {
+    // Running generations are cancelled and joined at exit, so MLX and
+    // OpenBLAS are not torn down under a running thread (which could hang).
+    const script = `
+      const { loadModel } = require(${JSON.stringify(path.resolve(__dirname, '..'))})
+      loadModel().then((m) => {
+        m.generate('Tell me a long story about a dragon.', { maxTokens: 200 })
+        m.generate(${JSON.stringify(LONG_PROMPT)}, { maxTokens: 200 })
+        setTimeout(() => process.exit(3), 1000)
+      })`
+    for (let i = 0; i < 2; i++) {
+      const child = spawnSync(process.execPath, ['-e', script], { timeout: 60_000, encoding: 'utf8' })
+      assert.equal(child.signal, null, `the child hung and was killed; stderr: ${child.stderr}`)
+      assert.equal(child.status, 3, child.stderr)
+    }
+  })
+})

@@ -1,0 +1,45 @@
+// Compile-only check of index.d.ts (npm run typecheck); never run.
+import { loadModel, Model, Chunk, GenerateOptions, Message, ModelInfo, MlxcelError, FinishReason } from '..'
+
+async function main(): Promise<void> {
+  const model: Model = await loadModel()
+  const other: Model = await loadModel('/path/to/model')
+  const info: ModelInfo = model.info
+  const layers: number = info.numLayers
+  const context: number | undefined = info.contextLength
+  const ids: number[] = model.tokenize('hi', { addSpecialTokens: false })
+  const text: string = model.detokenize(ids) + model.detokenize(new Uint32Array(ids), { skipSpecialTokens: true })
+  const messages: Message[] = [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: 'Hi' }]
+  const rendered: string = model.applyChatTemplate(messages, { addGenerationPrompt: true })
+  const controller = new AbortController()
+  const opts: GenerateOptions = {
+    maxTokens: 8, temperature: 0.7, topP: 0.9, topK: 40, minP: 0.05,
+    repetitionPenalty: 1.1, repetitionContextSize: 20, seed: 1, stop: ['\n'], signal: controller.signal, prefillChunk: 32,
+  }
+  const out: string = await model.generate('Hello', opts)
+  const fromIds: string = await model.generate(ids, { stop: '.' })
+  const reply: string = await model.chat(messages, opts)
+  for await (const chunk of model.stream('Hello', opts)) {
+    const piece: string = chunk.text
+    const token: number | null = chunk.token
+    const reason: FinishReason | null = chunk.finishReason
+    if (chunk.stats) console.log(chunk.stats.promptTokens, chunk.stats.decodeMs)
+  }
+  for await (const chunk of model.chatStream(messages)) {
+    const c: Chunk = chunk
+  }
+  try {
+    await model.generate('x', { temperature: -1 })
+  } catch (e) {
+    const error = e as MlxcelError
+    if (error.code === 'INVALID_PARAMETER') console.log(error.param)
+  }
+  // @ts-expect-error: maxTokens is a number
+  await model.generate('x', { maxTokens: '8' })
+  // @ts-expect-error: unknown option
+  await model.generate('x', { max_tokens: 8 })
+  // @ts-expect-error: Model is made by loadModel()
+  new Model()
+  void [other, layers, context, text, rendered, out, fromIds, reply]
+}
+void main
