@@ -160,3 +160,14 @@ fn streams_from_a_background_thread() {
     drop(stream);
     assert!(flag.is_cancelled());
 }
+
+#[test]
+fn a_cancelled_short_prompt_produces_nothing() {
+    let engine = default_engine();
+    let flag = CancelFlag::new();
+    flag.cancel();
+    let req = GenerationRequest { cancel: Some(flag), ..request("Hi", greedy(8)) };
+    let out = engine.generate(&req, |_| panic!("no piece after cancellation")).unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Cancelled);
+    assert!(out.tokens.is_empty());
+}
