@@ -18,7 +18,9 @@ pub enum StreamEvent {
 }
 
 /// A generation running on its own thread. Iterating yields pieces, then one
-/// `Done` or `Failed`. Dropping the stream cancels the generation.
+/// `Done` or `Failed`. Dropping the stream cancels the generation and waits
+/// for its thread (one prefill chunk or decode step at most), so no
+/// generation outlives its stream.
 ///
 /// Thread safety: the stream is `Send`; [`cancel_flag`](Self::cancel_flag)
 /// may be used from any thread.
@@ -26,6 +28,7 @@ pub struct GenerationStream {
     events: Receiver<StreamEvent>,
     cancel: CancelFlag,
     finished: bool,
+    worker: Option<std::thread::JoinHandle<()>>,
 }
 
 impl GenerationStream {
@@ -35,7 +38,7 @@ impl GenerationStream {
         let cancel = request.cancel.get_or_insert_with(CancelFlag::new).clone();
         let (sender, events) = bounded(64);
         let engine = engine.clone();
-        std::thread::spawn(move || {
+        let worker = std::thread::spawn(move || {
             let result = engine.generate(&request, |piece| {
                 sender.send(StreamEvent::Piece { text: piece.text.to_string(), token: piece.token }).is_ok()
             });
@@ -44,7 +47,7 @@ impl GenerationStream {
                 Err(e) => StreamEvent::Failed(e),
             });
         });
-        GenerationStream { events, cancel, finished: false }
+        GenerationStream { events, cancel, finished: false, worker: Some(worker) }
     }
 
     pub fn cancel_flag(&self) -> &CancelFlag {
@@ -87,5 +90,10 @@ impl Iterator for GenerationStream {
 impl Drop for GenerationStream {
     fn drop(&mut self) {
         self.cancel.cancel();
+        // Dropping the receiver makes a blocked send fail, so the worker stops.
+        self.events = crossbeam_channel::never();
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
     }
 }
