@@ -188,15 +188,15 @@ impl Engine {
         let (head, last) = prompt.split_at(prompt.len() - ((prompt.len() - 1) % request.prefill_chunk + 1));
         for chunk in head.chunks(request.prefill_chunk) {
             if cancelled() {
-                output.stats = stats;
-                return Ok(GenerationOutput { finish_reason: FinishReason::Cancelled, ..output });
+                break;
             }
             network.forward(&token_array(chunk)?, &mut caches)?;
             eval(caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter())?;
         }
         if cancelled() {
+            output.finish_reason = FinishReason::Cancelled;
             output.stats = stats;
-            return Ok(GenerationOutput { finish_reason: FinishReason::Cancelled, ..output });
+            return Ok(output);
         }
         let use_penalty = params.repetition_penalty != 1.0;
         let step = |input: &Array, caches: &mut [Box<dyn KvCache>], sampler: &mut Sampler, history: &[u32]| -> Result<Array> {
