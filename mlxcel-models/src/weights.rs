@@ -104,14 +104,6 @@ impl Weights {
         self.tensors.contains_key(name)
     }
 
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.tensors.keys().map(String::as_str)
-    }
-
-    pub fn remove(&mut self, name: &str) -> Option<Array> {
-        self.tensors.remove(name).map(|e| e.array)
-    }
-
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Array)> {
         self.tensors.iter().map(|(k, e)| (k.as_str(), &e.array))
     }

@@ -134,6 +134,7 @@ fn unsupported_rope_scaling_and_quantization_are_refused() {
     s.edit_config(|c| c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
     let msg = s.load_error().to_string();
     assert!(msg.contains("yarn") && msg.contains("linear, llama3"), "{msg}");
+    assert!(msg.contains(&s.0.join("config.json").display().to_string()), "{msg}");
 
     let q = Scratch::of("llama_q4_g32");
     q.edit_config(|c| c["quantization"]["mode"] = "mxfp4".into());
@@ -155,6 +156,7 @@ fn inconsistent_config_is_invalid() {
     s.edit_config(|c| c["num_key_value_heads"] = 3.into());
     let msg = s.load_error().to_string();
     assert!(msg.contains("num_key_value_heads"), "{msg}");
+    assert!(msg.contains(&s.0.join("config.json").display().to_string()), "{msg}");
     let s = Scratch::of("llama");
     s.edit_config(|c| c["hidden_size"] = "wide".into());
     assert!(matches!(s.load_error(), Error::InvalidConfig { .. }));

@@ -8,7 +8,7 @@ use crate::cache::{KvCache, StandardKvCache};
 use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelShape};
 use crate::nn::{Attention, AttentionSpec, DecoderBlock, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
-use crate::weights::Scope;
+use super::LoadContext;
 
 /// Hugging Face config keys common to llama-style models.
 #[derive(Debug, Clone, Deserialize)]
@@ -85,10 +85,11 @@ pub struct DecoderModel {
 }
 
 impl DecoderModel {
-    pub fn load(root: &Scope, args: &DecoderArgs, options: DecoderOptions) -> Result<Self> {
-        args.validate().map_err(|message| Error::InvalidConfig { path: "config.json".into(), message })?;
+    pub fn load(ctx: &LoadContext, args: &DecoderArgs, options: DecoderOptions) -> Result<Self> {
+        let (root, config_path) = (&ctx.scope, ctx.config_path);
+        args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
         let rope = Rope::new(args.head_dim(), args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref())
-            .map_err(|message| Error::Unsupported { path: "config.json".into(), message })?;
+            .map_err(|message| Error::Unsupported { path: config_path.into(), message })?;
         let model = root.pp("model");
         let spec = AttentionSpec {
             hidden: args.hidden_size,

@@ -25,5 +25,5 @@ pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
         mlp_bias: args.mlp_bias,
         qk_norm: false,
     };
-    Ok(Box::new(DecoderModel::load(&ctx.scope, &args.base, options)?))
+    Ok(Box::new(DecoderModel::load(ctx, &args.base, options)?))
 }

@@ -8,5 +8,5 @@ use crate::model::LanguageModel;
 pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
     let args: DecoderArgs = parse_args(ctx.config, ctx.config_path)?;
     let options = DecoderOptions { qkv_bias: true, ..DecoderOptions::default() };
-    Ok(Box::new(DecoderModel::load(&ctx.scope, &args, options)?))
+    Ok(Box::new(DecoderModel::load(ctx, &args, options)?))
 }
