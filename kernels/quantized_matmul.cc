@@ -18,9 +18,12 @@
 
 #include "quantized_matmul.h"
 
+#include "detail.h"
+
 // GCC 12 reports the `_mm512_undefined_*` idiom inside its own AVX-512
 // intrinsics as -Wmaybe-uninitialized; the warnings are false positives.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -189,16 +192,25 @@ bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512vl");
 }
 
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
+}
+
 bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 Path best_supported(Path want) {
-  if (want == Path::Avx512 && cpu_has_avx512()) return Path::Avx512;
-  if ((want == Path::Avx512 || want == Path::Avx2) && cpu_has_avx2()) return Path::Avx2;
+  if (want == Path::Avx512Vnni && cpu_has_avx512_vnni()) return Path::Avx512Vnni;
+  if ((want == Path::Avx512Vnni || want == Path::Avx512) && cpu_has_avx512()) return Path::Avx512;
+  if ((want == Path::Avx512Vnni || want == Path::Avx512 || want == Path::Avx2) && cpu_has_avx2()) return Path::Avx2;
   return Path::Portable;
 }
+
+Path env_path();
+Path resolve_path_impl(Path requested) { return requested == Path::Auto ? env_path() : best_supported(requested); }
 
 Path env_path() {
   static const Path path = [] {
@@ -206,7 +218,8 @@ Path env_path() {
     std::string v = env ? env : "";
     if (v == "portable") return Path::Portable;
     if (v == "avx2") return best_supported(Path::Avx2);
-    return best_supported(Path::Avx512);
+    if (v == "avx512") return best_supported(Path::Avx512);
+    return best_supported(Path::Avx512Vnni);
   }();
   return path;
 }
@@ -342,8 +355,18 @@ struct Job {
   const float* xp = nullptr;    // [M, chunks * epw * lanes] permuted, pre-scaled
   size_t xp_stride = 0;
   const float* xsum = nullptr;  // [M, G] per-group sums of x
+  // Avx512Vnni: per row of x, `planes` int8 planes of chunks*16 dwords each
+  // (bits 8: a, b; bits 4: a of even values, a of odd, b even, b odd), and
+  // the per-group scales s of x ~ s * (a + b / 256).
+  const int8_t* xq = nullptr;
+  size_t xq_stride = 0;  // bytes per row of x
+  const float* xscale = nullptr;  // [M, G]
   float* y = nullptr;           // [M, N] f32 results
   int rows_per_task = 0;
+  // Rows ahead whose weights the SIMD loops prefetch: about 12 KiB, so the
+  // next rows arrive from L3 while these compute (prefetching never faults,
+  // so running past the last row is harmless).
+  int prefetch_rows = 0;
   Path path = Path::Portable;
 };
 
@@ -448,7 +471,10 @@ tile_avx512(const Job& j, const uint32_t* wr, const float* sf, const float* bf, 
   for (int c = 0; c < chunks; ++c) {
     const __mmask16 km = c == chunks - 1 ? tail : (__mmask16)0xffff;
     __m512i v[NR];
-    for (int r = 0; r < NR; ++r) v[r] = _mm512_maskz_loadu_epi32(km, wr + r * rw + c * 16);
+    for (int r = 0; r < NR; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + (r + j.prefetch_rows) * rw + c * 16), _MM_HINT_T0);
+      v[r] = _mm512_maskz_loadu_epi32(km, wr + r * rw + c * 16);
+    }
     __m512 acc[NR][MT];
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -641,10 +667,196 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Job& j, int n0, in
 }
 
 // ---------------------------------------------------------------------------
+// AVX-512 VNNI loop (bits 4 and 8): integer dot products against activations
+// quantized per group to two int8 halves, x ~ s * (a + b / 256). A chunk is
+// 16 words of a row; lane l holds word c*16 + l. For bits 8 a word is 4
+// unsigned bytes in order, dotted with 4 bytes of a (and of b) by vpdpbusd.
+// For bits 4 the low nibbles of the word's bytes are its values 0, 2, 4, 6
+// and the high nibbles 1, 3, 5, 7; the activation planes hold the matching
+// even and odd values. Per chunk, (dot_a << 8) + dot_b is exact in int32
+// (at most 8 * 15 * 127 * 257 for bits 4, 4 * 255 * 127 * 257 for bits 8),
+// converts to f32 once and is scaled by the lane's weight scale times the
+// activation scale / 256.
+
+template <int BITS, int MT, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma"), always_inline)) inline void
+tile_vnni(const Job& j, const uint32_t* wr, const float* sf, const float* bf, size_t gs, int m0, int n) {
+  const int chunks = j.chunks;
+  const int tail_words = j.wpr - (chunks - 1) * 16;
+  const __mmask16 tail = (__mmask16)((1u << tail_words) - 1);
+  const int wpg = j.wpg;
+  const size_t rw = j.wpr;
+  const size_t plane = (size_t)chunks * 64;  // bytes per activation plane
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i gidx = wpg < 16 ? _mm512_srli_epi32(lane, __builtin_ctz(wpg)) : _mm512_setzero_si512();
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+
+  const int8_t* xq[MT];
+  const float* xs[MT];
+  for (int m = 0; m < MT; ++m) {
+    xq[m] = j.xq + (size_t)(m0 + m) * j.xq_stride;
+    xs[m] = j.xscale + (size_t)(m0 + m) * j.G;
+  }
+  __m512 y[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) y[r][m] = _mm512_setzero_ps();
+
+  for (int c = 0; c < chunks; ++c) {
+    const __mmask16 km = c == chunks - 1 ? tail : (__mmask16)0xffff;
+    const size_t xo = (size_t)c * 64;
+    const int g0 = (c * 16) / wpg;
+    __m512 xscale[MT];
+    for (int m = 0; m < MT; ++m) {
+      xscale[m] = wpg < 16 ? _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(xs[m] + g0)) : _mm512_set1_ps(xs[m][g0]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      // The rows are read once, in order: fetch ahead of the hardware
+      // prefetcher, which alone leaves decode waiting on L3.
+      _mm_prefetch(reinterpret_cast<const char*>(wr + (r + j.prefetch_rows) * rw + c * 16), _MM_HINT_T0);
+      const __m512i v = _mm512_maskz_loadu_epi32(km, wr + r * rw + c * 16);
+      const float* srow = sf + r * gs;
+      const __m512 wscale = wpg < 16 ? _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(srow + g0)) : _mm512_set1_ps(srow[g0]);
+      __m512i lo, hi;
+      if constexpr (BITS == 4) {
+        lo = _mm512_and_si512(v, nib);
+        hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* q = xq[m] + xo;
+        __m512i acc;
+        if constexpr (BITS == 4) {
+          acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+          acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q + plane));
+          acc = _mm512_slli_epi32(acc, 8);
+          acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(q + 2 * plane));
+          acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q + 3 * plane));
+        } else {
+          acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q));
+          acc = _mm512_slli_epi32(acc, 8);
+          acc = _mm512_dpbusd_epi32(acc, v, _mm512_loadu_si512(q + plane));
+        }
+        y[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(wscale, xscale[m]), y[r][m]);
+      }
+    }
+  }
+  const int G = j.G;
+  for (int m = 0; m < MT; ++m) {
+    const float* xsum = j.xsum + (size_t)(m0 + m) * G;
+    int g = 0;
+    for (; g + 16 <= G; g += 16) {
+      const __m512 xsv = _mm512_loadu_ps(xsum + g);
+      for (int r = 0; r < NR; ++r) y[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(bf + r * gs + g), xsv, y[r][m]);
+    }
+    if (g < G) {
+      const __mmask16 k = (__mmask16)((1u << (G - g)) - 1);
+      const __m512 xsv = _mm512_maskz_loadu_ps(k, xsum + g);
+      for (int r = 0; r < NR; ++r)
+        y[r][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, bf + r * gs + g), xsv, y[r][m]);
+    }
+    for (int r = 0; r < NR; ++r) j.y[(size_t)(m0 + m) * j.N + n + r] = hsum512(y[r][m]);
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) void rows_vnni(const Job& j, int n0,
+                                                                                                 int n1) {
+  const size_t gs = (size_t)j.G;
+  RowScratch& sc = tl_scratch;
+  sc.ensure(4 * j.G, 16);
+  int n = n0;
+  auto block = [&](int rows) __attribute__((always_inline)) {
+    convert_row_avx512(j.scales, j.sty, (size_t)n * gs, rows * j.G, sc.s.data());
+    convert_row_avx512(j.biases, j.sty, (size_t)n * gs, rows * j.G, sc.b.data());
+    return reinterpret_cast<const uint32_t*>(j.w + (size_t)n * j.row_bytes);
+  };
+  if (j.M == 1) {
+    for (; n + 4 <= n1; n += 4) tile_vnni<BITS, 1, 4>(j, block(4), sc.s.data(), sc.b.data(), gs, 0, n);
+  } else if (j.M == 2) {
+    for (; n + 2 <= n1; n += 2) tile_vnni<BITS, 2, 2>(j, block(2), sc.s.data(), sc.b.data(), gs, 0, n);
+  }
+  for (; n < n1; ++n) {
+    const uint32_t* wr = block(1);
+    int m = 0;
+    for (; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+    switch (j.M - m) {
+      case 3: tile_vnni<BITS, 3, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+      case 2: tile_vnni<BITS, 2, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+      case 1: tile_vnni<BITS, 1, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+      default: break;
+    }
+  }
+}
+
+// Splits f32 activations into the int8 planes tile_vnni reads: per group,
+// s = max|x| / 127, a = round(x / s), b = round((x / s - a) * 256), both
+// rounding to nearest even. |x / s| <= 127 keeps a in [-127, 127] and b in
+// [-128, 128]; b = 128 becomes a + 1, b = -128 (then x > 0, so a + 1 <= 127).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prepare_vnni(Job& j, const float* xf,
+                                                                                std::vector<int8_t>& xq,
+                                                                                std::vector<float>& xscale) {
+  const int M = j.M, K = j.K, G = j.G, group = j.group;
+  const int planes = j.bits == 4 ? 4 : 2;
+  const size_t plane = (size_t)j.chunks * 64;
+  j.xq_stride = plane * planes;
+  xq.assign((size_t)M * j.xq_stride, 0);
+  // tile_vnni reads 16 scales from a row's first group of a chunk: the zero
+  // padding keeps the lanes past the last group finite and normal (a
+  // denormal there costs a microcode assist per multiply).
+  xscale.assign((size_t)M * G + 16, 0.0f);
+  // Within 16 bytes of values k..k+15 (two 4-bit words): even values first.
+  const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m512i v128 = _mm512_set1_epi32(128), v256 = _mm512_set1_epi32(256), one = _mm512_set1_epi32(1);
+  for (int m = 0; m < M; ++m) {
+    const float* x = xf + (size_t)m * K;
+    int8_t* q = xq.data() + (size_t)m * j.xq_stride;
+    for (int g = 0; g < G; ++g) {
+      const float* xg = x + (size_t)g * group;
+      __m512 amax_v = _mm512_setzero_ps();
+      for (int k = 0; k < group; k += 16) amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
+      const float amax = _mm512_reduce_max_ps(amax_v);
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      xscale[(size_t)m * G + g] = amax / 127.0f / 256.0f;
+      const __m512 inv_v = _mm512_set1_ps(inv);
+      for (int k = 0; k < group; k += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xg + k), inv_v);
+        __m512i a = _mm512_cvtps_epi32(v);  // round to nearest even (MXCSR default)
+        __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(a)), _mm512_set1_ps(256.0f)));
+        const __mmask16 carry = _mm512_cmpeq_epi32_mask(b, v128);
+        a = _mm512_mask_add_epi32(a, carry, a, one);
+        b = _mm512_mask_sub_epi32(b, carry, b, v256);
+        const __m128i a8 = _mm512_cvtepi32_epi8(a), b8 = _mm512_cvtepi32_epi8(b);
+        const int kk = g * group + k;
+        if (j.bits == 8) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + kk), a8);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + plane + kk), b8);
+        } else {
+          // Values kk..kk+15 are words kk/8 and kk/8+1: bytes (kk/8)*4.. of
+          // the even and odd planes.
+          const __m128i as = _mm_shuffle_epi8(a8, even_odd), bs = _mm_shuffle_epi8(b8, even_odd);
+          const size_t at = (size_t)(kk / 8) * 4;
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + at), as);
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + plane + at), _mm_unpackhi_epi64(as, as));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 2 * plane + at), bs);
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 3 * plane + at), _mm_unpackhi_epi64(bs, bs));
+        }
+      }
+    }
+  }
+  j.xq = xq.data();
+  j.xscale = xscale.data();
+}
+
+// ---------------------------------------------------------------------------
 // Driver.
 
 void run_rows(const Job& j, int n0, int n1) {
   switch (j.path) {
+    case Path::Avx512Vnni:
+      switch (j.bits) {
+        case 4: return rows_vnni<4>(j, n0, n1);
+        case 8: return rows_vnni<8>(j, n0, n1);
+      }
+      break;
     case Path::Avx512:
       switch (j.bits) {
         case 2: return rows_avx512<2>(j, n0, n1);
@@ -673,7 +885,8 @@ void task_fn(void* ctx, int t) {
 
 // Per-thread buffers of the evaluating thread, reused across calls.
 struct CallScratch {
-  std::vector<float> xf, xp, xsum, y;
+  std::vector<float> xf, xp, xsum, y, xscale;
+  std::vector<int8_t> xq;
 };
 thread_local CallScratch tl_call;
 
@@ -688,7 +901,7 @@ void compute(Job j, const void* x, Ty xty, const std::vector<int64_t>& x_offsets
     float* dst = cs.xf.data() + (size_t)m * K;
     int64_t off = x_offsets[m];
     if (x_step == 1) {
-      if (j.path == Path::Avx512) convert_row_avx512(x, xty, off, K, dst);
+      if (j.path == Path::Avx512 || j.path == Path::Avx512Vnni) convert_row_avx512(x, xty, off, K, dst);
       else if (j.path == Path::Avx2) convert_row_avx2(x, xty, off, K, dst);
       else convert_row_portable(x, xty, off, K, dst);
     } else {
@@ -704,7 +917,9 @@ void compute(Job j, const void* x, Ty xty, const std::vector<int64_t>& x_offsets
       cs.xsum[(size_t)m * j.G + g] = s;
     }
   }
-  if (j.lanes > 0) {
+  if (j.path == Path::Avx512Vnni) {
+    prepare_vnni(j, cs.xf.data(), cs.xq, cs.xscale);
+  } else if (j.lanes > 0) {
     const int L = j.lanes, EPW = j.epw;
     j.xp_stride = (size_t)j.chunks * EPW * L;
     cs.xp.assign((size_t)M * j.xp_stride, 0.0f);
@@ -760,11 +975,36 @@ int lanes_for(Path path, int bits, int group) {
   if (bits != 2 && bits != 4 && bits != 8) return 0;
   int epw = 32 / bits;
   int wpg = group / epw;
-  int L = path == Path::Avx512 ? 16 : path == Path::Avx2 ? 8 : 0;
+  int L = path == Path::Avx512 || path == Path::Avx512Vnni ? 16 : path == Path::Avx2 ? 8 : 0;
   if (L == 0) return 0;
   bool pow2 = (wpg & (wpg - 1)) == 0;
   if ((wpg < L && pow2) || wpg % L == 0) return L;
   return 0;
+}
+
+// The job of an [M, K] x [N, K]^T product, pointers unset.
+Job make_job(int M, int N, int K, int group_size, int bits, size_t row_bytes, Ty sty, Path requested) {
+  Job j;
+  j.M = M;
+  j.N = N;
+  j.K = K;
+  j.bits = bits;
+  j.group = group_size;
+  j.G = K / group_size;
+  j.row_bytes = row_bytes;
+  j.prefetch_rows = (int)std::clamp<size_t>(12288 / std::max<size_t>(row_bytes, 1), 4, 64);
+  j.path = resolve_path_impl(requested);
+  if (j.path == Path::Avx512Vnni && ((bits != 4 && bits != 8) || group_size % 16 != 0)) j.path = Path::Avx512;
+  j.lanes = lanes_for(j.path, bits, group_size);
+  if (j.lanes == 0) j.path = Path::Portable;
+  if (bits == 2 || bits == 4 || bits == 8) {
+    j.epw = 32 / bits;
+    j.wpr = K / j.epw;
+    j.wpg = group_size / j.epw;
+    if (j.lanes) j.chunks = (j.wpr + j.lanes - 1) / j.lanes;
+  }
+  j.sty = sty;
+  return j;
 }
 
 // ---------------------------------------------------------------------------
@@ -782,24 +1022,8 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     const mx::array& biases = inputs[3];
     out.set_data(mx::allocator::malloc(out.nbytes()));
 
-    Job j;
-    j.K = x.shape(-1);
-    j.N = out.shape(-1);
-    j.M = j.N == 0 ? 0 : (int)(out.size() / j.N);
-    j.bits = bits_;
-    j.group = group_size_;
-    j.G = j.K / group_size_;
-    j.row_bytes = (size_t)w.shape(-1) * 4;
-    j.path = resolve_path(path_);
-    j.lanes = lanes_for(j.path, bits_, group_size_);
-    if (j.lanes == 0) j.path = Path::Portable;
-    if (bits_ == 2 || bits_ == 4 || bits_ == 8) {
-      j.epw = 32 / bits_;
-      j.wpr = j.K / j.epw;
-      j.wpg = group_size_ / j.epw;
-      if (j.lanes) j.chunks = (j.wpr + j.lanes - 1) / j.lanes;
-    }
-    j.sty = ty_of(scales.dtype());
+    Job j = make_job(out.shape(-1) == 0 ? 0 : (int)(out.size() / out.shape(-1)), out.shape(-1), x.shape(-1),
+                     group_size_, bits_, (size_t)w.shape(-1) * 4, ty_of(scales.dtype()), path_);
     if (biases.dtype() != scales.dtype()) {
       throw std::invalid_argument("[mlxcel::kernels::quantized_matmul] scales and biases differ in dtype");
     }
@@ -866,6 +1090,32 @@ bool known_row_contiguous(const mx::array& a) {
 
 }  // namespace
 
+namespace detail {
+
+Scalar scalar_of(mx::Dtype dtype, const char* what) {
+  if (dtype == mx::float32) return Scalar::F32;
+  if (dtype == mx::float16) return Scalar::F16;
+  if (dtype == mx::bfloat16) return Scalar::BF16;
+  throw std::invalid_argument(std::string("[mlxcel::kernels] ") + what + " must be float32, float16 or bfloat16");
+}
+
+float load_f32(const void* p, Scalar type, size_t i) { return load_as_f32(p, static_cast<Ty>(type), i); }
+
+void quantized_matmul_f32(const QuantizedView& w, const float* x, int m, float* y, Path path) {
+  if (m == 0 || w.n == 0) return;
+  Job j = make_job(m, w.n, w.k, w.group, w.bits, (size_t)w.k * w.bits / 8, static_cast<Ty>(w.scale_type), path);
+  j.w = w.weight;
+  j.scales = w.scales;
+  j.biases = w.biases;
+  std::vector<int64_t> offsets(m);
+  for (int r = 0; r < m; ++r) offsets[r] = (int64_t)r * w.k;
+  compute(j, x, Ty::F32, offsets, 1, y, Ty::F32);
+}
+
+void parallel_for(int tasks, void (*fn)(void* ctx, int task), void* ctx) { pool().run(tasks, fn, ctx); }
+
+}  // namespace detail
+
 Path auto_path() { return env_path(); }
 
 Path resolve_path(Path requested) {
@@ -875,6 +1125,7 @@ Path resolve_path(Path requested) {
 
 const char* path_name(Path path) {
   switch (path) {
+    case Path::Avx512Vnni: return "avx512-vnni";
     case Path::Avx512: return "avx512";
     case Path::Avx2: return "avx2";
     case Path::Portable: return "portable";

@@ -18,9 +18,16 @@ namespace mlxcel::kernels {
 
 // Which inner loop evaluates the kernel. `Auto` takes the best the CPU runs,
 // unless the environment variable MLXCEL_KERNELS (read once) names one of
-// `portable`, `avx2`, `avx512`; a path the CPU cannot run falls back to the
-// best one below it.
-enum class Path : int { Auto = -1, Portable = 0, Avx2 = 1, Avx512 = 2 };
+// `portable`, `avx2`, `avx512`, `avx512-vnni`; a path the CPU cannot run falls
+// back to the best one below it.
+//
+// Portable, Avx2 and Avx512 are exact f32 (weights unpacked to f32, f32
+// FMAs). Avx512Vnni (bits 4 and 8; other widths take Avx512) quantizes each
+// group of activations to 16 bits, as two int8 halves x ~ s * (a + b / 256)
+// with s = max|x| / 127, and runs integer dot products (vpdpbusd): the
+// error per activation is at most max|x of its group| / 65024, far below the
+// f16 rounding GPUs apply to activations. The bias term uses exact f32 sums.
+enum class Path : int { Auto = -1, Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3 };
 
 // The path `Auto` resolves to in this process.
 Path auto_path();

@@ -29,6 +29,16 @@ fn main() {
         "cmake-probe/CMakeLists.txt",
         "../kernels/quantized_matmul.h",
         "../kernels/quantized_matmul.cc",
+        "../kernels/decoder_layer.h",
+        "../kernels/decoder_layer.cc",
+        "../kernels/detail.h",
+        "../kernels/quantized_embedding.h",
+        "../kernels/quantized_embedding.cc",
+        "../kernels/quantized_gemm.h",
+        "../kernels/quantized_gemm.cc",
+        "../kernels/causal_attention.h",
+        "../kernels/causal_attention.cc",
+        "../kernels/simd_math.h",
     ] {
         println!("cargo:rerun-if-changed={path}");
     }
@@ -54,6 +64,10 @@ fn main() {
     build
         .file("cpp/shim.cc")
         .file(manifest_dir.join("../kernels/quantized_matmul.cc"))
+        .file(manifest_dir.join("../kernels/decoder_layer.cc"))
+        .file(manifest_dir.join("../kernels/quantized_embedding.cc"))
+        .file(manifest_dir.join("../kernels/quantized_gemm.cc"))
+        .file(manifest_dir.join("../kernels/causal_attention.cc"))
         .include(&install.include_dir)
         .include(manifest_dir.join("../kernels"))
         .std("c++20")

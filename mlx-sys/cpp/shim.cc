@@ -5,7 +5,11 @@
 
 #include "mlx-sys/src/ffi.rs.h"
 #include "mlx/primitives.h"
+#include "decoder_layer.h"
+#include "quantized_embedding.h"
 #include "quantized_matmul.h"
+#include "quantized_gemm.h"
+#include "causal_attention.h"
 
 namespace mx = mlx::core;
 
@@ -388,6 +392,7 @@ kernels::Path to_path(int32_t path) {
     case 0: return kernels::Path::Portable;
     case 1: return kernels::Path::Avx2;
     case 2: return kernels::Path::Avx512;
+    case 3: return kernels::Path::Avx512Vnni;
   }
   throw std::invalid_argument("unknown kernel path " + std::to_string(path));
 }
@@ -401,6 +406,57 @@ rust::String kernels_path_name(int32_t path) {
 }
 int32_t kernels_num_threads() { return kernels::num_threads(); }
 bool kernels_supports(int32_t group_size, int32_t bits) { return kernels::supports(group_size, bits); }
+ArrayPtr kernels_quantized_gemm(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path) {
+  return wrap(kernels::quantized_gemm(x, w, scales, biases, group_size, bits, to_path(path)));
+}
+bool kernels_gemm_supports(int32_t group_size, int32_t bits) { return kernels::gemm_supports(group_size, bits); }
+bool kernels_gemm_uses_amx(int32_t path) { return kernels::gemm_uses_amx(to_path(path)); }
+ArrayPtr kernels_quantized_gemm_swiglu(const array& x, const array& gate_w, const array& gate_scales, const array& gate_biases, const array& up_w, const array& up_scales, const array& up_biases, int32_t group_size, int32_t bits) {
+  return wrap(kernels::quantized_gemm_swiglu(x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases, group_size, bits));
+}
+ArrayPtr kernels_causal_attention(const array& q, const array& k, const array& v, float scale) {
+  return wrap(kernels::causal_attention(q, k, v, scale));
+}
+bool kernels_causal_attention_supports(const array& q, const array& k, const array& v) {
+  return kernels::causal_attention_supports(q, k, v);
+}
+
+namespace {
+kernels::DecoderLayerSpec to_kernel_spec(const DecoderLayerSpec& s) {
+  kernels::DecoderLayerSpec k;
+  k.hidden = s.hidden;
+  k.heads = s.heads;
+  k.kv_heads = s.kv_heads;
+  k.head_dim = s.head_dim;
+  k.intermediate = s.intermediate;
+  k.offset = s.offset;
+  k.norm_eps = s.norm_eps;
+  k.rope_dims = s.rope_dims;
+  k.rope_base = s.rope_base;
+  k.rope_scale = s.rope_scale;
+  k.rope_traditional = s.rope_traditional;
+  k.attn_scale = s.attn_scale;
+  k.qkv_bias = s.qkv_bias;
+  k.o_bias = s.o_bias;
+  k.mlp_bias = s.mlp_bias;
+  k.qk_norm = s.qk_norm;
+  k.rope_freqs = s.rope_freqs;
+  k.cache_in_place = s.cache_in_place;
+  return k;
+}
+}  // namespace
+
+std::unique_ptr<ArrayList> kernels_decoder_layer(const ArrayList& inputs, const DecoderLayerSpec& spec) {
+  auto list = std::make_unique<ArrayList>();
+  list->items = kernels::decoder_layer(inputs.items, to_kernel_spec(spec));
+  return list;
+}
+ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype) {
+  return wrap(kernels::quantized_embedding(ids, w, scales, biases, group_size, bits, to_dtype(dtype)));
+}
+size_t kernels_decoder_layer_input_count(const DecoderLayerSpec& spec) {
+  return (size_t)kernels::decoder_layer_input_count(to_kernel_spec(spec));
+}
 rust::String array_primitive_name(const array& a) {
   return rust::String(a.has_primitive() ? a.primitive().name() : "");
 }

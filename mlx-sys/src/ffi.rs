@@ -9,6 +9,29 @@ mod bridge {
         gpu: bool,
     }
 
+    /// Shape and options of one fused decoder block (`kernels/decoder_layer.h`).
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    struct DecoderLayerSpec {
+        hidden: i32,
+        heads: i32,
+        kv_heads: i32,
+        head_dim: i32,
+        intermediate: i32,
+        offset: i32,
+        norm_eps: f32,
+        rope_dims: i32,
+        rope_base: f32,
+        rope_scale: f32,
+        rope_traditional: bool,
+        attn_scale: f32,
+        qkv_bias: bool,
+        o_bias: bool,
+        mlp_bias: bool,
+        qk_norm: bool,
+        rope_freqs: bool,
+        cache_in_place: bool,
+    }
+
     #[namespace = "mlx::core"]
     unsafe extern "C++" {
         include!("mlx-sys/cpp/shim.h");
@@ -149,7 +172,19 @@ mod bridge {
         fn kernels_path_name(path: i32) -> Result<String>;
         fn kernels_num_threads() -> i32;
         fn kernels_supports(group_size: i32, bits: i32) -> bool;
+        fn kernels_quantized_gemm(x: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, path: i32) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_gemm_supports(group_size: i32, bits: i32) -> bool;
+        fn kernels_gemm_uses_amx(path: i32) -> Result<bool>;
+        #[allow(clippy::too_many_arguments)]
+        fn kernels_quantized_gemm_swiglu(x: &MlxArray, gate_w: &MlxArray, gate_scales: &MlxArray, gate_biases: &MlxArray, up_w: &MlxArray, up_scales: &MlxArray, up_biases: &MlxArray, group_size: i32, bits: i32) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, scale: f32) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_causal_attention_supports(q: &MlxArray, k: &MlxArray, v: &MlxArray) -> bool;
+        fn kernels_decoder_layer(inputs: &ArrayList, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
+        fn kernels_decoder_layer_input_count(spec: &DecoderLayerSpec) -> usize;
+        #[allow(clippy::too_many_arguments)]
+        fn kernels_quantized_embedding(ids: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_primitive_name(a: &MlxArray) -> String;
     }
 }
 pub(crate) use bridge::*;
+pub use bridge::DecoderLayerSpec;

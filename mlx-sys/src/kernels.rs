@@ -4,18 +4,20 @@
 //! [`quantized_matmul`] is a drop-in for
 //! `mlx_sys::quantized_matmul(x, w, scales, biases, true, group_size, bits)`:
 //! the same shape, dtype and errors, much faster on CPU for a few rows of `x`
-//! (decode). It unpacks weights to f32 and accumulates in f32 (no activation
-//! quantization), splits output rows across a persistent thread pool, and
-//! picks an AVX-512, AVX2 or portable inner loop at run time. On a GPU
+//! (decode). The exact paths unpack weights to f32 and accumulate in f32;
+//! the default on CPUs with AVX-512 VNNI quantizes each group of activations
+//! to 16 bits (two int8 halves) and runs integer dot products, with an error
+//! of at most `max|x| / 65024` per activation. Output rows are split across a
+//! persistent thread pool, and the inner loop is picked at run time. On a GPU
 //! stream, or for a layout it does not handle, it returns MLX's own op.
 //!
 //! Environment (read once per process):
-//! - `MLXCEL_KERNELS=portable|avx2|avx512` caps the inner loop that
+//! - `MLXCEL_KERNELS=portable|avx2|avx512|avx512-vnni` caps the inner loop that
 //!   [`KernelPath::Auto`] picks (default: the best the CPU runs). An explicit
 //!   path ignores it.
 //! - `MLXCEL_NUM_THREADS=n` sets the thread count (default: the hardware's).
 
-use crate::array::Array;
+use crate::array::{array_list, from_array_list, Array};
 use crate::error::Result;
 use crate::ffi;
 
@@ -30,6 +32,10 @@ pub enum KernelPath {
     Avx2 = 1,
     /// 16-lane AVX-512 (bits 2, 4, 8).
     Avx512 = 2,
+    /// AVX-512 VNNI integer dot products (bits 4 and 8; others run
+    /// `Avx512`), with activations quantized per group to 16 bits (two int8
+    /// halves): error at most `max|x| / 65024` per activation of a group.
+    Avx512Vnni = 3,
 }
 
 /// `x @ dequantize(w, scales, biases).T` over the last axis of `x` (MLX's
@@ -91,4 +97,138 @@ pub fn supports(group_size: i32, bits: i32) -> bool {
 /// say, MLX's op that [`quantized_matmul`] falls back to). For tests.
 pub fn is_kernel_node(a: &Array) -> bool {
     ffi::array_primitive_name(&a.raw).starts_with("Mlxcel")
+}
+
+/// Shape and options of a fused decoder block; see [`decoder_layer`].
+pub use crate::ffi::DecoderLayerSpec;
+
+/// One pre-norm decoder block (the llama / mistral / qwen2 / qwen3 layout)
+/// for `L` new tokens as a single CPU graph node: RMSNorm, the q/k/v
+/// projections, RoPE, attention over the KV cache, the output projection,
+/// residual, RMSNorm, the gated MLP and residual. MLX builds the same block
+/// from ~25 nodes, whose dispatch dominates decode time on a CPU.
+///
+/// `inputs` follow the order documented in `kernels/decoder_layer.h`: `x`
+/// (`f32 [1, L, hidden]`), the input norm weight, the q/k/v/o projections as
+/// affine-quantized `(weight, scales, biases)` triples, the post-attention
+/// norm weight, the gate/up/down triples, the `f32 [1, kv_heads, capacity,
+/// head_dim]` key and value buffers, then the optional arrays `spec` enables.
+/// Returns `(out, keys, values)`: the block output and the cache buffers with
+/// positions `spec.offset..spec.offset + L` written (in place when nothing
+/// else holds the input buffers). Errors name the input that does not fit.
+pub fn decoder_layer(inputs: &[Array], spec: &DecoderLayerSpec) -> Result<(Array, Array, Array)> {
+    let list = ffi::kernels_decoder_layer(&array_list(inputs), spec)?;
+    let mut out = from_array_list(&list)?.into_iter();
+    match (out.next(), out.next(), out.next()) {
+        (Some(h), Some(k), Some(v)) => Ok((h, k, v)),
+        _ => unreachable!("decoder_layer returns three arrays"),
+    }
+}
+
+/// How many inputs [`decoder_layer`] takes for `spec`.
+pub fn decoder_layer_input_count(spec: &DecoderLayerSpec) -> usize {
+    ffi::kernels_decoder_layer_input_count(spec)
+}
+
+/// `x @ dequantize(w, scales, biases).T` for many rows of `x` (prefill): the
+/// same contract as [`quantized_matmul`], computed as a GEMM. Each task
+/// dequantizes a panel of `w` into an L2-sized buffer and runs it against
+/// blocks of rows of `x`: on CPUs with AMX (see [`gemm_uses_amx`]) as bf16
+/// tile products of split operands (~16-bit precision per operand, f32
+/// accumulation), otherwise with an AVX-512 register-blocked microkernel
+/// (exact f32 dequantization, f32 FMAs and accumulation; only the summation
+/// order differs from `x @ dequantize(w).T`; also what
+/// `MLXCEL_KERNELS=avx512` selects). Where the GEMM does not apply (no
+/// AVX-512, bits other than 2/4/8, a GPU stream; see [`gemm_supports`]) it
+/// returns [`quantized_matmul`].
+pub fn quantized_gemm(x: &Array, w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<Array> {
+    quantized_gemm_with_path(x, w, scales, biases, group_size, bits, KernelPath::Auto)
+}
+
+/// [`quantized_gemm`] with a chosen path: `Avx512` runs the exact f32 loop,
+/// `Avx512Vnni` the AMX loop where [`gemm_uses_amx`] says so (else the f32
+/// loop), `Portable` and `Avx2` hand the call to [`quantized_matmul_with_path`]
+/// (tests and benchmarks).
+pub fn quantized_gemm_with_path(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+    path: KernelPath,
+) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_quantized_gemm(&x.raw, &w.raw, &scales.raw, &biases.raw, group_size, bits, path as i32))
+}
+
+/// The first half of a gated MLP in one node: `silu(x @ gate.T) * (x @ up.T)`
+/// for many rows of `x`, with `gate` and `up` affine-quantized
+/// `(weight, scales, biases)` of the same shape and dtypes. Each task packs the
+/// same panel of both weights and combines the tiles as it stores them (silu
+/// as MLX computes it, `g / (1 + e^-g)`, with a vectorized exponential).
+/// Falls back to two [`quantized_gemm`] calls joined by MLX's ops where the
+/// GEMM does not apply.
+pub fn quantized_gemm_swiglu(
+    x: &Array,
+    gate: [&Array; 3],
+    up: [&Array; 3],
+    group_size: i32,
+    bits: i32,
+) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_quantized_gemm_swiglu(
+        &x.raw, &gate[0].raw, &gate[1].raw, &gate[2].raw, &up[0].raw, &up[1].raw, &up[2].raw, group_size, bits,
+    ))
+}
+
+/// Whether [`quantized_gemm`] calls on `path` run the AMX tile loop: the
+/// default (`Auto` or `Avx512Vnni`) on CPUs with AMX-BF16 whose OS grants the
+/// tile state, unless `MLXCEL_AMX=0`. It splits activations and dequantized
+/// weights into two bf16 halves each (`v ~ hi + lo`) and sums three bf16 tile
+/// products in f32: at most ~2^-15 relative error per product term (far less
+/// on average), the same class as the matvec's VNNI path. `Avx512` (or
+/// `MLXCEL_KERNELS=avx512`) runs the exact f32 loop.
+pub fn gemm_uses_amx(path: KernelPath) -> bool {
+    ffi::kernels_gemm_uses_amx(path as i32).unwrap_or(false)
+}
+
+/// Whether [`quantized_gemm`] runs its own GEMM for `(group_size, bits)` on this CPU.
+pub fn gemm_supports(group_size: i32, bits: i32) -> bool {
+    ffi::kernels_gemm_supports(group_size, bits)
+}
+
+/// Causal scaled-dot-product attention over many new tokens (prefill), the
+/// result of `fast::scaled_dot_product_attention(q, k, v, scale,
+/// AttentionMask::Causal)`: `q` `[B, H, L, D]`, `k` and `v` `[B, H_kv, S, D]`
+/// (`H` a multiple of `H_kv`, `S >= L`; query `i` sees keys `0..=S - L + i`).
+/// One CPU node: 8-query-row tasks with AVX-512 score and value tiles, an
+/// exact f32 softmax over only the keys each block may see. The result is a
+/// transposed view of a `[B, L, H, D]` buffer, so transposing it back to
+/// `[B, L, H, D]` and merging the heads copies nothing. Inputs that
+/// [`causal_attention_supports`] rejects (f16/bf16, a GPU stream, a head
+/// size not a multiple of 16, no AVX-512) run MLX's own attention.
+pub fn causal_attention(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_causal_attention(&q.raw, &k.raw, &v.raw, scale))
+}
+
+/// Whether [`causal_attention`] computes these inputs with its own kernel.
+pub fn causal_attention_supports(q: &Array, k: &Array, v: &Array) -> bool {
+    ffi::kernels_causal_attention_supports(&q.raw, &k.raw, &v.raw)
+}
+
+/// `dequantize(w, scales, biases)[ids]` as one CPU node: the token
+/// embedding lookup of a quantized checkpoint (MLX builds it from three
+/// gathers and a dequantize). `ids` may be any integer dtype and shape; the
+/// result is `[...ids, K]` in `dtype` (f32, f16 or bf16). An id outside the
+/// table gives a row of zeros, since ids are often lazy and cannot be checked
+/// when the node is built. On a GPU stream it returns MLX's ops.
+pub fn quantized_embedding(
+    ids: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+    dtype: crate::Dtype,
+) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_quantized_embedding(&ids.raw, &w.raw, &scales.raw, &biases.raw, group_size, bits, dtype as u8))
 }

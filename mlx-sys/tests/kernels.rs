@@ -11,6 +11,11 @@
 //! below any real bug such as a wrong nibble or scale, which moves the result
 //! by ~1e-2·mag or more). f16/bf16 outputs add their own final rounding, half
 //! an ulp of |y|: 2^-11·|y| and 2^-8·|y|.
+//!
+//! The AVX-512 VNNI path (bits 4 and 8) also quantizes each group of
+//! activations to 16 bits: every x_k moves by at most max|x_g| / 65024, so
+//! its bound adds Σ_g max|x_g| / 65024 · Σ_{k in g} |s_g q_k| (the bias term
+//! uses exact sums of x).
 
 use std::sync::Mutex;
 
@@ -100,6 +105,39 @@ fn reference(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, 
     (y, mag)
 }
 
+/// Whether `path` runs the VNNI loop for this layout on this CPU.
+fn uses_vnni(path: KernelPath, bits: usize, group: usize) -> bool {
+    (bits == 4 || bits == 8) && group % 16 == 0 && kernels::path_name(path) == "avx512-vnni"
+}
+
+/// [`reference`] with `mag` widened by the activation-quantization bound
+/// when `path` runs the VNNI loop (see the module docs), expressed in units
+/// of the 1e-5 relative tolerance.
+fn reference_for(path: KernelPath, x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, Vec<f64>) {
+    let (exact, mut mag) = reference(x, q, group, bits);
+    if !uses_vnni(path, bits, group) {
+        return (exact, mag);
+    }
+    let xs = to_f32(x);
+    let words = q.w.to_vec::<u32>().unwrap();
+    let s = to_f32(&q.scales);
+    let (n, k) = (q.n, q.k);
+    let (g, row_words, mask) = (k / group, k * bits / 32, (1u32 << bits) - 1);
+    for r in 0..xs.len() / k {
+        let xr = &xs[r * k..(r + 1) * k];
+        let amax: Vec<f64> = xr.chunks(group).map(|c| c.iter().fold(0f64, |m, v| m.max(v.abs() as f64))).collect();
+        for o in 0..n {
+            let mut bound = 0f64;
+            for j in 0..k {
+                let q = (words[o * row_words + j * bits / 32] >> (j * bits % 32)) & mask;
+                bound += amax[j / group] / 65024.0 * (s[o * g + j / group] as f64 * q as f64).abs();
+            }
+            mag[r * n + o] += bound * 1.01 / 1e-5;
+        }
+    }
+    (exact, mag)
+}
+
 fn out_rounding(dtype: Dtype) -> f64 {
     match dtype {
         Dtype::Float16 => 2f64.powi(-11),
@@ -140,6 +178,7 @@ fn run_case(
     shape.push(k);
     let x = make_x(seed, &shape, xdtype);
     let (exact, mag) = reference(&x, &q, group as usize, bits as usize);
+    let (_, vnni_mag) = reference_for(KernelPath::Avx512Vnni, &x, &q, group as usize, bits as usize);
     let mlx = quantized_matmul(&x, &q.w, &q.scales, &q.biases, true, group, bits).unwrap();
     for &path in paths {
         let label = format!("bits={bits} group={group} K={k} N={n} x={shape:?} {xdtype}/{sdtype} path={path:?}");
@@ -147,7 +186,8 @@ fn run_case(
         assert!(kernels::is_kernel_node(&ours), "{label}: fell back to MLX's op");
         assert_eq!(ours.shape(), mlx.shape(), "{label}: shape");
         assert_eq!(ours.dtype(), mlx.dtype(), "{label}: dtype");
-        check(&label, &ours, &exact, &mag);
+        let mag = if uses_vnni(path, bits as usize, group as usize) { &vnni_mag } else { &mag };
+        check(&label, &ours, &exact, mag);
     }
     // MLX's own op must meet the same bar in f32, or the bar is wrong.
     if xdtype == Dtype::Float32 && sdtype == Dtype::Float32 {
@@ -155,12 +195,13 @@ fn run_case(
     }
 }
 
-const ALL_PATHS: [KernelPath; 4] = [KernelPath::Auto, KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512];
+const ALL_PATHS: [KernelPath; 5] =
+    [KernelPath::Auto, KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512, KernelPath::Avx512Vnni];
 
 #[test]
 fn reports_its_path_and_threads() {
     let auto = kernels::path_name(KernelPath::Auto);
-    assert!(["avx512", "avx2", "portable"].contains(&auto.as_str()), "{auto}");
+    assert!(["avx512-vnni", "avx512", "avx2", "portable"].contains(&auto.as_str()), "{auto}");
     assert_eq!(kernels::path_name(KernelPath::Portable), "portable");
     assert!(kernels::num_threads() >= 1);
     assert!(kernels::supports(32, 4) && kernels::supports(64, 8) && kernels::supports(128, 2));
@@ -276,13 +317,13 @@ fn strided_and_lazy_inputs() {
     let xt = make_x(1000, &[k, 3], Dtype::Float32);
     let x = xt.transpose(&[1, 0]).unwrap();
     let ours = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, group, bits).unwrap();
-    let (exact, mag) = reference(&x.contiguous().unwrap(), &q, group as usize, bits as usize);
+    let (exact, mag) = reference_for(KernelPath::Auto, &x.contiguous().unwrap(), &q, group as usize, bits as usize);
     check("transposed x", &ours, &exact, &mag);
     // x with a broadcast (stride-0) batch axis.
     let x1 = make_x(1001, &[1, k], Dtype::Float32);
     let xb = x1.broadcast_to(&[4, k]).unwrap();
     let ours = kernels::quantized_matmul(&xb, &q.w, &q.scales, &q.biases, group, bits).unwrap();
-    let (exact, mag) = reference(&xb.contiguous().unwrap(), &q, group as usize, bits as usize);
+    let (exact, mag) = reference_for(KernelPath::Auto, &xb.contiguous().unwrap(), &q, group as usize, bits as usize);
     check("broadcast x", &ours, &exact, &mag);
     // Lazy weight, scales and biases: row slices of a bigger, unevaluated set.
     let big = make_weights(1002, 2 * n, k, group, bits, Dtype::Float32);
@@ -297,7 +338,7 @@ fn strided_and_lazy_inputs() {
     assert!(!kernels::is_kernel_node(&mlx));
     mlx_sys::eval([&w, &s, &b]).unwrap();
     let sliced = Quantized { w, scales: s, biases: b, n: n as usize, k: k as usize };
-    let (exact, mag) = reference(&x, &sliced, group as usize, bits as usize);
+    let (exact, mag) = reference_for(KernelPath::Auto, &x, &sliced, group as usize, bits as usize);
     check("lazy sliced weights", &ours, &exact, &mag);
     check("lazy sliced weights (MLX)", &mlx, &exact, &mag);
 }
@@ -330,8 +371,8 @@ fn repeated_calls_across_idle_gaps() {
     let qb = make_weights(1201, 576, 1536, 32, 8, Dtype::Float32);
     let xa = make_x(1200, &[1, 576], Dtype::Float32);
     let xb = make_x(1201, &[1, 1536], Dtype::Float32);
-    let (ea, ma) = reference(&xa, &qa, 32, 4);
-    let (eb, mb) = reference(&xb, &qb, 32, 8);
+    let (ea, ma) = reference_for(KernelPath::Auto, &xa, &qa, 32, 4);
+    let (eb, mb) = reference_for(KernelPath::Auto, &xb, &qb, 32, 8);
     for i in 0..60 {
         let ya = kernels::quantized_matmul(&xa, &qa.w, &qa.scales, &qa.biases, 32, 4).unwrap();
         let yb = kernels::quantized_matmul(&xb, &qb.w, &qb.scales, &qb.biases, 32, 8).unwrap();
@@ -346,9 +387,64 @@ fn repeated_calls_across_idle_gaps() {
     let y2 = kernels::quantized_matmul(&y1, &qa.w, &qa.scales, &qa.biases, 32, 4).unwrap();
     let r1 = quantized_matmul(&xb, &qb.w, &qb.scales, &qb.biases, true, 32, 8).unwrap();
     let r2 = quantized_matmul(&r1, &qa.w, &qa.scales, &qa.biases, true, 32, 4).unwrap();
-    let (_, mag) = reference(&y1, &qa, 32, 4);
+    let (_, mag) = reference_for(KernelPath::Auto, &y1, &qa, 32, 4);
     for ((a, b), m) in to_f32(&y2).iter().zip(to_f32(&r2)).zip(mag) {
         assert!(((a - b).abs() as f64) <= 1e-4 * m, "{a} vs {b}");
     }
     let _ = (f16::ZERO, bf16::ZERO);
+}
+
+#[test]
+fn quantized_embedding_matches_mlx_gather_and_dequantize() {
+    let _g = lock();
+    for (bits, group) in [(2, 32), (3, 32), (4, 32), (4, 64), (5, 32), (6, 64), (8, 32), (8, 128)] {
+        let (vocab, k) = (37, 256);
+        let key = random::key(1300 + bits as u64).unwrap();
+        let wf = random::normal(&[vocab, k], Dtype::Float32, 0.0, 1.0, &key).unwrap();
+        let Ok((w, s, b)) = quantize(&wf, group, bits).and_then(|t| t.0.eval().map(|_| t)) else {
+            eprintln!("MLX does not quantize bits={bits} group={group}; skipped");
+            continue;
+        };
+        for sdtype in [Dtype::Float32, Dtype::Float16, Dtype::Bfloat16] {
+            let (s, b) = (s.astype(sdtype).unwrap(), b.astype(sdtype).unwrap());
+            for (ids, shape) in [(&[5i32][..], &[1, 1][..]), (&[0, 36, 7, 7, 12, 1], &[2, 3])] {
+                let ids = Array::from_slice(ids, shape).unwrap();
+                // The reference dequantizes in f32 (MLX would round scale * q
+                // + bias to the scales' dtype; we round once, to `out`).
+                let rows = |a: &Array| a.take(&ids, 0).unwrap();
+                let f32_rows = |a: &Array| rows(&a.astype(Dtype::Float32).unwrap());
+                let want = mlx_sys::dequantize(&rows(&w), &f32_rows(&s), &f32_rows(&b), group, bits).unwrap();
+                for out in [Dtype::Float32, Dtype::Bfloat16] {
+                    let got = kernels::quantized_embedding(&ids, &w, &s, &b, group, bits, out).unwrap();
+                    let label = format!("bits={bits} group={group} scales={sdtype} out={out} ids={shape:?}");
+                    assert!(kernels::is_kernel_node(&got), "{label}");
+                    assert_eq!(got.dtype(), out, "{label}");
+                    let mut want_shape = shape.to_vec();
+                    want_shape.push(k);
+                    assert_eq!(got.shape(), want_shape, "{label}");
+                    let tol = if out == Dtype::Bfloat16 { 2f32.powi(-8) } else { 1e-6 };
+                    for (i, (g, e)) in to_f32(&got).iter().zip(to_f32(&want)).enumerate() {
+                        assert!((g - e).abs() <= tol * e.abs().max(1.0), "{label}: element {i}: {g} vs {e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_embedding_out_of_range_ids_give_zero_rows_and_bad_input_errors() {
+    let _g = lock();
+    let q = make_weights(1400, 8, 64, 32, 4, Dtype::Float32);
+    let ids = Array::from_slice(&[-1i32, 8, 3], &[3]).unwrap();
+    let got = to_f32(&kernels::quantized_embedding(&ids, &q.w, &q.scales, &q.biases, 32, 4, Dtype::Float32).unwrap());
+    assert!(got[..128].iter().all(|&v| v == 0.0), "ids -1 and 8 are outside a table of 8 rows");
+    assert!(got[128..].iter().any(|&v| v != 0.0));
+    let float_ids = Array::from_slice(&[1.0f32], &[1]).unwrap();
+    let err = kernels::quantized_embedding(&float_ids, &q.w, &q.scales, &q.biases, 32, 4, Dtype::Float32).unwrap_err();
+    assert!(err.to_string().contains("ids must be integers"), "{err}");
+    let err = kernels::quantized_embedding(&ids, &q.w, &q.scales, &q.biases, 64, 4, Dtype::Float32).unwrap_err();
+    assert!(err.to_string().contains("words per row"), "{err}");
+    let err = kernels::quantized_embedding(&ids, &q.w, &q.scales, &q.biases, 32, 4, Dtype::Int32).unwrap_err();
+    assert!(err.to_string().contains("output dtype"), "{err}");
 }

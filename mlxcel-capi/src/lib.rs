@@ -450,6 +450,7 @@ unsafe fn generate_with(
             params: sampling,
             prefill_chunk,
             cancel: Some(cancel),
+            ignore_eos: false,
         };
 
         let mut text = String::new();

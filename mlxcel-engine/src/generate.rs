@@ -34,11 +34,15 @@ pub struct GenerationRequest {
     pub prefill_chunk: usize,
     /// Set from any thread to stop between prefill chunks or decode steps.
     pub cancel: Option<CancelFlag>,
+    /// Keep decoding past EOS tokens (they are still sampled and counted, and
+    /// their text, if any, is streamed) until `max_tokens`, a stop string or
+    /// cancellation. For benchmarks that need an exact token count; default false.
+    pub ignore_eos: bool,
 }
 
 impl GenerationRequest {
     pub fn new(prompt: Prompt) -> Self {
-        GenerationRequest { prompt, params: SamplingParams::default(), prefill_chunk: 512, cancel: None }
+        GenerationRequest { prompt, params: SamplingParams::default(), prefill_chunk: 512, cancel: None, ignore_eos: false }
     }
 }
 
@@ -190,7 +194,7 @@ impl Engine {
             if cancelled() {
                 break;
             }
-            network.forward(&token_array(chunk)?, &mut caches)?;
+            network.forward_last(&token_array(chunk)?, &mut caches)?;
             eval(caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter())?;
         }
         if cancelled() {
@@ -200,8 +204,7 @@ impl Engine {
         }
         let use_penalty = params.repetition_penalty != 1.0;
         let step = |input: &Array, caches: &mut [Box<dyn KvCache>], sampler: &mut Sampler, history: &[u32]| -> Result<Array> {
-            let logits = network.forward(input, caches)?;
-            let last = logits.slice_axis(1, logits.dim(1) - 1, logits.dim(1))?.squeeze(1)?;
+            let last = network.forward_last(input, caches)?.squeeze(1)?;
             let recent = if use_penalty {
                 let prev = input.reshape(&[-1])?;
                 Some(recent_tokens(history, &prev.slice_axis(0, prev.dim(0) - 1, prev.dim(0))?, params.repetition_context_size)?)
@@ -238,7 +241,7 @@ impl Engine {
             }
             output.tokens.push(token);
             history.push(token);
-            if tokenizer.is_eos(token) {
+            if !request.ignore_eos && tokenizer.is_eos(token) {
                 break FinishReason::Stop;
             }
             if let Some(piece) = decoder.step(token)? {

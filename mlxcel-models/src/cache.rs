@@ -1,6 +1,18 @@
 //! KV caches. Models borrow them for a forward pass; the engine owns them.
 
-use mlx_sys::{Array, Result};
+use mlx_sys::{Array, Dtype, Result};
+
+/// The layout a fused kernel writes into: `[1, kv_heads, capacity, head_dim]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheLayout {
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub dtype: Dtype,
+}
+
+/// Writes `length` new positions into the key and value buffers at `offset`
+/// and returns the buffers with them written (see [`KvCache::append_with`]).
+pub type AppendWriter<'a> = dyn FnMut(&Array, &Array, usize) -> Result<(Array, Array)> + 'a;
 
 /// The protocol every KV cache variant follows (standard, rotating,
 /// quantized, paged).
@@ -16,6 +28,17 @@ pub trait KvCache: Send {
     fn state(&self) -> Vec<Array>;
     /// Bytes held by the cache buffers.
     fn nbytes(&self) -> usize;
+    /// Appends `length` positions through `write`, for fused kernels that
+    /// write the cache in place: `write` gets the key and value buffers
+    /// (`layout`, capacity at least `offset + length`) and the offset, and
+    /// returns the buffers with the new positions written. The buffers are
+    /// the cache's own: nothing else reads them at positions `>= offset`, so
+    /// the kernel may write them in place. Returns false,
+    /// without calling `write`, when this cache cannot hand out its buffers;
+    /// on an error the cache is unchanged.
+    fn append_with(&mut self, _length: usize, _layout: CacheLayout, _write: &mut AppendWriter<'_>) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// A growable cache: buffers grow in steps of `STEP` positions and new
@@ -37,9 +60,13 @@ impl StandardKvCache {
 
 fn grow(buffer: Option<&Array>, template: &Array, needed: i32) -> Result<Array> {
     let shape = template.shape();
-    let (b, h, d) = (shape[0], shape[1], shape[3]);
+    grow_to(buffer, [shape[0], shape[1], shape[3]], template.dtype(), needed)
+}
+
+/// `buffer` followed by room for at least `needed` more positions of `[b, h, _, d]`.
+fn grow_to(buffer: Option<&Array>, [b, h, d]: [i32; 3], dtype: Dtype, needed: i32) -> Result<Array> {
     let extra = (needed + StandardKvCache::STEP - 1) / StandardKvCache::STEP * StandardKvCache::STEP;
-    let zeros = Array::zeros(&[b, h, extra, d], template.dtype())?;
+    let zeros = Array::zeros(&[b, h, extra, d], dtype)?;
     match buffer {
         Some(existing) => mlx_sys::concatenate(&[existing.clone(), zeros], 2),
         None => Ok(zeros),
@@ -50,13 +77,8 @@ impl KvCache for StandardKvCache {
     fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
         let previous = self.offset as i32;
         let length = keys.dim(2);
-        let capacity = self.keys.as_ref().map_or(0, |k| k.dim(2));
-        if previous + length > capacity {
-            // Drop the unused tail before growing so the buffer stays dense.
-            let trim = |a: &Option<Array>| -> Result<Option<Array>> {
-                a.as_ref().map(|a| a.slice_axis(2, 0, previous)).transpose()
-            };
-            let (k, v) = (trim(&self.keys)?, trim(&self.values)?);
+        if previous + length > self.capacity() {
+            let (k, v) = self.used()?;
             self.keys = Some(grow(k.as_ref(), keys, length)?);
             self.values = Some(grow(v.as_ref(), values, length)?);
         }
@@ -90,5 +112,45 @@ impl KvCache for StandardKvCache {
 
     fn nbytes(&self) -> usize {
         self.state().iter().map(Array::nbytes).sum()
+    }
+
+    fn append_with(&mut self, length: usize, layout: CacheLayout, write: &mut AppendWriter<'_>) -> Result<bool> {
+        let fits = |a: &Array| {
+            a.ndim() == 4 && a.dim(0) == 1 && a.dim(1) == layout.kv_heads && a.dim(3) == layout.head_dim
+                && a.dtype() == layout.dtype
+        };
+        if !self.keys.iter().chain(self.values.iter()).all(fits) {
+            return Ok(false);
+        }
+        let length = length as i32;
+        let (keys, values) = match (&self.keys, &self.values) {
+            (Some(k), Some(v)) if self.offset as i32 + length <= self.capacity() => (k.clone(), v.clone()),
+            _ => {
+                let (k, v) = self.used()?;
+                let dims = [1, layout.kv_heads, layout.head_dim];
+                (grow_to(k.as_ref(), dims, layout.dtype, length)?, grow_to(v.as_ref(), dims, layout.dtype, length)?)
+            }
+        };
+        let (keys, values) = write(&keys, &values, self.offset)?;
+        // The old buffers are now referenced only by the kernel's node, so it
+        // can write them in place.
+        self.keys = Some(keys);
+        self.values = Some(values);
+        self.offset += length as usize;
+        Ok(true)
+    }
+}
+
+impl StandardKvCache {
+    fn capacity(&self) -> i32 {
+        self.keys.as_ref().map_or(0, |k| k.dim(2))
+    }
+
+    /// The buffers cut to the cached positions (dropping the unused tail
+    /// before growing keeps them dense).
+    fn used(&self) -> Result<(Option<Array>, Option<Array>)> {
+        let previous = self.offset as i32;
+        let trim = |a: &Option<Array>| -> Result<Option<Array>> { a.as_ref().map(|a| a.slice_axis(2, 0, previous)).transpose() };
+        Ok((trim(&self.keys)?, trim(&self.values)?))
     }
 }

@@ -21,6 +21,14 @@ use crate::weights::{Scope, Weights};
 pub trait LanguageModel: Send + Sync {
     /// `tokens`: [B, L] int32 → logits [B, L, vocab]. Appends to `caches`.
     fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array>;
+    /// Like [`forward`](Self::forward), but logits for the last position
+    /// only ([B, 1, vocab]): what generation needs after a prompt chunk,
+    /// without the lm_head over every prompt position.
+    fn forward_last(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let logits = self.forward(tokens, caches)?;
+        let length = logits.dim(1);
+        Ok(logits.slice_axis(1, length - 1, length)?)
+    }
     /// One empty cache per layer.
     fn new_caches(&self) -> Vec<Box<dyn KvCache>>;
     fn shape(&self) -> &ModelShape;

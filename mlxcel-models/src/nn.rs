@@ -2,15 +2,24 @@
 //! embeddings, RMSNorm, RoPE, the gated MLP and grouped-query attention.
 
 use mlx_sys::fast::{self, AttentionMask};
-use mlx_sys::{kernels, Array, Dtype};
+use mlx_sys::kernels::{self, DecoderLayerSpec};
+use mlx_sys::{Array, Dtype};
 
-use crate::cache::KvCache;
+use crate::cache::{CacheLayout, KvCache};
 use crate::error::{Error, Result};
 use crate::quantization::QuantParams;
 use crate::weights::Scope;
 
-/// From this many rows on, quantized matmuls dequantize and run a dense GEMM.
+/// From this many rows on, quantized matmuls run as a GEMM (prefill).
 const DENSE_PREFILL_MIN_ROWS: usize = 16;
+
+/// How prefill (many-row) work runs: our kernels (default), or
+/// `MLXCEL_PREFILL=mlx` for the previous path (dequantize + MLX matmul,
+/// MLX's attention), kept for side-by-side comparisons. Read once.
+fn prefill_uses_mlx() -> bool {
+    static MLX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MLX.get_or_init(|| std::env::var("MLXCEL_PREFILL").is_ok_and(|v| v == "mlx"))
+}
 
 /// Affine-quantized weight: packed `weight`, per-group `scales` and `biases`.
 #[derive(Clone)]
@@ -33,21 +42,28 @@ impl QuantizedWeight {
         let groups = in_features / group_size;
         Ok(QuantizedWeight {
             weight: scope.get("weight", &[out_features, in_features * bits / 32])?,
-            scales: scope.get("scales", &[out_features, groups])?,
-            biases: scope.get("biases", &[out_features, groups])?,
+            scales: scope.get_stored("scales", &[out_features, groups])?,
+            biases: scope.get_stored("biases", &[out_features, groups])?,
             params,
         })
     }
 
-    /// `x @ W.T`. Many rows (prefill) run as a dense GEMM on the dequantized
-    /// weight, which MLX hands to BLAS; few rows (decode) use our quantized
-    /// matvec kernel (`kernels/`), which reads 4-8x fewer bytes.
+    /// `x @ W.T`. Many rows (prefill) run as our quantized GEMM kernel
+    /// (`kernels/quantized_gemm.cc`: panels of W dequantized into cache-sized
+    /// f32 buffers, an AVX-512 microkernel); few rows (decode) use our
+    /// quantized matvec kernel, which reads 4-8x fewer bytes than f32.
     fn matmul_t(&self, x: &Array) -> Result<Array> {
         let p = self.params;
         let rows = x.size() / x.dim(-1).max(1) as usize;
         if rows >= DENSE_PREFILL_MIN_ROWS {
-            let w = mlx_sys::dequantize(&self.weight, &self.scales, &self.biases, p.group_size, p.bits)?;
-            return Ok(x.matmul(&w.astype(x.dtype())?.transpose(&[1, 0])?)?);
+            if !prefill_uses_mlx() && kernels::gemm_supports(p.group_size, p.bits) {
+                return Ok(kernels::quantized_gemm(x, &self.weight, &self.scales, &self.biases, p.group_size, p.bits)?);
+            }
+            // Dequantize in the activations' dtype, not the scales' (f16 would
+            // round every weight).
+            let (scales, biases) = (self.scales.astype(x.dtype())?, self.biases.astype(x.dtype())?);
+            let w = mlx_sys::dequantize(&self.weight, &scales, &biases, p.group_size, p.bits)?;
+            return Ok(x.matmul(&w.transpose(&[1, 0])?)?);
         }
         Ok(kernels::quantized_matmul(x, &self.weight, &self.scales, &self.biases, p.group_size, p.bits)?)
     }
@@ -80,6 +96,14 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
+    /// Output features, for quantized weights (None for dense ones).
+    fn out_features(&self) -> Option<i32> {
+        match &self.weight {
+            LinearWeight::Quantized(q) => Some(q.weight.dim(0)),
+            LinearWeight::Dense(_) => None,
+        }
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
             LinearWeight::Dense(w_t) => x.matmul(w_t)?,
@@ -107,14 +131,18 @@ impl Embedding {
         })
     }
 
-    /// Rows for `ids` (any shape) → `[..ids, hidden]`.
-    pub fn forward(&self, ids: &Array) -> Result<Array> {
+    /// Rows for `ids` (any shape) → `[..ids, hidden]` in `dtype`.
+    pub fn forward(&self, ids: &Array, dtype: Dtype) -> Result<Array> {
         Ok(match self {
-            Embedding::Dense(w) => w.take(ids, 0)?,
+            Embedding::Dense(w) => w.take(ids, 0)?.astype(dtype)?,
+            Embedding::Quantized(q) if kernels::supports(q.params.group_size, q.params.bits) => {
+                kernels::quantized_embedding(ids, &q.weight, &q.scales, &q.biases, q.params.group_size, q.params.bits, dtype)?
+            }
             Embedding::Quantized(q) => {
                 let p = q.params;
                 let rows = |a: &Array| a.take(ids, 0);
-                mlx_sys::dequantize(&rows(&q.weight)?, &rows(&q.scales)?, &rows(&q.biases)?, p.group_size, p.bits)?
+                let as_dtype = |a: &Array| rows(&a.astype(dtype)?);
+                mlx_sys::dequantize(&rows(&q.weight)?, &as_dtype(&q.scales)?, &as_dtype(&q.biases)?, p.group_size, p.bits)?
             }
         })
     }
@@ -228,8 +256,35 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if let Some(hidden) = self.fused_gate_up(x)? {
+            return self.down_proj.forward(&hidden);
+        }
         let gate = self.gate_proj.forward(x)?.silu()?;
         self.down_proj.forward(&gate.multiply(&self.up_proj.forward(x)?)?)
+    }
+
+    /// `silu(gate(x)) * up(x)` as one GEMM node for many rows (prefill), when
+    /// both projections are quantized alike and have no bias.
+    fn fused_gate_up(&self, x: &Array) -> Result<Option<Array>> {
+        let rows = x.size() / x.dim(-1).max(1) as usize;
+        if rows < DENSE_PREFILL_MIN_ROWS || prefill_uses_mlx() || self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
+            return Ok(None);
+        }
+        let (LinearWeight::Quantized(g), LinearWeight::Quantized(u)) = (&self.gate_proj.weight, &self.up_proj.weight) else {
+            return Ok(None);
+        };
+        let p = g.params;
+        if u.params != p || !kernels::gemm_supports(p.group_size, p.bits) {
+            return Ok(None);
+        }
+        let hidden = kernels::quantized_gemm_swiglu(
+            x,
+            [&g.weight, &g.scales, &g.biases],
+            [&u.weight, &u.scales, &u.biases],
+            p.group_size,
+            p.bits,
+        )?;
+        Ok(Some(hidden))
     }
 }
 
@@ -295,8 +350,14 @@ impl Attention {
         let q = self.rope.forward(&q, offset)?;
         let k = self.rope.forward(&k, offset)?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
-        let out = fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask)?;
+        let out = if l > 1 && !prefill_uses_mlx() {
+            // Our causal attention kernel (MLX's for what it does not handle);
+            // its result transposes back to [B, L, H, D] without a copy.
+            kernels::causal_attention(&q, &k, &v, self.scale)?
+        } else {
+            let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
+            fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask)?
+        };
         let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, heads * head_dim])?;
         self.o_proj.forward(&out)
     }
@@ -309,17 +370,137 @@ pub struct DecoderBlock {
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
     mlp: GatedMlp,
+    fused: Option<FusedBlock>,
 }
+
+/// Most new tokens per forward pass that run through the fused block; more
+/// (prefill) run as MLX ops, whose GEMMs amortize their dispatch.
+const FUSED_MAX_ROWS: i32 = 8;
 
 impl DecoderBlock {
     pub fn new(input_layernorm: RmsNorm, self_attn: Attention, post_attention_layernorm: RmsNorm, mlp: GatedMlp) -> Self {
-        DecoderBlock { input_layernorm, self_attn, post_attention_layernorm, mlp }
+        let mut block = DecoderBlock { input_layernorm, self_attn, post_attention_layernorm, mlp, fused: None };
+        block.fused = FusedBlock::new(&block);
+        block
     }
 
     pub fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        if let Some(fused) = &self.fused {
+            if x.ndim() == 3 && x.dim(0) == 1 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32 {
+                if let Some(out) = fused.forward(x, cache)? {
+                    return Ok(out);
+                }
+            }
+        }
         let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, cache)?)?;
         h.add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)
             .map_err(Into::into)
+    }
+
+    /// Whether decode steps of this block run as one fused kernel node.
+    pub fn is_fused(&self) -> bool {
+        self.fused.is_some()
+    }
+}
+
+/// A decoder block as one CPU kernel node (`kernels::decoder_layer`): used
+/// for decode when every projection is affine-quantized in a layout the
+/// kernels support. `MLXCEL_FUSED=0` turns it off (for comparisons).
+#[derive(Clone)]
+struct FusedBlock {
+    spec: DecoderLayerSpec,
+    /// Kernel inputs 1..=23: norms and projections.
+    weights: Vec<Array>,
+    /// Optional inputs after the caches (biases, q/k norms, rope freqs).
+    extras: Vec<Array>,
+}
+
+impl FusedBlock {
+    fn new(block: &DecoderBlock) -> Option<Self> {
+        if std::env::var("MLXCEL_FUSED").is_ok_and(|v| v == "0") || mlx_sys::Device::default_device() != mlx_sys::Device::Cpu {
+            return None;
+        }
+        let attn = &block.self_attn;
+        let mlp = &block.mlp;
+        let eps = block.input_layernorm.eps;
+        let norms_agree = block.post_attention_layernorm.eps == eps
+            && attn.q_norm.iter().chain(attn.k_norm.iter()).all(|n| n.eps == eps);
+        if !norms_agree || attn.rope.dims != attn.spec.head_dim {
+            return None;
+        }
+        let projections = [&attn.q_proj, &attn.k_proj, &attn.v_proj, &attn.o_proj, &mlp.gate_proj, &mlp.up_proj, &mlp.down_proj];
+        let mut weights = vec![block.input_layernorm.weight.clone()];
+        for (i, linear) in projections.iter().enumerate() {
+            let LinearWeight::Quantized(q) = &linear.weight else { return None };
+            if !kernels::supports(q.params.group_size, q.params.bits) {
+                return None;
+            }
+            weights.extend([q.weight.clone(), q.scales.clone(), q.biases.clone()]);
+            if i == 3 {
+                weights.push(block.post_attention_layernorm.weight.clone());
+            }
+        }
+        let bias_of = |linears: &[&Linear]| -> Option<Option<Vec<Array>>> {
+            match linears.iter().filter(|l| l.bias.is_some()).count() {
+                0 => Some(None),
+                n if n == linears.len() => Some(Some(linears.iter().filter_map(|l| l.bias.clone()).collect())),
+                _ => None,
+            }
+        };
+        let qkv_bias = bias_of(&[&attn.q_proj, &attn.k_proj, &attn.v_proj])?;
+        let o_bias = bias_of(&[&attn.o_proj])?;
+        let mlp_bias = bias_of(&[&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj])?;
+        let qk_norm = match (&attn.q_norm, &attn.k_norm) {
+            (Some(q), Some(k)) => Some(vec![q.weight.clone(), k.weight.clone()]),
+            (None, None) => None,
+            _ => return None,
+        };
+        let spec = DecoderLayerSpec {
+            hidden: attn.spec.hidden,
+            heads: attn.spec.heads,
+            kv_heads: attn.spec.kv_heads,
+            head_dim: attn.spec.head_dim,
+            intermediate: mlp.gate_proj.out_features()?,
+            offset: 0,
+            norm_eps: eps,
+            rope_dims: attn.rope.dims,
+            rope_base: attn.rope.base,
+            rope_scale: attn.rope.scale,
+            rope_traditional: attn.rope.traditional,
+            attn_scale: attn.scale,
+            qkv_bias: qkv_bias.is_some(),
+            o_bias: o_bias.is_some(),
+            mlp_bias: mlp_bias.is_some(),
+            qk_norm: qk_norm.is_some(),
+            rope_freqs: attn.rope.freqs.is_some(),
+            // KvCache::append_with hands over buffers it owns exclusively.
+            cache_in_place: true,
+        };
+        let extras: Vec<Array> = [qkv_bias, o_bias, mlp_bias, qk_norm, attn.rope.freqs.clone().map(|f| vec![f])]
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect();
+        Some(FusedBlock { spec, weights, extras })
+    }
+
+    /// The block for `x` ([1, L, hidden]), or None when the cache cannot be
+    /// written in place.
+    fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Option<Array>> {
+        let layout = CacheLayout { kv_heads: self.spec.kv_heads, head_dim: self.spec.head_dim, dtype: Dtype::Float32 };
+        let mut out = None;
+        let appended = cache.append_with(x.dim(1) as usize, layout, &mut |keys, values, offset| {
+            let spec = DecoderLayerSpec { offset: offset as i32, ..self.spec };
+            let mut inputs = Vec::with_capacity(26 + self.extras.len());
+            inputs.push(x.clone());
+            inputs.extend(self.weights.iter().cloned());
+            inputs.extend([keys.clone(), values.clone()]);
+            inputs.extend(self.extras.iter().cloned());
+            let (h, keys, values) = kernels::decoder_layer(&inputs, &spec)?;
+            out = Some(h);
+            Ok((keys, values))
+        })?;
+        Ok(if appended { out } else { None })
     }
 }
 

@@ -173,6 +173,15 @@ impl<'a> Scope<'a> {
         Ok(array)
     }
 
+    /// [`get`](Self::get) in the checkpoint's own dtype: for quantization
+    /// scales and biases, which the kernels read in f16/bf16 directly (a
+    /// float32 copy would add a third to a 4-bit model's bytes per token).
+    pub fn get_stored(&self, name: &str, shape: &[i32]) -> Result<Array> {
+        let array = self.weights.get_shaped(&self.path(name), shape)?;
+        array.eval()?;
+        Ok(array)
+    }
+
     /// Quantization of this module: present exactly when `scales` exists.
     pub fn quant_params(&self, in_features: i32) -> Result<Option<QuantParams>> {
         if !self.contains("scales") {

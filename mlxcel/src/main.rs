@@ -1,5 +1,7 @@
 //! `mlxcel`: the command-line face of the library.
 
+mod bench;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -12,7 +14,7 @@ use mlxcel_models::model::{load_network, read_config, ModelInfo};
 use mlxcel_models::tokenizer::Tokenizer;
 
 #[derive(Parser)]
-#[command(name = "mlxcel", version, about = "Run MLX checkpoints in-process: generate, convert, inspect")]
+#[command(name = "mlxcel", version, about = "Run MLX checkpoints in-process: generate, convert, inspect, bench")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -29,6 +31,8 @@ enum Command {
         /// Checkpoint directory (default: the default model).
         dir: Option<PathBuf>,
     },
+    /// Measure prefill and decode speed, time to first token and peak memory.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Args)]
@@ -105,6 +109,11 @@ fn run(cli: Cli) -> AnyResult<()> {
             Ok(())
         }
         Command::Inspect { dir } => inspect(&model_dir(dir)?),
+        Command::Bench(args) => {
+            args.validate()?;
+            let dir = model_dir(args.model.clone())?;
+            bench::run(&args, &dir)
+        }
     }
 }
 

@@ -15,6 +15,20 @@ fn default_model() -> PathBuf {
     mlxcel_models::default_model::default_model_dir().unwrap()
 }
 
+/// Weight bytes: the sum of the tensor sizes in model.safetensors's header.
+fn tensor_bytes(dir: &Path) -> u64 {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(_, v)| v["data_offsets"][1].as_u64().unwrap() - v["data_offsets"][0].as_u64().unwrap())
+        .sum()
+}
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("mlxcel-cli-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -42,17 +56,7 @@ fn inspect_agrees_with_the_files() {
     let out = mlxcel(&["inspect", dir.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
-    // Weight bytes: the sum of the tensor sizes in model.safetensors's header.
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
-    let tensor_bytes: u64 = header
-        .as_object()
-        .unwrap()
-        .iter()
-        .filter(|(k, _)| *k != "__metadata__")
-        .map(|(_, v)| v["data_offsets"][1].as_u64().unwrap() - v["data_offsets"][0].as_u64().unwrap())
-        .sum();
+    let tensor_bytes = tensor_bytes(&dir);
     for expected in [
         "architecture:    llama (30 layers, hidden 576, 3 KV heads × 64)".to_string(),
         "parameters:      134515008".to_string(),
@@ -117,4 +121,56 @@ fn convert_writes_a_checkpoint_that_generates() {
     let out = mlxcel(&["generate", "--model", out_dir.to_str().unwrap(), "--prompt", "The capital of France is", "--max-tokens", "3"]);
     assert!(text(&out.stdout).starts_with(" Paris"), "{}", text(&out.stdout));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_prints_one_json_object() {
+    let dir = default_model();
+    let out = mlxcel(&["bench", "--json", "--prompt-tokens", "24", "--gen-tokens", "6", "--repeat", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: stdout is not one JSON object: {:?}", text(&out.stdout)));
+    for key in ["prompt_tps", "decode_tps", "ttft_s", "peak_rss_bytes", "peak_mlx_bytes", "weight_bytes", "kv_bytes", "prompt_tokens", "gen_tokens", "repeat", "model", "runs"] {
+        assert!(report.get(key).is_some(), "missing {key:?} in {report}");
+    }
+    assert_eq!(report["prompt_tokens"], 24);
+    assert_eq!(report["gen_tokens"], 6);
+    assert_eq!(report["repeat"], 2);
+    assert_eq!(report["model"].as_str(), dir.to_str());
+    let positive = |value: &serde_json::Value, key: &str| {
+        let x = value[key].as_f64().unwrap_or_else(|| panic!("{key} is not a number in {value}"));
+        assert!(x.is_finite() && x > 0.0, "{key} = {x}");
+        x
+    };
+    for key in ["prompt_tps", "decode_tps", "ttft_s", "peak_rss_bytes", "peak_mlx_bytes", "weight_bytes", "kv_bytes"] {
+        positive(&report, key);
+    }
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "{report}");
+    for run in runs {
+        for key in ["prompt_s", "prompt_tps", "ttft_s", "decode_s", "decode_tps", "peak_mlx_bytes"] {
+            positive(run, key);
+        }
+        // Time to first token includes the whole prefill.
+        assert!(run["ttft_s"].as_f64() >= run["prompt_s"].as_f64(), "{run}");
+    }
+    let weights = tensor_bytes(&dir);
+    assert_eq!(report["weight_bytes"].as_u64(), Some(weights));
+    assert!(report["peak_rss_bytes"].as_u64().unwrap() >= weights, "{report}");
+    assert!(report["peak_mlx_bytes"].as_u64().unwrap() >= weights, "{report}");
+}
+
+#[test]
+fn bench_rejects_bad_numbers() {
+    for (args, flag) in [
+        (["--repeat", "0"], "--repeat"),
+        (["--gen-tokens", "1"], "--gen-tokens"),
+        (["--prompt-tokens", "0"], "--prompt-tokens"),
+        // Longer than the context: the error names both numbers.
+        (["--prompt-tokens", "100000"], "--prompt-tokens 100000 is longer than the model's context of 8192 tokens"),
+    ] {
+        let out = mlxcel(&["bench", "--json", args[0], args[1]]);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(text(&out.stderr).contains(flag), "{args:?}: {}", text(&out.stderr));
+        assert!(out.stdout.is_empty(), "{args:?}: {}", text(&out.stdout));
+    }
 }

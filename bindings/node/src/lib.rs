@@ -352,6 +352,7 @@ impl NativeModel {
             params,
             prefill_chunk,
             cancel: Some(cancel.clone()),
+            ignore_eos: false,
         };
         let engine = self.engine.clone();
         let finished = Arc::new(Finished::default());

@@ -137,20 +137,38 @@ impl DecoderModel {
     }
 }
 
-impl LanguageModel for DecoderModel {
-    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+impl DecoderModel {
+    /// The final hidden states ([B, L, hidden]) after every block.
+    fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
         if caches.len() != self.layers.len() {
             return Err(Error::Mlx(format!("{} caches given for {} layers", caches.len(), self.layers.len())));
         }
-        let mut h = self.embed_tokens.forward(tokens)?;
+        let mut h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             h = layer.forward(&h, cache.as_mut())?;
         }
-        let h = self.norm.forward(&h)?;
+        Ok(h)
+    }
+
+    fn logits(&self, h: &Array) -> Result<Array> {
+        let h = self.norm.forward(h)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),
             None => self.embed_tokens.as_linear(&h),
         }
+    }
+}
+
+impl LanguageModel for DecoderModel {
+    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let h = self.hidden(tokens, caches)?;
+        self.logits(&h)
+    }
+
+    fn forward_last(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let h = self.hidden(tokens, caches)?;
+        let length = h.dim(1);
+        self.logits(&h.slice_axis(1, length - 1, length)?)
     }
 
     fn new_caches(&self) -> Vec<Box<dyn KvCache>> {

@@ -1,0 +1,298 @@
+// See causal_attention.h.
+//
+// Evaluation, per call:
+//  1. Pack each (batch, KV head): K transposed to kt[D][S_pad] (S_pad = S
+//     rounded up to 32, zero-filled) and V to vp[S][D], both contiguous, in
+//     parallel over the KV heads.
+//  2. Tasks of 8 query rows of one head, largest (latest) blocks first. A
+//     task copies its rows of q times `scale`, computes scores against keys
+//     0 .. nk-1 (nk = the last row's limit + 1) in 8x32 tiles, sets the
+//     masked ones to -inf, runs the softmax per row, then accumulates
+//     probabilities times values in 8x32 tiles and writes out[b, i, h, :].
+
+#include "causal_attention.h"
+
+#include "detail.h"
+#include "simd_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace mlxcel::kernels {
+namespace {
+
+constexpr int QR = 8;   // query rows per task
+constexpr int KC = 32;  // keys (or value features) per tile
+
+#define MLXCEL_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+struct AlignedFloats {
+  float* p = nullptr;
+  size_t cap = 0;
+  float* get(size_t n) {
+    if (n > cap) {
+      std::free(p);
+      cap = (n + 15) & ~size_t(15);
+      p = static_cast<float*>(std::aligned_alloc(64, cap * sizeof(float)));
+      if (!p) {
+        cap = 0;
+        throw std::bad_alloc();
+      }
+    }
+    return p;
+  }
+  ~AlignedFloats() { std::free(p); }
+};
+
+// Element strides of a rank-4 array.
+struct Strides4 {
+  int64_t s[4];
+};
+
+struct AttnJob {
+  int B = 0, H = 0, Hkv = 0, L = 0, S = 0, D = 0, S_pad = 0;
+  float scale = 1.0f;
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  Strides4 qs{}, ks{}, vs{};
+  float* kt = nullptr;  // [B * Hkv][D][S_pad]
+  float* vp = nullptr;  // [B * Hkv][S][D]
+  float* out = nullptr; // [B, L, H, D]
+  int qblocks = 0;
+};
+
+struct TaskScratch {
+  AlignedFloats q, sc;
+};
+thread_local TaskScratch tl_attn;
+
+void pack_kv(void* ctx, int t) {
+  const AttnJob& j = *static_cast<const AttnJob*>(ctx);
+  const int b = t / j.Hkv, h = t % j.Hkv;
+  float* kt = j.kt + (size_t)t * j.D * j.S_pad;
+  float* vp = j.vp + (size_t)t * j.S * j.D;
+  const float* kb = j.k + b * j.ks.s[0] + h * j.ks.s[1];
+  const float* vb = j.v + b * j.vs.s[0] + h * j.vs.s[1];
+  for (int s = 0; s < j.S; ++s) {
+    const float* kr = kb + s * j.ks.s[2];
+    const float* vr = vb + s * j.vs.s[2];
+    for (int d = 0; d < j.D; ++d) {
+      kt[(size_t)d * j.S_pad + s] = kr[d * j.ks.s[3]];
+      vp[(size_t)s * j.D + d] = vr[d * j.vs.s[3]];
+    }
+  }
+  for (int d = 0; d < j.D; ++d) {
+    for (int s = j.S; s < j.S_pad; ++s) kt[(size_t)d * j.S_pad + s] = 0.0f;
+  }
+}
+
+MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
+  const int bh = t % (j.B * j.H);
+  const int qb = j.qblocks - 1 - t / (j.B * j.H);
+  const int b = bh / j.H, h = bh % j.H;
+  const int kvh = h / (j.H / j.Hkv);
+  const int D = j.D, S_pad = j.S_pad;
+  const int i0 = qb * QR;
+  const int rows = std::min(QR, j.L - i0);
+  const int lim0 = j.S - j.L + i0;  // last key row 0 may see
+  const int nk = lim0 + rows;       // keys any row of the block sees
+  const int nk_pad = (nk + KC - 1) / KC * KC;
+  const float* kt = j.kt + (size_t)(b * j.Hkv + kvh) * D * S_pad;
+  const float* vp = j.vp + (size_t)(b * j.Hkv + kvh) * j.S * D;
+
+  TaskScratch& ts = tl_attn;
+  float* qs = ts.q.get((size_t)QR * D);
+  float* sc = ts.sc.get((size_t)QR * S_pad);
+  // Rows past the end repeat the last row (computed, never stored).
+  for (int r = 0; r < QR; ++r) {
+    const int i = i0 + std::min(r, rows - 1);
+    const float* qr = j.q + b * j.qs.s[0] + h * j.qs.s[1] + i * j.qs.s[2];
+    for (int d = 0; d < D; ++d) qs[r * D + d] = qr[d * j.qs.s[3]] * j.scale;
+  }
+
+  // Scores.
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int j0 = 0; j0 < nk_pad; j0 += KC) {
+    __m512 acc[QR][2];
+    for (int r = 0; r < QR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m512 k0 = _mm512_load_ps(kt + (size_t)d * S_pad + j0);
+      const __m512 k1 = _mm512_load_ps(kt + (size_t)d * S_pad + j0 + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < QR; ++r) {
+        const __m512 x = _mm512_set1_ps(qs[r * D + d]);
+        acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+      }
+    }
+    const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(j0));
+    const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
+    for (int r = 0; r < QR; ++r) {
+      const __m512i lim = _mm512_set1_epi32(lim0 + std::min(r, rows - 1));
+      const __mmask16 m0 = _mm512_cmple_epi32_mask(key0, lim);
+      const __mmask16 m1 = _mm512_cmple_epi32_mask(key1, lim);
+      _mm512_store_ps(sc + (size_t)r * S_pad + j0, _mm512_mask_blend_ps(m0, neg_inf, acc[r][0]));
+      _mm512_store_ps(sc + (size_t)r * S_pad + j0 + 16, _mm512_mask_blend_ps(m1, neg_inf, acc[r][1]));
+    }
+  }
+
+  // Softmax per row: max, exp(x - max), sum, times 1 / sum.
+  for (int r = 0; r < QR; ++r) {
+    float* s = sc + (size_t)r * S_pad;
+    __m512 mx = neg_inf;
+    for (int c = 0; c < nk_pad; c += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(s + c));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < nk_pad; c += 16) {
+      const __m512 e = simd::exp512(_mm512_sub_ps(_mm512_load_ps(s + c), m));
+      _mm512_store_ps(s + c, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int c = 0; c < nk_pad; c += 16) _mm512_store_ps(s + c, _mm512_mul_ps(_mm512_load_ps(s + c), inv));
+  }
+
+  // Probabilities times values, 32 (or a last 16) features at a time.
+  float* out = j.out;
+  for (int dc = 0; dc < D; dc += KC) {
+    const bool two = dc + 16 < D;
+    __m512 acc[QR][2];
+    for (int r = 0; r < QR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int key = 0; key < nk; ++key) {
+      const float* vr = vp + (size_t)key * D + dc;
+      const __m512 v0 = _mm512_loadu_ps(vr);
+      const __m512 v1 = two ? _mm512_loadu_ps(vr + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < QR; ++r) {
+        const __m512 p = _mm512_set1_ps(sc[(size_t)r * S_pad + key]);
+        acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* o = out + (((size_t)b * j.L + i0 + r) * j.H + h) * D + dc;
+      _mm512_storeu_ps(o, acc[r][0]);
+      if (two) _mm512_storeu_ps(o + 16, acc[r][1]);
+    }
+  }
+}
+
+void attend_task(void* ctx, int t) { attend(*static_cast<const AttnJob*>(ctx), t); }
+
+class CausalAttention : public mx::UnaryPrimitive {
+ public:
+  CausalAttention(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& q = inputs[0];
+    const mx::array& k = inputs[1];
+    const mx::array& v = inputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    AttnJob j;
+    j.B = q.shape(0);
+    j.H = q.shape(1);
+    j.L = q.shape(2);
+    j.D = q.shape(3);
+    j.Hkv = k.shape(1);
+    j.S = k.shape(2);
+    j.S_pad = (j.S + KC - 1) / KC * KC;
+    j.scale = scale_;
+    j.qblocks = (j.L + QR - 1) / QR;
+    for (int d = 0; d < 4; ++d) {
+      j.qs.s[d] = q.strides()[d];
+      j.ks.s[d] = k.strides()[d];
+      j.vs.s[d] = v.strides()[d];
+    }
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(q);
+    enc.set_input_array(k);
+    enc.set_input_array(v);
+    enc.set_output_array(out);
+    enc.dispatch([j, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
+                  op = out.data<float>()]() mutable {
+      if (out_empty(j)) return;
+      j.q = qp;
+      j.k = kp;
+      j.v = vp;
+      j.out = op;
+      // The packed K and V live in the evaluating thread's buffers, reused
+      // across calls (one evaluation at a time per thread).
+      static thread_local AlignedFloats kt, vv;
+      j.kt = kt.get((size_t)j.B * j.Hkv * j.D * j.S_pad);
+      j.vp = vv.get((size_t)j.B * j.Hkv * j.S * j.D);
+      detail::parallel_for(j.B * j.Hkv, pack_kv, &j);
+      detail::parallel_for(j.B * j.H * j.qblocks, attend_task, &j);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    throw std::runtime_error("[mlxcel::kernels::CausalAttention] has no GPU evaluation");
+  }
+
+  const char* name() const override { return "MlxcelCausalAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const CausalAttention*>(&other);
+    return o && o->scale_ == scale_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& q = inputs[0];
+    return {mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}};
+  }
+
+ private:
+  static bool out_empty(const AttnJob& j) { return j.B == 0 || j.H == 0 || j.L == 0 || j.D == 0; }
+
+  float scale_;
+};
+
+}  // namespace
+
+bool causal_attention_supports(const mx::array& q, const mx::array& k, const mx::array& v) {
+  static const bool avx512 = cpu_has_avx512();
+  if (!avx512 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return false;
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) return false;
+  const int D = q.shape(3);
+  if (D <= 0 || D % 16 != 0 || k.shape(3) != D || v.shape(3) != D) return false;
+  if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || k.shape(1) != v.shape(1) || k.shape(2) != v.shape(2)) {
+    return false;
+  }
+  const int H = q.shape(1), Hkv = k.shape(1);
+  if (Hkv <= 0 || H % Hkv != 0) return false;
+  return k.shape(2) >= q.shape(2) && q.shape(2) > 0;
+}
+
+mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                           mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu || !causal_attention_supports(q, k, v)) {
+    return mx::fast::scaled_dot_product_attention(q, k, v, scale, "causal", {}, {}, false, stream);
+  }
+  mx::array out(mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, mx::float32,
+                std::make_shared<CausalAttention>(stream, scale), {q, k, v});
+  return mx::transpose(out, {0, 2, 1, 3}, stream);
+}
+
+}  // namespace mlxcel::kernels

@@ -1,0 +1,41 @@
+// mlxcel's CPU kernel for causal scaled-dot-product attention over many new
+// tokens (prefill): the same result as
+// `mlx::core::fast::scaled_dot_product_attention(q, k, v, scale, "causal")`.
+//
+// MLX 0.32's CPU path builds it from ops: a [L, S] score matrix per head
+// through BLAS, a where() for the mask, a scalar-exp softmax and a second
+// matmul, all over the full square although half of it is masked. Here it is
+// one graph node: keys and values are packed once per KV head (K transposed),
+// and each task takes 8 query rows of one head: scores against the keys they
+// may see (8x32 AVX-512 register tiles), an exact softmax with a vectorized
+// exp, and probabilities times values (8x32 tiles again). Grouped-query
+// attention reads the KV head h / (H / H_kv) in place of repeating K and V.
+//
+// Numerics follow MLX's decomposition: q is multiplied by `scale` first,
+// scores and sums are f32, softmax subtracts the row maximum and multiplies
+// by the reciprocal of the sum.
+#pragma once
+
+#include "mlx/mlx.h"
+
+namespace mlxcel::kernels {
+
+// Whether `causal_attention` computes these inputs itself: a CPU stream,
+// float32 q, k, v of rank 4, head_dim a multiple of 16, H a multiple of H_kv,
+// S >= L, and AVX-512 on this CPU.
+bool causal_attention_supports(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v);
+
+// q [B, H, L, D], k and v [B, H_kv, S, D] (any strides) -> [B, H, L, D]:
+// query i sits at position S - L + i and sees keys 0 ..= S - L + i. The
+// result is a transposed view of a row-contiguous [B, L, H, D] buffer, so
+// `transpose(out, {0, 2, 1, 3})` followed by a reshape to [B, L, H * D]
+// copies nothing. Anything `causal_attention_supports` rejects is handed to
+// MLX's own scaled_dot_product_attention with the causal mask.
+mlx::core::array causal_attention(
+    const mlx::core::array& q,
+    const mlx::core::array& k,
+    const mlx::core::array& v,
+    float scale,
+    mlx::core::StreamOrDevice s = {});
+
+}  // namespace mlxcel::kernels

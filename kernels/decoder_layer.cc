@@ -1,0 +1,580 @@
+// See decoder_layer.h.
+
+#include "decoder_layer.h"
+
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "detail.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace mlxcel::kernels {
+namespace {
+
+using detail::QuantizedView;
+using detail::Scalar;
+
+// Input positions (see decoder_layer.h).
+enum : int {
+  kX = 0,
+  kInputNorm = 1,
+  kQ = 2,
+  kK = 5,
+  kV = 8,
+  kO = 11,
+  kPostNorm = 14,
+  kGate = 15,
+  kUp = 18,
+  kDown = 21,
+  kKeys = 24,
+  kValues = 25,
+  kFixedInputs = 26,
+};
+
+// Positions of the optional inputs for a spec; -1 when absent.
+struct OptionalInputs {
+  int q_bias = -1, k_bias = -1, v_bias = -1, o_bias = -1;
+  int gate_bias = -1, up_bias = -1, down_bias = -1;
+  int q_norm = -1, k_norm = -1, freqs = -1;
+  int count = kFixedInputs;
+
+  explicit OptionalInputs(const DecoderLayerSpec& s) {
+    int next = kFixedInputs;
+    if (s.qkv_bias) {
+      q_bias = next++;
+      k_bias = next++;
+      v_bias = next++;
+    }
+    if (s.o_bias) o_bias = next++;
+    if (s.mlp_bias) {
+      gate_bias = next++;
+      up_bias = next++;
+      down_bias = next++;
+    }
+    if (s.qk_norm) {
+      q_norm = next++;
+      k_norm = next++;
+    }
+    if (s.rope_freqs) freqs = next++;
+    count = next;
+  }
+};
+
+[[noreturn]] void fail(const std::string& message) {
+  throw std::invalid_argument("[mlxcel::kernels::decoder_layer] " + message);
+}
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
+  os << ")";
+  return os.str();
+}
+
+bool is_float(mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; }
+
+void check_vector(const mx::array& a, int size, const char* name) {
+  if (a.ndim() != 1 || a.shape(0) != size || !is_float(a.dtype())) {
+    fail(std::string(name) + " must be a float vector of " + std::to_string(size) + ", got shape " + shape_str(a));
+  }
+}
+
+// Bits and group size of a quantized [n, k] projection, from its shapes.
+struct QuantLayout {
+  int bits = 0, group = 0;
+};
+
+QuantLayout check_projection(const std::vector<mx::array>& in, int at, int n, int k, const char* name) {
+  const mx::array &w = in[at], &s = in[at + 1], &b = in[at + 2];
+  auto where = [&] { return std::string(name) + ": "; };
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 || w.shape(0) != n) {
+    fail(where() + "weight must be uint32 [" + std::to_string(n) + ", k*bits/32], got shape " + shape_str(w));
+  }
+  if (s.ndim() != 2 || s.shape(0) != n || b.shape() != s.shape() || !is_float(s.dtype()) || s.dtype() != b.dtype()) {
+    fail(where() + "scales and biases must be float [" + std::to_string(n) + ", groups] of one dtype, got " +
+         shape_str(s) + " and " + shape_str(b));
+  }
+  int cols = w.shape(1), groups = s.shape(1);
+  if (groups <= 0 || k % groups != 0 || ((int64_t)cols * 32) % k != 0) {
+    fail(where() + "shapes " + shape_str(w) + " and " + shape_str(s) + " do not fit " + std::to_string(k) +
+         " input features");
+  }
+  QuantLayout q{(int)((int64_t)cols * 32 / k), k / groups};
+  if (!supports(q.group, q.bits)) {
+    fail(where() + std::to_string(q.bits) + "-bit weights in groups of " + std::to_string(q.group) +
+         " are not supported");
+  }
+  return q;
+}
+
+// ---------------------------------------------------------------------------
+// Small vector helpers for attention, AVX-512 when the CPU has it.
+
+__attribute__((target("avx512f,avx512dq"))) float dot_avx512(const float* a, const float* b, int n) {
+  __m512 acc = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+__attribute__((target("avx512f"))) void axpy_avx512(float alpha, const float* x, float* y, int n) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  int i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+float dot_portable(const float* a, const float* b, int n) {
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_portable(float alpha, const float* x, float* y, int n) {
+  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+struct VectorOps {
+  float (*dot)(const float*, const float*, int);
+  void (*axpy)(float, const float*, float*, int);
+};
+
+VectorOps vector_ops() {
+  static const VectorOps ops = [] {
+    const Path path = resolve_path(Path::Auto);
+    if (path == Path::Avx512 || path == Path::Avx512Vnni) return VectorOps{dot_avx512, axpy_avx512};
+    return VectorOps{dot_portable, axpy_portable};
+  }();
+  return ops;
+}
+
+// ---------------------------------------------------------------------------
+// The computation, on raw pointers.
+
+// A float vector input read through its stride.
+struct VectorRef {
+  const void* data = nullptr;
+  Scalar type = Scalar::F32;
+  int64_t stride = 1;
+  float operator[](size_t i) const { return detail::load_f32(data, type, i * stride); }
+  explicit operator bool() const { return data != nullptr; }
+};
+
+struct Projection {
+  QuantizedView view;
+  VectorRef bias;
+};
+
+struct Pointers {
+  DecoderLayerSpec spec;
+  int L = 0, capacity = 0;
+  const float* x = nullptr;
+  int64_t x_strides[3] = {0, 0, 0};
+  VectorRef input_norm, post_norm, q_norm, k_norm, freqs;
+  Projection q, k, v, o, gate, up, down;
+  // Cache inputs (for the copy when they are not written in place) and outputs.
+  const float* keys_in = nullptr;
+  const float* values_in = nullptr;
+  int64_t keys_in_strides[4] = {0, 0, 0, 0};
+  int64_t values_in_strides[4] = {0, 0, 0, 0};
+  bool copy_keys = false, copy_values = false;
+  float* keys = nullptr;
+  float* values = nullptr;
+  float* out = nullptr;
+};
+
+// Copies positions [0, upto) of a [1, H, capacity, D] cache into a dense one.
+void copy_cache_prefix(const float* src, const int64_t* st, float* dst, int heads, int capacity, int dim, int upto) {
+  for (int h = 0; h < heads; ++h) {
+    for (int t = 0; t < upto; ++t) {
+      const float* s = src + h * st[1] + t * st[2];
+      float* d = dst + ((size_t)h * capacity + t) * dim;
+      if (st[3] == 1) {
+        std::memcpy(d, s, dim * sizeof(float));
+      } else {
+        for (int i = 0; i < dim; ++i) d[i] = s[i * st[3]];
+      }
+    }
+  }
+}
+
+// MLX's fast::rms_norm fallback: x * rsqrt(mean(x^2) + eps), then * w.
+void rms_norm(const float* x, const VectorRef& w, float eps, int n, float* y) {
+  float ss = 0.0f;
+  for (int i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / (float)n + eps);
+  for (int i = 0; i < n; ++i) y[i] = (x[i] * r) * w[i];
+}
+
+void project(const Projection& p, const float* x, int rows, float* y) {
+  detail::quantized_matmul_f32(p.view, x, rows, y);
+  if (p.bias) {
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < p.view.n; ++i) y[(size_t)r * p.view.n + i] += p.bias[i];
+  }
+}
+
+// Rotates `heads` heads of one row in place with precomputed cos/sin.
+void rope_row(float* row, int heads, int head_dim, int dims, bool traditional, const float* cs, const float* sn) {
+  const int half = dims / 2;
+  for (int h = 0; h < heads; ++h) {
+    float* v = row + (size_t)h * head_dim;
+    for (int i = 0; i < half; ++i) {
+      const int a = traditional ? 2 * i : i;
+      const int b = traditional ? 2 * i + 1 : i + half;
+      const float x1 = v[a], x2 = v[b];
+      v[a] = x1 * cs[i] - x2 * sn[i];
+      v[b] = x1 * sn[i] + x2 * cs[i];
+    }
+  }
+}
+
+struct AttentionJob {
+  const Pointers* p;
+  const float* q;  // [L, heads * D], already scaled
+  float* out;      // [L, heads * D]
+  int heads_per_task;
+};
+
+// Softmax(q k^T) v for the heads of one task, every new row, causal.
+void attention_task(void* ctx, int task) {
+  const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
+  const Pointers& p = *job.p;
+  const DecoderLayerSpec& s = p.spec;
+  const VectorOps ops = vector_ops();
+  const int D = s.head_dim, group = s.heads / s.kv_heads;
+  const int h0 = task * job.heads_per_task, h1 = std::min(s.heads, h0 + job.heads_per_task);
+  thread_local std::vector<float> scores;
+  scores.resize((size_t)s.offset + p.L);
+  for (int h = h0; h < h1; ++h) {
+    const int g = h / group;
+    const float* keys = p.keys + (size_t)g * p.capacity * D;
+    const float* values = p.values + (size_t)g * p.capacity * D;
+    for (int l = 0; l < p.L; ++l) {
+      const float* q = job.q + ((size_t)l * s.heads + h) * D;
+      const int T = s.offset + l + 1;
+      float m = -INFINITY;
+      for (int t = 0; t < T; ++t) {
+        scores[t] = ops.dot(q, keys + (size_t)t * D, D);
+        m = std::max(m, scores[t]);
+      }
+      float sum = 0.0f;
+      for (int t = 0; t < T; ++t) {
+        scores[t] = std::exp(scores[t] - m);
+        sum += scores[t];
+      }
+      const float inv = 1.0f / sum;
+      float* o = job.out + ((size_t)l * s.heads + h) * D;
+      std::fill(o, o + D, 0.0f);
+      for (int t = 0; t < T; ++t) ops.axpy(scores[t] * inv, values + (size_t)t * D, o, D);
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<float> x, n, q, k, v, att, o, h, g, u, cs, sn;
+};
+
+void run_layer(const Pointers& p) {
+  const DecoderLayerSpec& s = p.spec;
+  const int L = p.L, H = s.hidden, D = s.head_dim, I = s.intermediate;
+  const int qn = s.heads * D, kvn = s.kv_heads * D;
+  thread_local Scratch sc;
+  sc.x.resize((size_t)L * H);
+  sc.n.resize((size_t)L * std::max(H, qn));
+  sc.q.resize((size_t)L * qn);
+  sc.k.resize((size_t)L * kvn);
+  sc.v.resize((size_t)L * kvn);
+  sc.att.resize((size_t)L * qn);
+  sc.o.resize((size_t)L * H);
+  sc.h.resize((size_t)L * H);
+  sc.g.resize((size_t)L * I);
+  sc.u.resize((size_t)L * I);
+
+  if (p.copy_keys) copy_cache_prefix(p.keys_in, p.keys_in_strides, p.keys, s.kv_heads, p.capacity, D, s.offset);
+  if (p.copy_values) {
+    copy_cache_prefix(p.values_in, p.values_in_strides, p.values, s.kv_heads, p.capacity, D, s.offset);
+  }
+
+  for (int l = 0; l < L; ++l) {
+    for (int i = 0; i < H; ++i) sc.x[(size_t)l * H + i] = p.x[l * p.x_strides[1] + i * p.x_strides[2]];
+  }
+
+  // Attention.
+  for (int l = 0; l < L; ++l) rms_norm(&sc.x[(size_t)l * H], p.input_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
+  project(p.q, sc.n.data(), L, sc.q.data());
+  project(p.k, sc.n.data(), L, sc.k.data());
+  project(p.v, sc.n.data(), L, sc.v.data());
+  if (s.qk_norm) {
+    std::vector<float> tmp(D);
+    for (int l = 0; l < L; ++l) {
+      for (int h = 0; h < s.heads; ++h) {
+        float* v = &sc.q[(size_t)l * qn + (size_t)h * D];
+        rms_norm(v, p.q_norm, s.norm_eps, D, tmp.data());
+        std::copy(tmp.begin(), tmp.end(), v);
+      }
+      for (int h = 0; h < s.kv_heads; ++h) {
+        float* v = &sc.k[(size_t)l * kvn + (size_t)h * D];
+        rms_norm(v, p.k_norm, s.norm_eps, D, tmp.data());
+        std::copy(tmp.begin(), tmp.end(), v);
+      }
+    }
+  }
+  // RoPE as MLX's fast::rope computes it: positions (offset + l) * scale,
+  // inverse frequencies exp(-i * log(base) / half) or 1 / freqs[i].
+  const int half = s.rope_dims / 2;
+  sc.cs.resize((size_t)half);
+  sc.sn.resize((size_t)half);
+  const float log_base_per_dim = std::log(s.rope_base) / (float)half;
+  for (int l = 0; l < L; ++l) {
+    const float position = ((float)l + (float)s.offset) * s.rope_scale;
+    for (int i = 0; i < half; ++i) {
+      const float inv_freq = p.freqs ? 1.0f / p.freqs[i] : std::exp(-(float)i * log_base_per_dim);
+      const float theta = position * inv_freq;
+      sc.cs[i] = std::cos(theta);
+      sc.sn[i] = std::sin(theta);
+    }
+    rope_row(&sc.q[(size_t)l * qn], s.heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
+    rope_row(&sc.k[(size_t)l * kvn], s.kv_heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
+  }
+  // New keys and values into the cache, [1, kv_heads, capacity, D].
+  for (int l = 0; l < L; ++l) {
+    for (int g = 0; g < s.kv_heads; ++g) {
+      const size_t at = ((size_t)g * p.capacity + s.offset + l) * D;
+      std::memcpy(p.keys + at, &sc.k[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
+      std::memcpy(p.values + at, &sc.v[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
+    }
+  }
+  // MLX's attention scales q before the product.
+  for (float& q : sc.q) q *= s.attn_scale;
+  AttentionJob job{&p, sc.q.data(), sc.att.data(), 1};
+  const double work = (double)s.heads * L * (s.offset + L) * D;
+  if (work < 64.0 * 1024) {
+    job.heads_per_task = s.heads;
+    attention_task(&job, 0);
+  } else {
+    detail::parallel_for(s.heads, attention_task, &job);
+  }
+  project(p.o, sc.att.data(), L, sc.o.data());
+  for (size_t i = 0; i < (size_t)L * H; ++i) sc.h[i] = sc.x[i] + sc.o[i];
+
+  // MLP.
+  for (int l = 0; l < L; ++l) rms_norm(&sc.h[(size_t)l * H], p.post_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
+  project(p.gate, sc.n.data(), L, sc.g.data());
+  project(p.up, sc.n.data(), L, sc.u.data());
+  for (size_t i = 0; i < (size_t)L * I; ++i) {
+    const float a = sc.g[i];
+    sc.g[i] = a * (1.0f / (1.0f + std::exp(-a))) * sc.u[i];
+  }
+  project(p.down, sc.g.data(), L, sc.o.data());
+  for (size_t i = 0; i < (size_t)L * H; ++i) p.out[i] = sc.h[i] + sc.o[i];
+}
+
+// ---------------------------------------------------------------------------
+// The MLX primitive.
+
+class DecoderLayer : public mx::Primitive {
+ public:
+  DecoderLayer(mx::Stream stream, DecoderLayerSpec spec) : mx::Primitive(stream), spec_(spec) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const OptionalInputs opt(spec_);
+    Pointers p;
+    p.spec = spec_;
+    const mx::array& x = inputs[kX];
+    p.L = x.shape(1);
+    p.capacity = inputs[kKeys].shape(2);
+
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    // The caches: write the input buffer in place when the caller owns it
+    // (spec.cache_in_place), else copy it. (MLX's donation check cannot help
+    // here: each of the three outputs holds its own copy of the inputs.)
+    for (int c = 0; c < 2; ++c) {
+      const mx::array& in = inputs[kKeys + c];
+      mx::array& o = outputs[1 + c];
+      const bool dense = in.flags().row_contiguous && in.data_size() == in.size();
+      const bool reuse = dense && spec_.cache_in_place;
+      if (reuse) {
+        o.copy_shared_buffer(in);
+      } else {
+        o.set_data(mx::allocator::malloc(o.nbytes()));
+      }
+      (c == 0 ? p.copy_keys : p.copy_values) = !reuse;
+      int64_t* st = c == 0 ? p.keys_in_strides : p.values_in_strides;
+      for (int d = 0; d < 4; ++d) st[d] = in.strides()[d];
+    }
+
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    for (auto& a : outputs) enc.set_output_array(a);
+
+    p.x = x.data<float>();
+    for (int d = 0; d < 3; ++d) p.x_strides[d] = x.strides()[d];
+    auto vec = [&](int at) {
+      VectorRef r;
+      if (at < 0) return r;
+      const mx::array& a = inputs[at];
+      r.data = a.data<void>();
+      r.type = detail::scalar_of(a.dtype(), "a norm weight or bias");
+      r.stride = a.strides()[0];
+      return r;
+    };
+    p.input_norm = vec(kInputNorm);
+    p.post_norm = vec(kPostNorm);
+    p.q_norm = vec(opt.q_norm);
+    p.k_norm = vec(opt.k_norm);
+    p.freqs = vec(opt.freqs);
+    const int H = spec_.hidden, D = spec_.head_dim;
+    auto proj = [&](int at, int n, int k, int bias) {
+      Projection pr;
+      const mx::array &w = inputs[at], &sc = inputs[at + 1];
+      pr.view.weight = w.data<uint8_t>();
+      pr.view.scales = sc.data<void>();
+      pr.view.biases = inputs[at + 2].data<void>();
+      pr.view.scale_type = detail::scalar_of(sc.dtype(), "scales");
+      pr.view.n = n;
+      pr.view.k = k;
+      pr.view.group = k / sc.shape(1);
+      pr.view.bits = (int)((int64_t)w.shape(1) * 32 / k);
+      pr.bias = vec(bias);
+      return pr;
+    };
+    p.q = proj(kQ, spec_.heads * D, H, opt.q_bias);
+    p.k = proj(kK, spec_.kv_heads * D, H, opt.k_bias);
+    p.v = proj(kV, spec_.kv_heads * D, H, opt.v_bias);
+    p.o = proj(kO, H, spec_.heads * D, opt.o_bias);
+    p.gate = proj(kGate, spec_.intermediate, H, opt.gate_bias);
+    p.up = proj(kUp, spec_.intermediate, H, opt.up_bias);
+    p.down = proj(kDown, H, spec_.intermediate, opt.down_bias);
+    p.keys_in = inputs[kKeys].data<float>();
+    p.values_in = inputs[kValues].data<float>();
+    p.keys = outputs[1].data<float>();
+    p.values = outputs[2].data<float>();
+    p.out = out.data<float>();
+    // MLX's cpu::eval keeps the inputs' buffers alive until this task has run.
+    enc.dispatch([p]() { run_layer(p); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxcel::kernels::DecoderLayer] has no GPU evaluation");
+  }
+
+  const char* name() const override { return "MlxcelDecoderLayer"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const DecoderLayer*>(&other);
+    if (!o) return false;
+    const DecoderLayerSpec &a = spec_, &b = o->spec_;
+    return a.hidden == b.hidden && a.heads == b.heads && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim &&
+           a.intermediate == b.intermediate && a.offset == b.offset && a.norm_eps == b.norm_eps &&
+           a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
+           a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale && a.qkv_bias == b.qkv_bias &&
+           a.o_bias == b.o_bias && a.mlp_bias == b.mlp_bias && a.qk_norm == b.qk_norm && a.rope_freqs == b.rope_freqs &&
+           a.cache_in_place == b.cache_in_place;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[kX].shape(), inputs[kKeys].shape(), inputs[kValues].shape()};
+  }
+
+ private:
+  DecoderLayerSpec spec_;
+};
+
+}  // namespace
+
+int decoder_layer_input_count(const DecoderLayerSpec& spec) { return OptionalInputs(spec).count; }
+
+std::vector<mx::array> decoder_layer(const std::vector<mx::array>& inputs, const DecoderLayerSpec& spec,
+                                     mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) fail("runs on the CPU only; GPUs use MLX's ops");
+  const OptionalInputs opt(spec);
+  if ((int)inputs.size() != opt.count) {
+    fail("expected " + std::to_string(opt.count) + " inputs, got " + std::to_string(inputs.size()));
+  }
+  const int H = spec.hidden, D = spec.head_dim, I = spec.intermediate;
+  if (H <= 0 || D <= 0 || I <= 0 || spec.heads <= 0 || spec.kv_heads <= 0 || spec.heads % spec.kv_heads != 0) {
+    fail("invalid dimensions");
+  }
+  if (spec.offset < 0) fail("offset must be non-negative");
+  if (spec.rope_dims <= 0 || spec.rope_dims % 2 != 0 || spec.rope_dims > D) {
+    fail("rope dims must be even and at most head_dim, got " + std::to_string(spec.rope_dims));
+  }
+  if (!spec.rope_freqs && !(spec.rope_base > 0.0f)) fail("rope base must be positive");
+  const mx::array& x = inputs[kX];
+  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) < 1 || x.shape(2) != H) {
+    fail("x must be float32 [1, L, " + std::to_string(H) + "], got shape " + shape_str(x));
+  }
+  const int L = x.shape(1);
+  check_vector(inputs[kInputNorm], H, "input_layernorm weight");
+  check_vector(inputs[kPostNorm], H, "post_attention_layernorm weight");
+  check_projection(inputs, kQ, spec.heads * D, H, "q_proj");
+  check_projection(inputs, kK, spec.kv_heads * D, H, "k_proj");
+  check_projection(inputs, kV, spec.kv_heads * D, H, "v_proj");
+  check_projection(inputs, kO, H, spec.heads * D, "o_proj");
+  check_projection(inputs, kGate, I, H, "gate_proj");
+  check_projection(inputs, kUp, I, H, "up_proj");
+  check_projection(inputs, kDown, H, I, "down_proj");
+  for (int c : {kKeys, kValues}) {
+    const mx::array& a = inputs[c];
+    if (a.dtype() != mx::float32 || a.ndim() != 4 || a.shape(0) != 1 || a.shape(1) != spec.kv_heads ||
+        a.shape(3) != D || a.shape(2) < spec.offset + L) {
+      fail(std::string(c == kKeys ? "keys" : "values") + " cache must be float32 [1, " +
+           std::to_string(spec.kv_heads) + ", >= " + std::to_string(spec.offset + L) + ", " + std::to_string(D) +
+           "], got shape " + shape_str(a));
+    }
+  }
+  if (opt.q_bias >= 0) {
+    check_vector(inputs[opt.q_bias], spec.heads * D, "q_proj bias");
+    check_vector(inputs[opt.k_bias], spec.kv_heads * D, "k_proj bias");
+    check_vector(inputs[opt.v_bias], spec.kv_heads * D, "v_proj bias");
+  }
+  if (opt.o_bias >= 0) check_vector(inputs[opt.o_bias], H, "o_proj bias");
+  if (opt.gate_bias >= 0) {
+    check_vector(inputs[opt.gate_bias], I, "gate_proj bias");
+    check_vector(inputs[opt.up_bias], I, "up_proj bias");
+    check_vector(inputs[opt.down_bias], H, "down_proj bias");
+  }
+  if (opt.q_norm >= 0) {
+    check_vector(inputs[opt.q_norm], D, "q_norm weight");
+    check_vector(inputs[opt.k_norm], D, "k_norm weight");
+  }
+  if (opt.freqs >= 0) check_vector(inputs[opt.freqs], spec.rope_dims / 2, "rope freqs");
+
+  // The projections are read as dense rows.
+  std::vector<mx::array> args = inputs;
+  for (int at : {kQ, kK, kV, kO, kGate, kUp, kDown}) {
+    for (int i = at; i < at + 3; ++i) {
+      const mx::array& a = args[i];
+      if (!(a.is_available() && a.flags().row_contiguous)) args[i] = mx::contiguous(a, false, stream);
+    }
+  }
+  return mx::array::make_arrays({x.shape(), inputs[kKeys].shape(), inputs[kValues].shape()},
+                                {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<DecoderLayer>(stream, spec), args);
+}
+
+}  // namespace mlxcel::kernels

@@ -1,0 +1,36 @@
+// Internals the kernels share (implemented in quantized_matmul.cc): the
+// quantized matvec loops on raw pointers, the thread pool, scalar loads.
+// Not part of the public kernel API.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "mlx/mlx.h"
+#include "quantized_matmul.h"
+
+namespace mlxcel::kernels::detail {
+
+enum class Scalar : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+// Throws std::invalid_argument naming `what` for a dtype other than f32/f16/bf16.
+Scalar scalar_of(mlx::core::Dtype dtype, const char* what);
+float load_f32(const void* p, Scalar type, size_t i);
+
+// An affine-quantized [n, k] weight in MLX's layout, read in place.
+struct QuantizedView {
+  const uint8_t* weight = nullptr;  // [n, k * bits / 32] uint32, row-contiguous
+  const void* scales = nullptr;     // [n, k / group]
+  const void* biases = nullptr;     // [n, k / group]
+  Scalar scale_type = Scalar::F32;
+  int n = 0, k = 0, group = 0, bits = 0;
+};
+
+// y[m, n] = x[m, :] . dequantize(w)[n, :] for contiguous f32 rows of x,
+// split across the pool (same loops and results as quantized_matmul).
+void quantized_matmul_f32(const QuantizedView& w, const float* x, int m, float* y, Path path = Path::Auto);
+
+// Runs fn(ctx, t) for t in [0, tasks) on the pool, the caller included.
+void parallel_for(int tasks, void (*fn)(void* ctx, int task), void* ctx);
+
+}  // namespace mlxcel::kernels::detail

@@ -1,0 +1,37 @@
+// Vectorized math shared by the prefill kernels (internal).
+#pragma once
+
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+namespace mlxcel::kernels::simd {
+
+// e^x for 16 floats, within ~2 ulp over the normal range (Cephes' expf
+// polynomial on x - n ln 2, then 2^n by scalef). Inputs below -88 (and -inf)
+// give exactly 0, inputs above 88.7 give +inf; NaN stays NaN.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp512(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.7228f);
+  const __m512 lo = _mm512_set1_ps(-88.0f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
+  __m512 e = _mm512_scalef_ps(y, n);
+  // x > 88.7228 (including +inf) overflows; NaN inputs propagate through xc? No:
+  // min/max drop NaN, so restore it explicitly.
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), _mm512_set1_ps(__builtin_inff()));
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+  return _mm512_maskz_mov_ps((__mmask16)~tiny, e);
+}
+
+}  // namespace mlxcel::kernels::simd

@@ -1,0 +1,1215 @@
+//! `kernels::decoder_layer` (one fused pre-norm decoder block as a single
+//! MLX node) against the same block composed of MLX's own ops:
+//! `quantized_matmul` (transpose = true) for every projection,
+//! `fast::rms_norm`, `fast::rope` at the cache offset,
+//! `fast::scaled_dot_product_attention` over cache positions
+//! `0..offset + L` (causal when L > 1), silu and the residual adds.
+//!
+//! Every case is checked against two references that differ only in the
+//! projections: (1) MLX's own `quantized_matmul`, exact f32 dequantization;
+//! (2) our `kernels::quantized_matmul`, the loops the fused block runs.
+//!
+//! Tolerances, max|got - ref| <= tol · max|ref| over each whole tensor
+//! (`tol()`):
+//! - exact kernel paths (portable, AVX2, AVX-512; and bit widths other than
+//!   4 and 8 on any path): 1e-5. Both sides compute the same f32 formulas
+//!   and differ only in summation order and MLX's vectorized exp/sin/cos; we
+//!   measure <= 1.3e-6 vs MLX's matmul.
+//! - AVX-512 VNNI (the default on CPUs that have it, bits 4 and 8): 5e-4.
+//!   That path quantizes each group of activations to 16 bits; per
+//!   projection we measure up to ~9e-5 of max|y| (3.6e-5 of Σ|x||w|, the
+//!   per-group sums of x being taken from the unquantized x), and seven
+//!   projections, attention and the residuals compound it: up to ~1.5e-4
+//!   of max|ref| per block.
+//! - plus end · max(rope_scale, 1) · 2^-23 for the RoPE angles of far
+//!   positions (1.8e-4 at position 1503, where we measure 1.5e-5).
+//! A real bug (wrong head, row, position, rotation, mask) moves the result
+//! by ~1e-1 of max|ref|. Cache rows below `offset` are compared bit for bit.
+//!
+//! `exact_kernel_paths_in_subprocesses` reruns this file with
+//! `MLXCEL_KERNELS=avx512|avx2|portable` (the variable is read once per
+//! process), so both the VNNI default and the exact loops are covered on a
+//! VNNI machine.
+
+use std::sync::Mutex;
+
+use mlx_sys::fast::{self, AttentionMask};
+use mlx_sys::kernels::{self, DecoderLayerSpec, KernelPath};
+use mlx_sys::{quantize, quantized_matmul, random, Array, Dtype};
+
+/// MLX evaluation is not meant to run from several threads at once (and the
+/// memory counters of the donation test are process-wide).
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether the kernels' default path quantizes activations for `bits`.
+fn activations_quantized(bits: i32) -> bool {
+    kernels::path_name(KernelPath::Auto) == "avx512-vnni" && (bits == 4 || bits == 8)
+}
+
+/// Relative tolerance (of max|ref|) for a step of `layer` ending at position
+/// `end` (see the module docs). The same for both references: on the VNNI
+/// path the activation quantization is discontinuous, so a last-ulp
+/// difference upstream (MLX's attention vs ours) can flip a rounding of the
+/// o_proj or MLP inputs even against our own matmul.
+fn tol(layer: &Layer, end: i32) -> f64 {
+    let base = if activations_quantized(layer.bits) { 5e-4 } else { 1e-5 };
+    // RoPE angles are position · scale · inv_freq, rounded to f32, so sin and
+    // cos of far positions differ by up to ~angle · eps between any two f32
+    // implementations.
+    base + end as f64 * layer.spec.rope_scale.max(1.0) as f64 * f32::EPSILON as f64
+}
+
+/// Which quantized matmul a reference runs.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Matmul {
+    Mlx,
+    Kernel,
+}
+
+fn to_f32(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+}
+
+fn randn(seed: u64, shape: &[i32], std: f32) -> Array {
+    let key = random::key(seed).unwrap();
+    let a = random::normal(shape, Dtype::Float32, 0.0, std, &key).unwrap();
+    a.eval().unwrap();
+    a
+}
+
+/// An evaluated copy of `a` in a buffer of its own (so that handing the
+/// original to the kernel leaves it the only holder of its buffer).
+fn detached_copy(a: &Array) -> Array {
+    let c = Array::from_slice(&to_f32(a), &a.shape()).unwrap();
+    c.eval().unwrap();
+    c
+}
+
+// ---------------------------------------------------------------------------
+// A random layer.
+
+struct Proj {
+    w: Array,
+    scales: Array,
+    biases: Array,
+    group: i32,
+    bits: i32,
+}
+
+impl Proj {
+    fn new(seed: u64, n: i32, k: i32, group: i32, bits: i32, sdtype: Dtype) -> Proj {
+        let wf = randn(seed, &[n, k], 1.0 / (k as f32).sqrt());
+        let (w, scales, biases) = quantize(&wf, group, bits).unwrap();
+        let scales = scales.astype(sdtype).unwrap();
+        let biases = biases.astype(sdtype).unwrap();
+        mlx_sys::eval([&w, &scales, &biases]).unwrap();
+        Proj { w, scales, biases, group, bits }
+    }
+
+    fn apply(&self, x: &Array, mm: Matmul) -> Array {
+        let y = match mm {
+            Matmul::Mlx => quantized_matmul(x, &self.w, &self.scales, &self.biases, true, self.group, self.bits),
+            Matmul::Kernel => kernels::quantized_matmul(x, &self.w, &self.scales, &self.biases, self.group, self.bits),
+        };
+        y.unwrap().astype(Dtype::Float32).unwrap()
+    }
+
+    fn triple(&self) -> [Array; 3] {
+        [self.w.clone(), self.scales.clone(), self.biases.clone()]
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Config {
+    hidden: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    intermediate: i32,
+    group: i32,
+    bits: i32,
+    sdtype: Dtype,
+    /// 0: head_dim.
+    rope_dims: i32,
+    rope_base: f32,
+    rope_scale: f32,
+    rope_traditional: bool,
+    rope_freqs: bool,
+    qkv_bias: bool,
+    o_bias: bool,
+    mlp_bias: bool,
+    qk_norm: bool,
+}
+
+/// hidden 64, heads 4, kv_heads 2, head_dim 16, intermediate 96, 4-bit group 32.
+const LLAMA: Config = Config {
+    hidden: 64,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    intermediate: 96,
+    group: 32,
+    bits: 4,
+    sdtype: Dtype::Float32,
+    rope_dims: 0,
+    rope_base: 10000.0,
+    rope_scale: 1.0,
+    rope_traditional: false,
+    rope_freqs: false,
+    qkv_bias: false,
+    o_bias: false,
+    mlp_bias: false,
+    qk_norm: false,
+};
+
+struct Layer {
+    spec: DecoderLayerSpec,
+    bits: i32,
+    /// `spec.cache_in_place` of every step (false unless a test sets it).
+    in_place: bool,
+    input_norm: Array,
+    post_norm: Array,
+    q: Proj,
+    k: Proj,
+    v: Proj,
+    o: Proj,
+    gate: Proj,
+    up: Proj,
+    down: Proj,
+    qkv_bias: Option<[Array; 3]>,
+    o_bias: Option<Array>,
+    mlp_bias: Option<[Array; 3]>,
+    qk_norm: Option<[Array; 2]>,
+    freqs: Option<Array>,
+}
+
+impl Layer {
+    fn new(seed: u64, c: Config) -> Layer {
+        let (h, d, i) = (c.hidden, c.head_dim, c.intermediate);
+        let (qn, kvn) = (c.heads * d, c.kv_heads * d);
+        let rope_dims = if c.rope_dims == 0 { d } else { c.rope_dims };
+        let proj = |n: u64, rows: i32, cols: i32| Proj::new(seed * 100 + n, rows, cols, c.group, c.bits, c.sdtype);
+        let norm = |n: u64, size: i32| randn(seed * 100 + n, &[size], 0.2).add_scalar(1.0).unwrap();
+        let bias = |n: u64, size: i32| randn(seed * 100 + n, &[size], 0.3);
+        let freqs = c.rope_freqs.then(|| {
+            // Periods as llama3 scaling produces them: base^(2i/dims), the
+            // low-frequency half stretched by 8.
+            let half = rope_dims / 2;
+            let f: Vec<f32> = (0..half)
+                .map(|j| {
+                    let p = c.rope_base.powf(2.0 * j as f32 / rope_dims as f32);
+                    if j >= half / 2 {
+                        p * 8.0
+                    } else {
+                        p
+                    }
+                })
+                .collect();
+            let a = Array::from_slice(&f, &[half]).unwrap();
+            a.eval().unwrap();
+            a
+        });
+        let layer = Layer {
+            bits: c.bits,
+            in_place: false,
+            spec: DecoderLayerSpec {
+                hidden: h,
+                heads: c.heads,
+                kv_heads: c.kv_heads,
+                head_dim: d,
+                intermediate: i,
+                offset: 0,
+                norm_eps: 1e-5,
+                rope_dims,
+                rope_base: c.rope_base,
+                rope_scale: c.rope_scale,
+                rope_traditional: c.rope_traditional,
+                attn_scale: (d as f32).powf(-0.5),
+                qkv_bias: c.qkv_bias,
+                o_bias: c.o_bias,
+                mlp_bias: c.mlp_bias,
+                qk_norm: c.qk_norm,
+                rope_freqs: c.rope_freqs,
+                cache_in_place: false,
+            },
+            input_norm: norm(1, h),
+            post_norm: norm(2, h),
+            q: proj(3, qn, h),
+            k: proj(4, kvn, h),
+            v: proj(5, kvn, h),
+            o: proj(6, h, qn),
+            gate: proj(7, i, h),
+            up: proj(8, i, h),
+            down: proj(9, h, i),
+            qkv_bias: c.qkv_bias.then(|| [bias(10, qn), bias(11, kvn), bias(12, kvn)]),
+            o_bias: c.o_bias.then(|| bias(13, h)),
+            mlp_bias: c.mlp_bias.then(|| [bias(14, i), bias(15, i), bias(16, h)]),
+            qk_norm: c.qk_norm.then(|| [norm(17, d), norm(18, d)]),
+            freqs,
+        };
+        let all: Vec<&Array> = [&layer.input_norm, &layer.post_norm]
+            .into_iter()
+            .chain(layer.qkv_bias.iter().flatten())
+            .chain(layer.o_bias.iter())
+            .chain(layer.mlp_bias.iter().flatten())
+            .chain(layer.qk_norm.iter().flatten())
+            .collect();
+        mlx_sys::eval(all).unwrap();
+        layer
+    }
+
+    fn spec(&self, offset: i32) -> DecoderLayerSpec {
+        DecoderLayerSpec { offset, cache_in_place: self.in_place, ..self.spec }
+    }
+
+    /// The kernel's inputs, in the documented order; takes the caches by
+    /// value so that the caller can give up its references.
+    fn inputs(&self, x: &Array, keys: Array, values: Array) -> Vec<Array> {
+        let mut v = vec![x.clone(), self.input_norm.clone()];
+        for p in [&self.q, &self.k, &self.v, &self.o] {
+            v.extend(p.triple());
+        }
+        v.push(self.post_norm.clone());
+        for p in [&self.gate, &self.up, &self.down] {
+            v.extend(p.triple());
+        }
+        v.push(keys);
+        v.push(values);
+        v.extend(self.qkv_bias.iter().flatten().cloned());
+        v.extend(self.o_bias.iter().cloned());
+        v.extend(self.mlp_bias.iter().flatten().cloned());
+        v.extend(self.qk_norm.iter().flatten().cloned());
+        v.extend(self.freqs.iter().cloned());
+        assert_eq!(v.len(), kernels::decoder_layer_input_count(&self.spec));
+        v
+    }
+
+    fn run(&self, x: &Array, keys: Array, values: Array, offset: i32) -> mlx_sys::Result<(Array, Array, Array)> {
+        kernels::decoder_layer(&self.inputs(x, keys, values), &self.spec(offset))
+    }
+
+    /// The block from MLX ops: (out, keys, values), the caches with
+    /// positions offset..offset+L replaced.
+    fn reference(&self, x: &Array, keys: &Array, values: &Array, offset: i32, mm: Matmul) -> (Array, Array, Array) {
+        let s = &self.spec;
+        let (l, d) = (x.dim(1), s.head_dim);
+        let eps = s.norm_eps;
+        let n1 = fast::rms_norm(x, Some(&self.input_norm), eps).unwrap();
+        let (mut q, mut k, mut v) = (self.q.apply(&n1, mm), self.k.apply(&n1, mm), self.v.apply(&n1, mm));
+        if let Some([bq, bk, bv]) = &self.qkv_bias {
+            q = q.add(bq).unwrap();
+            k = k.add(bk).unwrap();
+            v = v.add(bv).unwrap();
+        }
+        let heads = |y: Array, n: i32, norm: Option<&Array>| -> Array {
+            let y = y.reshape(&[1, l, n, d]).unwrap();
+            let y = match norm {
+                Some(w) => fast::rms_norm(&y, Some(w), eps).unwrap(),
+                None => y,
+            };
+            y.transpose(&[0, 2, 1, 3]).unwrap()
+        };
+        let q = heads(q, s.heads, self.qk_norm.as_ref().map(|n| &n[0]));
+        let k = heads(k, s.kv_heads, self.qk_norm.as_ref().map(|n| &n[1]));
+        let v = heads(v, s.kv_heads, None);
+        let base = if self.freqs.is_some() { 0.0 } else { s.rope_base };
+        let rope = |t: &Array| {
+            fast::rope(t, s.rope_dims, s.rope_traditional, base, s.rope_scale, offset, self.freqs.as_ref()).unwrap()
+        };
+        let (q, k) = (rope(&q), rope(&k));
+        let end = offset + l;
+        let write = |cache: &Array, new: &Array| {
+            cache.slice_update(new, &[0, 0, offset, 0], &[1, s.kv_heads, end, d], &[1, 1, 1, 1]).unwrap()
+        };
+        let (keys, values) = (write(keys, &k), write(values, &v));
+        let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
+        let att = fast::scaled_dot_product_attention(
+            &q,
+            &keys.slice_axis(2, 0, end).unwrap(),
+            &values.slice_axis(2, 0, end).unwrap(),
+            s.attn_scale,
+            mask,
+        )
+        .unwrap();
+        let att = att.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, l, s.heads * d]).unwrap();
+        let mut o = self.o.apply(&att, mm);
+        if let Some(b) = &self.o_bias {
+            o = o.add(b).unwrap();
+        }
+        let h = x.add(&o).unwrap();
+        let n2 = fast::rms_norm(&h, Some(&self.post_norm), eps).unwrap();
+        let (mut g, mut u) = (self.gate.apply(&n2, mm), self.up.apply(&n2, mm));
+        if let Some([bg, bu, _]) = &self.mlp_bias {
+            g = g.add(bg).unwrap();
+            u = u.add(bu).unwrap();
+        }
+        let mut down = self.down.apply(&g.silu().unwrap().multiply(&u).unwrap(), mm);
+        if let Some([_, _, bd]) = &self.mlp_bias {
+            down = down.add(bd).unwrap();
+        }
+        let out = h.add(&down).unwrap();
+        mlx_sys::eval([&out, &keys, &values]).unwrap();
+        (out, keys, values)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Comparisons.
+
+/// max|got - want| / max|want|, asserting shapes, finiteness and `tol`.
+fn compare(label: &str, got: &Array, want: &Array, tol: f64) -> f64 {
+    assert_eq!(got.shape(), want.shape(), "{label}: shape");
+    assert_eq!(got.dtype(), Dtype::Float32, "{label}: dtype");
+    let (g, w) = (to_f32(got), to_f32(want));
+    let scale = w.iter().fold(0f64, |m, &v| m.max((v as f64).abs()));
+    let mut worst = (0f64, 0usize);
+    for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
+        assert!(a.is_finite(), "{label}: element {i} is {a}");
+        let e = (a as f64 - b as f64).abs();
+        if e > worst.0 {
+            worst = (e, i);
+        }
+    }
+    let (err, at) = worst;
+    assert!(
+        err <= tol * scale,
+        "{label}: max|Δ| {err:.3e} at element {at} (got {}, want {}) > {tol:e} · max|ref| {scale:.3e}",
+        g[at],
+        w[at]
+    );
+    err / scale.max(1e-30)
+}
+
+/// Positions `0..upto` of a [1, H, capacity, D] cache.
+fn rows(cache: &Array, upto: i32) -> Array {
+    cache.slice_axis(2, 0, upto).unwrap()
+}
+
+/// The kernel's caches must hold `old` bit for bit below `offset` and the
+/// reference's new rows at offset..end. Returns the relative error of the
+/// new rows.
+fn compare_cache(label: &str, got: &Array, want: &Array, old: &Array, offset: i32, end: i32, tol: f64) -> f64 {
+    assert_eq!(got.shape(), old.shape(), "{label}: cache shape");
+    if offset > 0 {
+        assert_eq!(to_f32(&rows(got, offset)), to_f32(&rows(old, offset)), "{label}: cached prefix changed");
+    }
+    compare(label, &got.slice_axis(2, offset, end).unwrap(), &want.slice_axis(2, offset, end).unwrap(), tol)
+}
+
+#[derive(Default)]
+struct Errors {
+    out: f64,
+    keys: f64,
+    values: f64,
+}
+
+impl Errors {
+    fn max(&self) -> f64 {
+        self.out.max(self.keys).max(self.values)
+    }
+}
+
+impl std::fmt::Display for Errors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "out {:.2e}, keys {:.2e}, values {:.2e}", self.out, self.keys, self.values)
+    }
+}
+
+/// Checks the kernel's (out, keys, values) for a step from caches
+/// `old_keys`/`old_values` against both references; returns the errors vs
+/// MLX's matmul and vs our matmul.
+#[allow(clippy::too_many_arguments)]
+fn check_outputs(
+    label: &str,
+    layer: &Layer,
+    x: &Array,
+    old_keys: &Array,
+    old_values: &Array,
+    offset: i32,
+    got: [&Array; 3],
+) -> (Errors, Errors) {
+    let end = offset + x.dim(1);
+    let mut errors = [Errors::default(), Errors::default()];
+    for (e, mm) in errors.iter_mut().zip([Matmul::Mlx, Matmul::Kernel]) {
+        let tol = tol(layer, end);
+        let (want, want_k, want_v) = layer.reference(x, old_keys, old_values, offset, mm);
+        let l = format!("{label} (vs {mm:?} matmul)");
+        e.out = compare(&format!("{l}: out"), got[0], &want, tol);
+        e.keys = compare_cache(&format!("{l}: keys"), got[1], &want_k, old_keys, offset, end, tol);
+        e.values = compare_cache(&format!("{l}: values"), got[2], &want_v, old_values, offset, end, tol);
+    }
+    let [mlx, same] = errors;
+    eprintln!("{label}: max|Δ|/max|ref| vs MLX matmul: {mlx}; vs kernel matmul: {same}");
+    (mlx, same)
+}
+
+/// Runs the kernel for one step on (shared handles to) the caches and
+/// checks it; returns the errors vs MLX's matmul and the kernel's outputs.
+fn check_step(
+    label: &str,
+    layer: &Layer,
+    x: &Array,
+    keys: &Array,
+    values: &Array,
+    offset: i32,
+) -> (Errors, [Array; 3]) {
+    let (out, k, v) = layer.run(x, keys.clone(), values.clone(), offset).unwrap();
+    assert!(kernels::is_kernel_node(&out), "{label}: not a kernel node");
+    mlx_sys::eval([&out, &k, &v]).unwrap();
+    let (errors, _) = check_outputs(label, layer, x, keys, values, offset, [&out, &k, &v]);
+    (errors, [out, k, v])
+}
+
+/// A [1, kv_heads, capacity, head_dim] cache of random values.
+fn random_cache(seed: u64, layer: &Layer, capacity: i32) -> Array {
+    randn(seed, &[1, layer.spec.kv_heads, capacity, layer.spec.head_dim], 1.0)
+}
+
+/// One step at `offset` with `l` new tokens over random caches of `capacity`.
+fn case(label: &str, seed: u64, c: Config, offset: i32, l: i32, capacity: i32) -> f64 {
+    let layer = Layer::new(seed, c);
+    let x = randn(seed ^ 0x5eed, &[1, l, c.hidden], 1.0);
+    let keys = random_cache(seed ^ 0xe1, &layer, capacity);
+    let values = random_cache(seed ^ 0xe2, &layer, capacity);
+    check_step(label, &layer, &x, &keys, &values, offset).0.max()
+}
+
+// ---------------------------------------------------------------------------
+// Numerics.
+
+#[test]
+fn input_count_follows_the_spec() {
+    let _g = lock();
+    let count = |c: Config| kernels::decoder_layer_input_count(&Layer::new(1, c).spec);
+    assert_eq!(count(LLAMA), 26);
+    assert_eq!(count(Config { qkv_bias: true, ..LLAMA }), 29);
+    assert_eq!(count(Config { qk_norm: true, ..LLAMA }), 28);
+    assert_eq!(
+        count(Config { qkv_bias: true, o_bias: true, mlp_bias: true, qk_norm: true, rope_freqs: true, ..LLAMA }),
+        36
+    );
+}
+
+#[test]
+fn llama_decode_at_offset_0() {
+    let _g = lock();
+    case("llama L=1 offset=0", 1, LLAMA, 0, 1, 8);
+    case("llama L=1 offset=0 f16 scales", 2, Config { sdtype: Dtype::Float16, ..LLAMA }, 0, 1, 1);
+}
+
+#[test]
+fn llama_decode_at_offset_5() {
+    let _g = lock();
+    case("llama L=1 offset=5", 3, LLAMA, 5, 1, 8);
+    case("llama L=1 offset=5 f16 scales", 4, Config { sdtype: Dtype::Float16, ..LLAMA }, 5, 1, 6);
+    case("llama L=1 offset=5 bf16 scales", 5, Config { sdtype: Dtype::Bfloat16, ..LLAMA }, 5, 1, 16);
+}
+
+#[test]
+fn llama_three_new_tokens_at_offset_5_causal() {
+    let _g = lock();
+    case("llama L=3 offset=5", 6, LLAMA, 5, 3, 8);
+    case("llama L=3 offset=5 f16 scales", 7, Config { sdtype: Dtype::Float16, ..LLAMA }, 5, 3, 12);
+    case("llama L=3 offset=0", 8, LLAMA, 0, 3, 3);
+    case("llama L=8 offset=2", 9, LLAMA, 2, 8, 16);
+}
+
+#[test]
+fn eight_bit_group_64_hidden_128() {
+    let _g = lock();
+    let c = Config { hidden: 128, heads: 8, kv_heads: 2, head_dim: 16, intermediate: 192, group: 64, bits: 8, ..LLAMA };
+    case("8-bit g64 H=128 L=1 offset=0", 20, c, 0, 1, 4);
+    case("8-bit g64 H=128 L=1 offset=7", 21, Config { sdtype: Dtype::Float16, ..c }, 7, 1, 8);
+    case("8-bit g64 H=128 L=2 offset=7", 22, c, 7, 2, 9);
+}
+
+#[test]
+fn hidden_96_group_32() {
+    let _g = lock();
+    // 96 = 3 groups of 32, not a multiple of 64; 6 query heads per 2 kv heads
+    // (groups of 3), intermediate 160.
+    let c = Config { hidden: 96, heads: 6, kv_heads: 2, head_dim: 16, intermediate: 160, ..LLAMA };
+    case("4-bit g32 H=96 L=1 offset=3", 30, c, 3, 1, 4);
+    case("8-bit g32 H=96 L=2 offset=3", 31, Config { bits: 8, sdtype: Dtype::Float16, ..c }, 3, 2, 5);
+    // head_dim 32 and one kv head for all query heads (multi-query).
+    let mq = Config { hidden: 96, heads: 3, kv_heads: 1, head_dim: 32, intermediate: 64, ..LLAMA };
+    case("4-bit g32 H=96 MQA L=1 offset=4", 32, mq, 4, 1, 5);
+    // head_dim 24: not a multiple of the 16 AVX-512 lanes.
+    let d24 = Config { hidden: 96, heads: 4, kv_heads: 2, head_dim: 24, intermediate: 160, ..LLAMA };
+    case("4-bit g32 H=96 head_dim 24 L=3 offset=4", 33, d24, 4, 3, 8);
+    case("8-bit g32 H=96 head_dim 24 long cache L=1 offset=900", 34, Config { bits: 8, ..d24 }, 900, 1, 901);
+}
+
+#[test]
+fn other_bit_widths() {
+    let _g = lock();
+    for (bits, group) in [(2, 32), (3, 32), (5, 32), (6, 64)] {
+        if !kernels::supports(group, bits) {
+            eprintln!("kernel does not support bits={bits} group={group}; skipped");
+            continue;
+        }
+        let wf = randn(1, &[4, 64], 1.0);
+        if quantize(&wf, group, bits).and_then(|(w, _, _)| w.eval()).is_err() {
+            eprintln!("MLX does not quantize bits={bits} group={group}; skipped");
+            continue;
+        }
+        let c = Config { bits, group, intermediate: 128, ..LLAMA };
+        case(&format!("{bits}-bit g{group} L=2 offset=3"), 40 + bits as u64, c, 3, 2, 6);
+    }
+}
+
+#[test]
+fn qwen2_qkv_bias() {
+    let _g = lock();
+    let c = Config { qkv_bias: true, rope_base: 1_000_000.0, ..LLAMA };
+    case("qkv bias L=1 offset=5", 50, c, 5, 1, 8);
+    case("qkv bias L=3 offset=5", 51, Config { sdtype: Dtype::Float16, ..c }, 5, 3, 8);
+}
+
+#[test]
+fn o_and_mlp_biases() {
+    let _g = lock();
+    let c = Config { o_bias: true, mlp_bias: true, ..LLAMA };
+    case("o+mlp bias L=1 offset=5", 55, c, 5, 1, 8);
+    case("all biases L=2 offset=1", 56, Config { qkv_bias: true, ..c }, 1, 2, 3);
+}
+
+#[test]
+fn qwen3_qk_norm() {
+    let _g = lock();
+    let c = Config { qk_norm: true, rope_base: 1_000_000.0, ..LLAMA };
+    case("qk_norm L=1 offset=5", 60, c, 5, 1, 8);
+    case("qk_norm L=3 offset=5", 61, Config { sdtype: Dtype::Float16, ..c }, 5, 3, 8);
+}
+
+#[test]
+fn rope_traditional() {
+    let _g = lock();
+    let c = Config { rope_traditional: true, ..LLAMA };
+    case("traditional rope L=1 offset=5", 70, c, 5, 1, 8);
+    case("traditional rope L=3 offset=5", 71, c, 5, 3, 8);
+}
+
+#[test]
+fn rope_custom_freqs() {
+    let _g = lock();
+    let c = Config { rope_freqs: true, rope_base: 500_000.0, ..LLAMA };
+    case("rope freqs L=1 offset=5", 80, c, 5, 1, 8);
+    case("rope freqs L=3 offset=5", 81, c, 5, 3, 8);
+    case("rope freqs traditional L=2 offset=9", 82, Config { rope_traditional: true, ..c }, 9, 2, 11);
+}
+
+#[test]
+fn rope_scale() {
+    let _g = lock();
+    let c = Config { rope_scale: 0.25, ..LLAMA };
+    case("rope scale 0.25 L=1 offset=5", 90, c, 5, 1, 8);
+    case("rope scale 0.25 L=3 offset=5", 91, c, 5, 3, 8);
+    case("rope scale 2.0 L=1 offset=5", 92, Config { rope_scale: 2.0, ..LLAMA }, 5, 1, 8);
+}
+
+#[test]
+fn partial_rope_dims() {
+    let _g = lock();
+    // Only the first 8 of 16 features of each head rotate.
+    let c = Config { rope_dims: 8, ..LLAMA };
+    case("rope dims 8/16 L=1 offset=5", 95, c, 5, 1, 8);
+    case("rope dims 8/16 traditional L=3 offset=5", 96, Config { rope_traditional: true, ..c }, 5, 3, 8);
+}
+
+#[test]
+fn every_option_at_once() {
+    let _g = lock();
+    let c = Config {
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        qk_norm: true,
+        rope_freqs: true,
+        rope_traditional: true,
+        rope_scale: 0.5,
+        sdtype: Dtype::Float16,
+        ..LLAMA
+    };
+    case("every option L=1 offset=5", 97, c, 5, 1, 8);
+    case("every option L=3 offset=5", 98, c, 5, 3, 8);
+}
+
+#[test]
+fn long_cache_parallel_attention() {
+    let _g = lock();
+    // heads · L · (offset + L) · head_dim >= 64Ki sends attention to the pool.
+    case("long cache L=1 offset=1500", 100, LLAMA, 1500, 1, 1600);
+    case("long cache L=3 offset=1500", 101, LLAMA, 1500, 3, 1503);
+    let wide = Config { hidden: 128, heads: 8, kv_heads: 2, head_dim: 32, intermediate: 128, ..LLAMA };
+    case("long cache H=128 heads=8 L=2 offset=700", 102, wide, 700, 2, 800);
+}
+
+#[test]
+fn strided_and_lazy_inputs() {
+    let _g = lock();
+    let layer = Layer::new(110, LLAMA);
+    // x as a transposed view: [1, 3, 64] with strides [.., 1, 3].
+    let xt = randn(110, &[1, 64, 3], 1.0);
+    let x = xt.transpose(&[0, 2, 1]).unwrap();
+    let keys = random_cache(111, &layer, 8);
+    let values = random_cache(112, &layer, 8);
+    check_step("transposed x", &layer, &x, &keys, &values, 5);
+    // x unevaluated.
+    let x = randn(113, &[1, 2, 64], 1.0).mul_scalar(2.0).unwrap();
+    check_step("lazy x", &layer, &x, &keys, &values, 4);
+    // Lazy, row-sliced projection weights and a lazy norm weight.
+    let big = Proj::new(114, 2 * 64, 64, 32, 4, Dtype::Float16);
+    let lazy = |a: &Array| a.slice_axis(0, 64, 128).unwrap().add(&Array::zeros(&[1], a.dtype()).unwrap()).unwrap();
+    let mut layer = layer;
+    layer.o = Proj { w: lazy(&big.w), scales: lazy(&big.scales), biases: lazy(&big.biases), group: 32, bits: 4 };
+    layer.post_norm = layer.post_norm.mul_scalar(1.5).unwrap();
+    let x = randn(115, &[1, 1, 64], 1.0);
+    check_step("lazy sliced o_proj", &layer, &x, &keys, &values, 5);
+}
+
+// ---------------------------------------------------------------------------
+// Cache semantics.
+
+#[test]
+fn held_cache_inputs_are_not_modified() {
+    let _g = lock();
+    let layer = Layer::new(200, LLAMA);
+    let (offset, capacity) = (5, 8);
+    let keys = random_cache(201, &layer, capacity);
+    let values = random_cache(202, &layer, capacity);
+    let (keys_before, values_before) = (to_f32(&keys), to_f32(&values));
+    // Two different steps from the same cache, evaluated together: each must
+    // see the old cache, and neither may write into it.
+    let x1 = randn(203, &[1, 1, 64], 1.0);
+    let x2 = randn(204, &[1, 2, 64], 1.0);
+    let (o1, k1, v1) = layer.run(&x1, keys.clone(), values.clone(), offset).unwrap();
+    let (o2, k2, v2) = layer.run(&x2, keys.clone(), values.clone(), offset).unwrap();
+    mlx_sys::eval([&o1, &k1, &v1, &o2, &k2, &v2]).unwrap();
+    assert_eq!(to_f32(&keys), keys_before, "input keys changed");
+    assert_eq!(to_f32(&values), values_before, "input values changed");
+    check_outputs("held cache, first step", &layer, &x1, &keys, &values, offset, [&o1, &k1, &v1]);
+    check_outputs("held cache, second step", &layer, &x2, &keys, &values, offset, [&o2, &k2, &v2]);
+    // Not part of the contract (decoder_layer.h promises positions below
+    // offset + L only), reported for information: on the copy path the rows
+    // past the new ones are not copied from the input.
+    let tail = |a: &Array| to_f32(&a.slice_axis(2, offset + 2, capacity).unwrap());
+    eprintln!("held cache: rows past offset + L equal the input's: {}", tail(&k2) == tail(&keys));
+    // And again after the outputs are gone: the inputs still hold the old cache.
+    drop((o1, k1, v1, o2, k2, v2));
+    check_step("held cache, third step", &layer, &x1, &keys, &values, offset);
+    assert_eq!(to_f32(&keys), keys_before, "input keys changed");
+    assert_eq!(to_f32(&values), values_before, "input values changed");
+}
+
+/// Decode steps that feed each step's output caches into the next and drop
+/// them, as the model does. Checked two ways: against an MLX-op reference
+/// chain run on its own copies from the same start, and, step by step,
+/// against both references from (detached copies of) the kernel's own
+/// previous caches.
+fn run_chain(label: &str, layer: &Layer, keys: Array, values: Array, start: i32, lengths: &[i32], seed: u64) -> f64 {
+    let label = format!("{label}{}", if layer.in_place { " [cache_in_place]" } else { "" });
+    let mut chain_keys = detached_copy(&keys);
+    let mut chain_values = detached_copy(&values);
+    let (mut keys, mut values) = (Some(keys), Some(values));
+    let mut offset = start;
+    let mut worst = 0f64;
+    for (step, &l) in lengths.iter().enumerate() {
+        let x = randn(seed + step as u64, &[1, l, layer.spec.hidden], 1.0);
+        let (prev_keys, prev_values) = (detached_copy(keys.as_ref().unwrap()), detached_copy(values.as_ref().unwrap()));
+        // The kernel's node becomes the only holder of the old caches.
+        let inputs = layer.inputs(&x, keys.take().unwrap(), values.take().unwrap());
+        let (out, k, v) = kernels::decoder_layer(&inputs, &layer.spec(offset)).unwrap();
+        drop(inputs);
+        mlx_sys::eval([&out, &k, &v]).unwrap();
+        let end = offset + l;
+        let tol = tol(layer, end);
+        let name = format!("{label} step {step} (L={l}, offset={offset})");
+        let (e, _) = check_outputs(&name, layer, &x, &prev_keys, &prev_values, offset, [&out, &k, &v]);
+        let (want, want_k, want_v) = layer.reference(&x, &chain_keys, &chain_values, offset, Matmul::Mlx);
+        let chain = Errors {
+            out: compare(&format!("{name} vs MLX chain: out"), &out, &want, tol),
+            keys: compare(&format!("{name} vs MLX chain: keys"), &rows(&k, end), &rows(&want_k, end), tol),
+            values: compare(&format!("{name} vs MLX chain: values"), &rows(&v, end), &rows(&want_v, end), tol),
+        };
+        eprintln!("{name}: vs the MLX-op chain: {chain}");
+        worst = worst.max(e.max()).max(chain.max());
+        chain_keys = want_k;
+        chain_values = want_v;
+        keys = Some(k);
+        values = Some(v);
+        offset = end;
+    }
+    worst
+}
+
+#[test]
+fn decode_chain_matches_step_by_step_reference() {
+    let _g = lock();
+    for in_place in [false, true] {
+        let mut layer = Layer::new(300, LLAMA);
+        layer.in_place = in_place;
+        let capacity = 16;
+        let keys = random_cache(301, &layer, capacity);
+        let values = random_cache(302, &layer, capacity);
+        run_chain("chain", &layer, keys, values, 0, &[1, 1, 3, 1, 1, 2, 1], 303);
+        // Several options, from a cache prefilled with 5 positions.
+        let mut layer = Layer::new(
+            304,
+            Config { qkv_bias: true, qk_norm: true, rope_freqs: true, sdtype: Dtype::Float16, ..LLAMA },
+        );
+        layer.in_place = in_place;
+        let keys = random_cache(305, &layer, 12);
+        let values = random_cache(306, &layer, 12);
+        run_chain("chain (options)", &layer, keys, values, 5, &[1, 1, 1, 2, 1, 1], 307);
+    }
+}
+
+#[test]
+fn lazy_chain_evaluated_once() {
+    let _g = lock();
+    // Three steps built on each other's unevaluated caches, evaluated together
+    // at the end; with cache_in_place all three write one buffer in turn.
+    for in_place in [false, true] {
+        let mut layer = Layer::new(310, LLAMA);
+        layer.in_place = in_place;
+        let keys = random_cache(311, &layer, 10);
+        let values = random_cache(312, &layer, 10);
+        let (mut ref_k, mut ref_v) = (detached_copy(&keys), detached_copy(&values));
+        let (mut k, mut v) = (keys, values);
+        let mut offset = 2;
+        let mut steps = vec![];
+        for (i, l) in [1, 3, 1].into_iter().enumerate() {
+            let x = randn(313 + i as u64, &[1, l, 64], 1.0);
+            let (out, k2, v2) = layer.run(&x, k, v, offset).unwrap();
+            let (want, want_k, want_v) = layer.reference(&x, &ref_k, &ref_v, offset, Matmul::Mlx);
+            steps.push((out, want, offset + l));
+            (k, v, ref_k, ref_v) = (k2, v2, want_k, want_v);
+            offset += l;
+        }
+        let outs: Vec<&Array> = steps.iter().map(|(o, _, _)| o).chain([&k, &v]).collect();
+        mlx_sys::eval(outs).unwrap();
+        for (i, (out, want, end)) in steps.iter().enumerate() {
+            let e = compare(&format!("lazy chain in_place={in_place} step {i}: out"), out, want, tol(&layer, *end));
+            eprintln!("lazy chain in_place={in_place} step {i}: out {e:.2e}");
+        }
+        let t = tol(&layer, offset);
+        let ek = compare("lazy chain: keys", &rows(&k, offset), &rows(&ref_k, offset), t);
+        let ev = compare("lazy chain: values", &rows(&v, offset), &rows(&ref_v, offset), t);
+        eprintln!("lazy chain in_place={in_place} final caches: keys {ek:.2e}, values {ev:.2e}");
+    }
+}
+
+/// Bytes by which the allocator's high-water mark rose over one step whose
+/// input caches nothing but the kernel's node holds.
+fn step_peak_growth(layer: &Layer, keys: Array, values: Array, offset: i32) -> (usize, [Array; 3]) {
+    let x = randn(400 + offset as u64, &[1, 1, layer.spec.hidden], 1.0);
+    let inputs = layer.inputs(&x, keys, values);
+    let (out, k, v) = kernels::decoder_layer(&inputs, &layer.spec(offset)).unwrap();
+    drop(inputs);
+    let before = mlx_sys::memory::active_memory();
+    mlx_sys::memory::reset_peak_memory();
+    mlx_sys::eval([&out, &k, &v]).unwrap();
+    let peak = mlx_sys::memory::peak_memory();
+    (peak.saturating_sub(before), [out, k, v])
+}
+
+/// Peak growth of four chained decode steps over 1 MiB caches, and the
+/// size of one cache.
+fn chain_peak_growth(in_place: bool) -> (Vec<usize>, usize) {
+    let mut layer = Layer::new(410, LLAMA);
+    layer.in_place = in_place;
+    let capacity = 8192;
+    let cache_bytes = (layer.spec.kv_heads * capacity * layer.spec.head_dim * 4) as usize;
+    let mut keys = random_cache(411, &layer, capacity);
+    let mut values = random_cache(412, &layer, capacity);
+    let mut growth = vec![];
+    for offset in 0..4 {
+        let (grew, [_, k, v]) = step_peak_growth(&layer, keys, values, offset);
+        eprintln!("cache_in_place={in_place}, step at offset {offset}: peak grew by {grew} bytes (one cache is {cache_bytes})");
+        growth.push(grew);
+        keys = k;
+        values = v;
+    }
+    (growth, cache_bytes)
+}
+
+#[test]
+fn in_place_steps_copy_no_cache() {
+    let _g = lock();
+    let (growth, cache_bytes) = chain_peak_growth(true);
+    assert!(
+        growth.iter().all(|&g| g < cache_bytes / 2),
+        "steps allocated {growth:?} bytes (one cache is {cache_bytes}): the caches were copied"
+    );
+}
+
+/// The same probe for a single-output MLX op, showing that the probe can see
+/// donation at all: `x + 1` on an array nothing else holds reuses its buffer.
+#[test]
+fn donation_probe_sees_mlx_donating() {
+    let _g = lock();
+    let a = randn(420, &[1, 2, 8192, 16], 1.0);
+    let b = a.add_scalar(1.0).unwrap();
+    drop(a);
+    let before = mlx_sys::memory::active_memory();
+    mlx_sys::memory::reset_peak_memory();
+    b.eval().unwrap();
+    let grew = mlx_sys::memory::peak_memory().saturating_sub(before);
+    eprintln!("x + 1 with x donatable: peak grew by {grew} bytes (x is {} bytes)", b.nbytes());
+    assert!(grew < b.nbytes() / 2, "MLX's own op did not donate either ({grew} bytes): the probe is wrong");
+}
+
+#[test]
+fn in_place_cache_with_held_references() {
+    let _g = lock();
+    // cache_in_place writes the new rows into the input buffers even while
+    // the caller holds them; rows below offset must stay as they were.
+    let mut layer = Layer::new(430, LLAMA);
+    layer.in_place = true;
+    let (offset, capacity) = (5, 9);
+    let keys = random_cache(431, &layer, capacity);
+    let values = random_cache(432, &layer, capacity);
+    let (keys_before, values_before) = (detached_copy(&keys), detached_copy(&values));
+    let x = randn(433, &[1, 3, 64], 1.0);
+    let (out, k, v) = layer.run(&x, keys.clone(), values.clone(), offset).unwrap();
+    mlx_sys::eval([&out, &k, &v]).unwrap();
+    check_outputs("in place, held", &layer, &x, &keys_before, &values_before, offset, [&out, &k, &v]);
+    let end = offset + 3;
+    for (name, held, before, got) in [("keys", &keys, &keys_before, &k), ("values", &values, &values_before, &v)] {
+        assert_eq!(to_f32(&rows(held, offset)), to_f32(&rows(before, offset)), "held {name}: prefix changed");
+        // Written in place: the held input shows the new rows.
+        assert_eq!(
+            to_f32(&held.slice_axis(2, offset, end).unwrap()),
+            to_f32(&got.slice_axis(2, offset, end).unwrap()),
+            "held {name}: cache_in_place did not write the input buffer"
+        );
+    }
+}
+
+#[test]
+fn in_place_cache_window_of_a_bigger_buffer() {
+    let _g = lock();
+    // The caches are heads 2..4 of [1, 4, capacity, D] buffers: row-contiguous
+    // windows at a nonzero offset. In place, the kernel may write only rows
+    // offset..offset+L of those two heads.
+    let mut layer = Layer::new(440, LLAMA);
+    layer.in_place = true;
+    let (offset, capacity, d) = (4, 8, layer.spec.head_dim);
+    let big_k = randn(441, &[1, 4, capacity, d], 1.0);
+    let big_v = randn(442, &[1, 4, capacity, d], 1.0);
+    let (big_k0, big_v0) = (detached_copy(&big_k), detached_copy(&big_v));
+    let keys = big_k.slice_axis(1, 2, 4).unwrap();
+    let values = big_v.slice_axis(1, 2, 4).unwrap();
+    let x = randn(443, &[1, 2, 64], 1.0);
+    let (out, k, v) = layer.run(&x, keys.clone(), values.clone(), offset).unwrap();
+    mlx_sys::eval([&out, &k, &v]).unwrap();
+    let old_k = big_k0.slice_axis(1, 2, 4).unwrap();
+    let old_v = big_v0.slice_axis(1, 2, 4).unwrap();
+    check_outputs("in place, window", &layer, &x, &old_k, &old_v, offset, [&out, &k, &v]);
+    let end = offset + 2;
+    for (name, big, before) in [("keys", &big_k, &big_k0), ("values", &big_v, &big_v0)] {
+        let (now, was) = (to_f32(big), to_f32(before));
+        let mut written = 0;
+        for (i, (a, b)) in now.iter().zip(&was).enumerate() {
+            let (head, row) = (i / (capacity * d) as usize, (i / d as usize) % capacity as usize);
+            let allowed = head >= 2 && row >= offset as usize && row < end as usize;
+            if a != b {
+                assert!(allowed, "{name}: element {i} (head {head}, row {row}) outside the window was written");
+                written += 1;
+            }
+        }
+        eprintln!(
+            "in place, window: {written} elements of the big {name} buffer rewritten (in place: {})",
+            written > 0
+        );
+    }
+}
+
+#[test]
+fn lazy_zero_cache() {
+    let _g = lock();
+    lazy_zero_cache_with(false);
+    lazy_zero_cache_with(true);
+}
+
+fn lazy_zero_cache_with(in_place: bool) {
+    let mut layer = Layer::new(500, LLAMA);
+    layer.in_place = in_place;
+    let shape = [1, layer.spec.kv_heads, 10, layer.spec.head_dim];
+    // Unevaluated zeros (a broadcast scalar): offset 0, then a chain.
+    let keys = Array::zeros(&shape, Dtype::Float32).unwrap();
+    let values = Array::zeros(&shape, Dtype::Float32).unwrap();
+    let x = randn(501, &[1, 2, 64], 1.0);
+    check_step("lazy zeros L=2 offset=0", &layer, &x, &keys, &values, 0);
+    check_step("lazy zeros L=1 offset=0", &layer, &x.slice_axis(1, 0, 1).unwrap(), &keys, &values, 0);
+    // Array::zeros evaluates to a dense buffer (MLX's Full), which only this
+    // test holds: with cache_in_place the kernel may write it (the caller's
+    // contract), without it must not.
+    let all_zero = |a: &Array| to_f32(a).iter().all(|&v| v == 0.0);
+    if !in_place {
+        assert!(all_zero(&keys) && all_zero(&values), "a held zero cache was written without cache_in_place");
+    }
+    run_chain("lazy zeros chain", &layer, keys, values, 0, &[2, 1, 1, 3], 502);
+    // An explicit broadcast of a one-element zero.
+    let zero = Array::zeros(&[1, 1, 1, 1], Dtype::Float32).unwrap();
+    let keys = zero.broadcast_to(&shape).unwrap();
+    let values = zero.broadcast_to(&shape).unwrap();
+    check_step("broadcast zero L=1 offset=0", &layer, &x.slice_axis(1, 1, 2).unwrap(), &keys, &values, 0);
+    // A stride-0 view is never written, in place or not.
+    assert!(all_zero(&zero) && all_zero(&keys), "a broadcast zero cache was written (in_place={in_place})");
+    // A cache grown lazily the way the model grows it: the used prefix
+    // concatenated with fresh zeros.
+    let prefix_k = random_cache(503, &layer, 5);
+    let prefix_v = random_cache(504, &layer, 5);
+    let grow = |p: &Array| {
+        mlx_sys::concatenate(
+            &[p.clone(), Array::zeros(&[1, layer.spec.kv_heads, 7, layer.spec.head_dim], Dtype::Float32).unwrap()],
+            2,
+        )
+        .unwrap()
+    };
+    let (pk, pv) = (to_f32(&prefix_k), to_f32(&prefix_v));
+    check_step("grown lazily L=2 offset=5", &layer, &x, &grow(&prefix_k), &grow(&prefix_v), 5);
+    run_chain("grown lazily chain", &layer, grow(&prefix_k), grow(&prefix_v), 5, &[1, 2, 1], 505);
+    assert!(to_f32(&prefix_k) == pk && to_f32(&prefix_v) == pv, "the grown caches' sources changed");
+}
+
+#[test]
+fn strided_cache_views() {
+    let _g = lock();
+    for in_place in [false, true] {
+        let mut layer = Layer::new(510, LLAMA);
+        layer.in_place = in_place;
+        let (kv, d) = (layer.spec.kv_heads, layer.spec.head_dim);
+        let x = randn(511, &[1, 2, 64], 1.0);
+        // Views that are not dense rows: the kernel must read them through
+        // their strides and, even with cache_in_place, write new buffers.
+        // [1, capacity, kv_heads, D] transposed to [1, kv_heads, capacity, D].
+        let kbase = randn(512, &[1, 9, kv, d], 1.0);
+        let vbase = randn(513, &[1, 9, kv, d], 1.0);
+        let (kb0, vb0) = (to_f32(&kbase), to_f32(&vbase));
+        let kt = kbase.transpose(&[0, 2, 1, 3]).unwrap();
+        let vt = vbase.transpose(&[0, 2, 1, 3]).unwrap();
+        check_step(&format!("transposed cache L=2 offset=6 in_place={in_place}"), &layer, &x, &kt, &vt, 6);
+        // A window of a bigger buffer along the positions, and a cache whose
+        // head_dim is strided.
+        let kbig = randn(514, &[1, kv, 20, d], 1.0);
+        let vbig = randn(515, &[1, kv, 20, 2 * d], 1.0);
+        let (kg0, vg0) = (to_f32(&kbig), to_f32(&vbig));
+        let kw = kbig.slice_axis(2, 4, 14).unwrap();
+        let vw = vbig.slice(&[0, 0, 3, 0], &[1, kv, 13, 2 * d], &[1, 1, 1, 2]).unwrap();
+        check_step(&format!("windowed/strided cache L=2 offset=7 in_place={in_place}"), &layer, &x, &kw, &vw, 7);
+        assert!(
+            to_f32(&kbase) == kb0 && to_f32(&vbase) == vb0 && to_f32(&kbig) == kg0 && to_f32(&vbig) == vg0,
+            "a strided cache view's buffer was written (in_place={in_place})"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors: each must come back as an Err naming the problem (an abort would
+// take the test process down).
+
+fn expect_err(label: &str, result: mlx_sys::Result<(Array, Array, Array)>, needle: &str) {
+    match result {
+        Ok(_) => panic!("{label}: expected an error mentioning `{needle}`, got Ok"),
+        Err(e) => {
+            eprintln!("{label}: {e}");
+            assert!(e.message().contains(needle), "{label}: error `{e}` does not mention `{needle}`");
+        }
+    }
+}
+
+fn fake_quantized(n: i32, cols: i32, groups: i32) -> [Array; 3] {
+    [
+        Array::zeros(&[n, cols], Dtype::Uint32).unwrap(),
+        Array::ones(&[n, groups], Dtype::Float32).unwrap(),
+        Array::zeros(&[n, groups], Dtype::Float32).unwrap(),
+    ]
+}
+
+#[test]
+fn rejects_malformed_inputs() {
+    let _g = lock();
+    let layer = Layer::new(600, Config { qkv_bias: true, qk_norm: true, rope_freqs: true, ..LLAMA });
+    let (kv, d) = (layer.spec.kv_heads, layer.spec.head_dim);
+    let x = randn(601, &[1, 1, 64], 1.0);
+    let keys = random_cache(602, &layer, 8);
+    let values = random_cache(603, &layer, 8);
+    let good = || layer.inputs(&x, keys.clone(), values.clone());
+    let run = |inputs: &[Array], spec: &DecoderLayerSpec| kernels::decoder_layer(inputs, spec);
+    let spec = layer.spec(5);
+    let with = |at: usize, a: Array| {
+        let mut v = good();
+        v[at] = a;
+        v
+    };
+
+    // Input count.
+    let mut short = good();
+    short.pop();
+    expect_err("one input short", run(&short, &spec), "expected 32 inputs, got 31");
+    let mut long = good();
+    long.push(x.clone());
+    expect_err("one input too many", run(&long, &spec), "inputs");
+    expect_err("no inputs", run(&[], &spec), "expected 32 inputs, got 0");
+
+    // x.
+    expect_err("x float16", run(&with(0, x.astype(Dtype::Float16).unwrap()), &spec), "x must be float32");
+    expect_err("x bfloat16", run(&with(0, x.astype(Dtype::Bfloat16).unwrap()), &spec), "x must be float32");
+    expect_err("x hidden 32", run(&with(0, randn(604, &[1, 1, 32], 1.0)), &spec), "x must be float32 [1, L, 64]");
+    expect_err("x batch 2", run(&with(0, randn(605, &[2, 1, 64], 1.0)), &spec), "x must be");
+    expect_err("x 2-D", run(&with(0, randn(606, &[1, 64], 1.0)), &spec), "x must be");
+    expect_err("x with L=0", run(&with(0, Array::zeros(&[1, 0, 64], Dtype::Float32).unwrap()), &spec), "x must be");
+
+    // Norm weights.
+    expect_err("input norm of 32", run(&with(1, randn(607, &[32], 1.0)), &spec), "input_layernorm");
+    expect_err(
+        "post norm int32",
+        run(&with(14, Array::from_slice(&[1i32; 64], &[64]).unwrap()), &spec),
+        "post_attention_layernorm",
+    );
+
+    // Projections: wrong rows, dtype, scales.
+    let wrong_rows = Proj::new(608, 80, 64, 32, 4, Dtype::Float32);
+    let mut v = good();
+    v[2..5].clone_from_slice(&wrong_rows.triple());
+    expect_err("q_proj with 80 rows", run(&v, &spec), "q_proj");
+    let mut v = good();
+    v[15..18].clone_from_slice(&Proj::new(609, 95, 64, 32, 4, Dtype::Float32).triple());
+    expect_err("gate_proj with 95 rows", run(&v, &spec), "gate_proj");
+    let mut v = good();
+    v[21..24].clone_from_slice(&Proj::new(610, 64, 64, 32, 4, Dtype::Float32).triple());
+    expect_err("down_proj with 64 input features", run(&v, &spec), "down_proj");
+    expect_err(
+        "k_proj weight int32",
+        run(&with(5, layer.k.w.astype(Dtype::Int32).unwrap()), &spec),
+        "k_proj: weight must be uint32",
+    );
+    // Scales with 3 groups for 64 input features.
+    let mut v = good();
+    v[9] = Array::ones(&[32, 3], Dtype::Float32).unwrap();
+    v[10] = Array::zeros(&[32, 3], Dtype::Float32).unwrap();
+    expect_err("v_proj scales [32, 3]", run(&v, &spec), "v_proj");
+    // Biases of another shape than the scales.
+    expect_err(
+        "o_proj biases [64, 1]",
+        run(&with(13, layer.o.biases.slice_axis(1, 0, 1).unwrap()), &spec),
+        "o_proj: scales and biases",
+    );
+    // Scales and biases of different dtypes.
+    expect_err(
+        "up_proj f16 scales, f32 biases",
+        run(&with(19, layer.up.scales.astype(Dtype::Float16).unwrap()), &spec),
+        "up_proj: scales and biases",
+    );
+    // Scales of another row count.
+    expect_err(
+        "q_proj scales of 32 rows",
+        run(&with(3, layer.q.scales.slice_axis(0, 0, 32).unwrap()), &spec),
+        "q_proj: scales and biases",
+    );
+    // 7 bits (64 features in 14 words) and 4 bits in groups of 4: shapes MLX
+    // cannot produce, which the kernel must refuse.
+    let mut v = good();
+    v[2..5].clone_from_slice(&fake_quantized(64, 14, 2));
+    expect_err("7-bit q_proj", run(&v, &spec), "7-bit weights in groups of 32 are not supported");
+    let mut v = good();
+    v[2..5].clone_from_slice(&fake_quantized(64, 8, 16));
+    expect_err("4-bit groups of 4", run(&v, &spec), "not supported");
+
+    // Caches.
+    let small = || random_cache(611, &layer, 5);
+    expect_err("keys capacity 5 < 6", run(&with(24, small()), &spec), "keys cache must be float32 [1, 2, >= 6, 16]");
+    expect_err("values capacity 5 < 6", run(&with(25, small()), &spec), "values cache");
+    let mut v = good();
+    v[24] = random_cache(612, &layer, 6);
+    v[25] = random_cache(613, &layer, 6);
+    let r = run(&v, &spec).expect("capacity exactly offset + L is enough");
+    mlx_sys::eval([&r.0, &r.1, &r.2]).unwrap();
+    let spec3 = layer.spec(4);
+    let x3 = randn(614, &[1, 3, 64], 1.0);
+    let mut v = layer.inputs(&x3, random_cache(615, &layer, 6), random_cache(616, &layer, 6));
+    expect_err("capacity 6 < 4 + 3", run(&v, &spec3), ">= 7");
+    v[24] = random_cache(617, &layer, 7);
+    v[25] = random_cache(618, &layer, 7);
+    let r = run(&v, &spec3).expect("capacity 7 for offset 4 + 3");
+    mlx_sys::eval([&r.0, &r.1, &r.2]).unwrap();
+    expect_err("keys float16", run(&with(24, keys.astype(Dtype::Float16).unwrap()), &spec), "keys cache");
+    expect_err("values with 4 kv heads", run(&with(25, randn(619, &[1, 4, 8, d], 1.0)), &spec), "values cache");
+    expect_err("keys head_dim 8", run(&with(24, randn(620, &[1, kv, 8, 8], 1.0)), &spec), "keys cache");
+    expect_err("keys 3-D", run(&with(24, randn(621, &[kv, 8, d], 1.0)), &spec), "keys cache");
+
+    // Optional inputs (after the caches: q/k/v biases 26..29, q/k norms
+    // 29..31, freqs 31).
+    expect_err("k bias of 64", run(&with(27, randn(622, &[64], 1.0)), &spec), "k_proj bias");
+    expect_err("k_norm of 32", run(&with(30, randn(623, &[32], 1.0)), &spec), "k_norm weight");
+    expect_err("freqs of 16", run(&with(31, randn(624, &[16], 1.0)), &spec), "rope freqs");
+
+    // The spec itself.
+    let bad = |f: fn(&mut DecoderLayerSpec)| {
+        let mut s = spec;
+        f(&mut s);
+        s
+    };
+    expect_err("heads 4, kv_heads 3", run(&good(), &bad(|s| s.kv_heads = 3)), "invalid dimensions");
+    expect_err("kv_heads 0", run(&good(), &bad(|s| s.kv_heads = 0)), "invalid dimensions");
+    expect_err("heads 0", run(&good(), &bad(|s| s.heads = 0)), "invalid dimensions");
+    expect_err("hidden -1", run(&good(), &bad(|s| s.hidden = -1)), "invalid dimensions");
+    expect_err("negative offset", run(&good(), &bad(|s| s.offset = -1)), "offset");
+    expect_err("odd rope dims", run(&good(), &bad(|s| s.rope_dims = 7)), "rope dims");
+    expect_err("rope dims > head_dim", run(&good(), &bad(|s| s.rope_dims = 18)), "rope dims");
+    expect_err("rope dims 0", run(&good(), &bad(|s| s.rope_dims = 0)), "rope dims");
+    // With heads 2 of the same head_dim the projections no longer fit.
+    expect_err("heads 2 (q_proj of 4 heads)", run(&good(), &bad(|s| s.heads = 2)), "q_proj");
+    // Without freqs, the base must be positive.
+    let no_freqs = Layer::new(625, LLAMA);
+    let v = no_freqs.inputs(&x, keys.clone(), values.clone());
+    let s = DecoderLayerSpec { rope_base: 0.0, ..no_freqs.spec(5) };
+    expect_err("rope base 0", run(&v, &s), "rope base");
+    // The same inputs under a spec with one more option: wrong count.
+    let s = DecoderLayerSpec { o_bias: true, ..no_freqs.spec(5) };
+    expect_err("o_bias without the array", run(&v, &s), "expected 27 inputs, got 26");
+
+    // After all that, the good inputs still run and match.
+    check_step("after errors", &layer, &x, &keys, &values, 5);
+}
+
+// ---------------------------------------------------------------------------
+// The exact kernel paths.
+
+/// Reruns every other test of this file in a child process per exact kernel
+/// path (`MLXCEL_KERNELS` is read once per process). In the children the
+/// base tolerance is 1e-5 for every bit width.
+#[test]
+fn exact_kernel_paths_in_subprocesses() {
+    if std::env::var_os("MLXCEL_DECODER_LAYER_CHILD").is_some() {
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    for path in ["avx512", "avx2", "portable"] {
+        let out = std::process::Command::new(&exe)
+            .args(["--test-threads=1", "--nocapture", "--skip", "exact_kernel_paths_in_subprocesses"])
+            .env("MLXCEL_KERNELS", path)
+            .env("MLXCEL_DECODER_LAYER_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "MLXCEL_KERNELS={path}: the child run failed:\n{text}");
+        // The worst error vs MLX's matmul over every case of the child run.
+        let worst = text
+            .lines()
+            .filter_map(|l| l.split_once("vs MLX matmul: ").map(|(_, r)| r))
+            .flat_map(|r| {
+                r.split(|c: char| c == ',' || c == ';').filter_map(|f| f.split_whitespace().last()?.parse::<f64>().ok())
+            })
+            .fold(0f64, f64::max);
+        let cases = text.lines().filter(|l| l.contains("vs MLX matmul: ")).count();
+        eprintln!("MLXCEL_KERNELS={path}: {cases} checks passed, worst max|Δ|/max|ref| vs MLX matmul {worst:.2e}");
+    }
+}

@@ -1,0 +1,306 @@
+//! `mlxcel bench`: prefill speed, decode speed, time to first token and peak
+//! memory on a fixed prompt of an exact length, as medians over several runs.
+//!
+//! The prompt is `benches/prompt.txt` (plain English prose, also read by the
+//! peer-benchmark scripts) tokenized with the model's own tokenizer without
+//! special tokens or chat template, repeated if it is too short and cut to
+//! exactly `--prompt-tokens` ids. Decoding is greedy and ignores EOS, so every
+//! run generates exactly `--gen-tokens` tokens.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+use mlxcel_engine::{Engine, GenerationRequest, Prompt, SamplingParams};
+use mlxcel_models::tokenizer::Tokenizer;
+use serde_json::json;
+
+use crate::{human_bytes, AnyResult};
+
+/// The benchmark text, shared with `benches/` scripts.
+const PROMPT_TEXT: &str = include_str!("../../benches/prompt.txt");
+
+/// The untimed warm-up run: this many prompt tokens (at most) and generated tokens.
+const WARMUP_PROMPT_TOKENS: usize = 16;
+const WARMUP_GEN_TOKENS: usize = 4;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Checkpoint directory (default: SmolLM2-135M-Instruct, fetched on first use).
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    /// Prompt length in tokens: benches/prompt.txt, tokenized, repeated as needed and cut to N.
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens to generate per run (greedy, EOS ignored); at least 2.
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Timed runs after one untimed warm-up; the medians are reported.
+    #[arg(long, value_name = "R", default_value_t = 3)]
+    pub repeat: usize,
+    /// Prompt tokens per forward pass during prefill (as the engine's default).
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Print one JSON object on stdout instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl BenchArgs {
+    /// Checks the numbers before anything is loaded.
+    pub fn validate(&self) -> AnyResult<()> {
+        let check = |ok: bool, flag: &str, rule: &str, got: usize| -> AnyResult<()> {
+            if ok {
+                Ok(())
+            } else {
+                Err(format!("{flag} must be {rule} (got {got})").into())
+            }
+        };
+        check(self.prompt_tokens >= 1, "--prompt-tokens", "at least 1", self.prompt_tokens)?;
+        check(self.gen_tokens >= 2, "--gen-tokens", "at least 2 (decode speed is measured from the first token to the last)", self.gen_tokens)?;
+        check(self.repeat >= 1, "--repeat", "at least 1", self.repeat)?;
+        check(self.prefill_chunk >= 1, "--prefill-chunk", "at least 1", self.prefill_chunk)?;
+        Ok(())
+    }
+}
+
+/// The figures of one run.
+struct Run {
+    /// Prefill up to and including the first sampled token (the engine's `prompt_time`).
+    prompt_s: f64,
+    prompt_tps: f64,
+    /// From calling `generate` until the first token was read back.
+    ttft_s: f64,
+    /// From the first token to the last.
+    decode_s: f64,
+    decode_tps: f64,
+    /// MLX's peak allocation during the run (weights included).
+    peak_mlx_bytes: usize,
+}
+
+impl Run {
+    fn to_json(&self) -> serde_json::Value {
+        json!({
+            "prompt_s": self.prompt_s,
+            "prompt_tps": self.prompt_tps,
+            "ttft_s": self.ttft_s,
+            "decode_s": self.decode_s,
+            "decode_tps": self.decode_tps,
+            "peak_mlx_bytes": self.peak_mlx_bytes,
+        })
+    }
+}
+
+pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
+    args.validate()?;
+    eprintln!("loading {}", dir.display());
+    let loaded = Instant::now();
+    let engine = Engine::load(dir)?;
+    eprintln!("loaded in {:.2} s", loaded.elapsed().as_secs_f64());
+    let model = engine.model();
+    let shape = &model.info.shape;
+    if let Some(context) = shape.max_position_embeddings {
+        if args.prompt_tokens > context {
+            return Err(format!(
+                "--prompt-tokens {} is longer than the model's context of {context} tokens (max_position_embeddings)",
+                args.prompt_tokens
+            )
+            .into());
+        }
+        if args.prompt_tokens + args.gen_tokens > context {
+            eprintln!(
+                "warning: {} prompt + {} generated tokens exceed the model's context of {context} tokens",
+                args.prompt_tokens, args.gen_tokens
+            );
+        }
+    }
+    let ids = prompt_ids(&model.tokenizer, args.prompt_tokens)?;
+
+    mlx_sys::memory::reset_peak_memory();
+    eprintln!("warm-up: {} prompt + {WARMUP_GEN_TOKENS} generated tokens (untimed)", ids.len().min(WARMUP_PROMPT_TOKENS));
+    run_once(&engine, &ids[..ids.len().min(WARMUP_PROMPT_TOKENS)], WARMUP_GEN_TOKENS, args.prefill_chunk)?;
+
+    let mut runs = Vec::with_capacity(args.repeat);
+    for i in 1..=args.repeat {
+        let run = run_once(&engine, &ids, args.gen_tokens, args.prefill_chunk)?;
+        eprintln!(
+            "run {i}/{}: prompt {:.1} tok/s, decode {:.1} tok/s, TTFT {:.3} s",
+            args.repeat, run.prompt_tps, run.decode_tps, run.ttft_s
+        );
+        runs.push(run);
+    }
+
+    let prompt_tps = median(runs.iter().map(|r| r.prompt_tps));
+    let decode_tps = median(runs.iter().map(|r| r.decode_tps));
+    let ttft_s = median(runs.iter().map(|r| r.ttft_s));
+    let peak_mlx_bytes = runs.iter().map(|r| r.peak_mlx_bytes).max().unwrap_or(0).max(mlx_sys::memory::peak_memory());
+    let peak_rss = peak_rss_bytes();
+    let weight_bytes = model.info.weight_bytes;
+    // The KV cache of a run holds prompt + generated positions (the last
+    // token is never fed back; one position of slack keeps the figure simple).
+    let kv_positions = args.prompt_tokens + args.gen_tokens;
+    let kv_bytes = (shape.kv_bytes_per_token() * kv_positions) as u64;
+    let kernel_threads = mlx_sys::kernels::num_threads();
+    let blas_threads = mlx_sys::blas_threads();
+
+    if args.json {
+        let report = json!({
+            "model": dir.to_string_lossy(),
+            "prompt_tokens": args.prompt_tokens,
+            "gen_tokens": args.gen_tokens,
+            "repeat": args.repeat,
+            "prefill_chunk": args.prefill_chunk,
+            "prompt_tps": prompt_tps,
+            "decode_tps": decode_tps,
+            "ttft_s": ttft_s,
+            "peak_rss_bytes": peak_rss,
+            "peak_mlx_bytes": peak_mlx_bytes,
+            "weight_bytes": weight_bytes,
+            "kv_bytes": kv_bytes,
+            "kernel_threads": kernel_threads,
+            "blas": mlx_sys::BLAS_BACKEND,
+            "blas_threads": blas_threads,
+            "mlx_version": mlx_sys::mlx_version(),
+            "runs": runs.iter().map(Run::to_json).collect::<Vec<_>>(),
+        });
+        println!("{report}");
+        return Ok(());
+    }
+
+    let mib = |bytes: u64| format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0));
+    let rows = [
+        ("model", dir.display().to_string()),
+        ("threads", format!("{kernel_threads} (kernels), {blas_threads} ({} BLAS)", mlx_sys::BLAS_BACKEND)),
+        ("prompt tokens", format!("{} (prefill chunk {})", args.prompt_tokens, args.prefill_chunk)),
+        ("gen tokens", format!("{} (greedy, EOS ignored)", args.gen_tokens)),
+        ("repeat", format!("{} (+1 warm-up), medians below", args.repeat)),
+        ("prompt tok/s", format!("{prompt_tps:.1}")),
+        ("decode tok/s", format!("{decode_tps:.1}")),
+        ("TTFT", format!("{ttft_s:.3} s")),
+        ("peak RSS", peak_rss.map_or_else(|| "n/a".to_string(), mib)),
+        ("peak MLX", mib(peak_mlx_bytes as u64)),
+        ("weights", mib(weight_bytes)),
+        ("KV cache", format!("{} ({kv_positions} positions)", human_bytes(kv_bytes))),
+    ];
+    for (name, value) in rows {
+        println!("{:<15} {value}", format!("{name}:"));
+    }
+    println!();
+    println!("{:>3}  {:>10}  {:>12}  {:>8}  {:>10}  {:>12}  {:>12}", "run", "prompt s", "prompt tok/s", "TTFT s", "decode s", "decode tok/s", "peak MLX MiB");
+    for (i, r) in runs.iter().enumerate() {
+        println!(
+            "{:>3}  {:>10.3}  {:>12.1}  {:>8.3}  {:>10.3}  {:>12.1}  {:>12.1}",
+            i + 1,
+            r.prompt_s,
+            r.prompt_tps,
+            r.ttft_s,
+            r.decode_s,
+            r.decode_tps,
+            r.peak_mlx_bytes as f64 / (1024.0 * 1024.0)
+        );
+    }
+    Ok(())
+}
+
+/// Exactly `n` ids of the benchmark text: no special tokens, no template,
+/// the text repeated as often as needed.
+fn prompt_ids(tokenizer: &Tokenizer, n: usize) -> AnyResult<Vec<u32>> {
+    let text = tokenizer.encode(PROMPT_TEXT, false)?;
+    if text.is_empty() {
+        return Err("benches/prompt.txt tokenizes to no tokens".into());
+    }
+    Ok(text.iter().copied().cycle().take(n).collect())
+}
+
+/// One greedy generation of exactly `gen` tokens after the prompt `ids`.
+fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> AnyResult<Run> {
+    let mut request = GenerationRequest::new(Prompt::Tokens(ids.to_vec()));
+    request.params = SamplingParams { temperature: 0.0, max_tokens: gen, ..SamplingParams::default() };
+    request.prefill_chunk = prefill_chunk;
+    request.ignore_eos = true;
+    let submitted = Instant::now();
+    let output = engine.generate(&request, |_| true)?;
+    let total = submitted.elapsed();
+    let stats = &output.stats;
+    if stats.generated_tokens != gen {
+        return Err(format!(
+            "the engine generated {} tokens instead of {gen} (finish: {})",
+            stats.generated_tokens,
+            output.finish_reason.as_str()
+        )
+        .into());
+    }
+    Ok(Run {
+        prompt_s: stats.prompt_time.as_secs_f64(),
+        prompt_tps: stats.prompt_tokens_per_second(),
+        // `decode_time` runs from the moment the first token was read back to
+        // the end of `generate`, so the rest of the call is the wait for it.
+        ttft_s: total.saturating_sub(stats.decode_time).as_secs_f64(),
+        decode_s: stats.decode_time.as_secs_f64(),
+        decode_tps: stats.decode_tokens_per_second(),
+        peak_mlx_bytes: stats.peak_memory_bytes,
+    })
+}
+
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// The process's peak resident set size, in bytes.
+#[cfg(target_os = "linux")]
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.trim_start_matches("VmHWM:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The process's peak resident set size, in bytes.
+#[cfg(all(unix, not(target_os = "linux")))]
+fn peak_rss_bytes() -> Option<u64> {
+    // SAFETY: getrusage only writes the struct it is given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        if libc::getrusage(libc::RUSAGE_SELF, &mut usage) != 0 {
+            return None;
+        }
+        usage
+    };
+    let maxrss = u64::try_from(usage.ru_maxrss).ok()?;
+    // Bytes on Apple platforms, kilobytes elsewhere.
+    Some(if cfg!(target_vendor = "apple") { maxrss } else { maxrss * 1024 })
+}
+
+/// The process's peak resident set size, in bytes (not measured here).
+#[cfg(not(unix))]
+fn peak_rss_bytes() -> Option<u64> {
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), 2.5);
+    }
+
+    #[test]
+    fn prompt_text_is_long_prose() {
+        assert!(PROMPT_TEXT.split_whitespace().count() > 1000);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn peak_rss_is_measured() {
+        assert!(peak_rss_bytes().unwrap() > 0);
+    }
+}
