@@ -106,6 +106,79 @@ void pack_kv(void* ctx, int t) {
   }
 }
 
+// out[r][0:32] (row stride ldo; the second half only when `two`) =
+// sum_key p[r][key] * v[key][0:32] for the first `rows` of 8 rows (p row
+// stride ldp, v row stride ldv). Explicit registers: 16 accumulators.
+MLXCEL_ATTN_TARGET void pv_tile(const float* p, size_t ldp, const float* v, int ldv, int nk, float* out, size_t ldo,
+                                int rows, bool two) {
+  __m512 c00 = _mm512_setzero_ps(), c01 = _mm512_setzero_ps(), c10 = _mm512_setzero_ps(), c11 = _mm512_setzero_ps();
+  __m512 c20 = _mm512_setzero_ps(), c21 = _mm512_setzero_ps(), c30 = _mm512_setzero_ps(), c31 = _mm512_setzero_ps();
+  __m512 c40 = _mm512_setzero_ps(), c41 = _mm512_setzero_ps(), c50 = _mm512_setzero_ps(), c51 = _mm512_setzero_ps();
+  __m512 c60 = _mm512_setzero_ps(), c61 = _mm512_setzero_ps(), c70 = _mm512_setzero_ps(), c71 = _mm512_setzero_ps();
+  const float *p0 = p, *p1 = p + ldp, *p2 = p + 2 * ldp, *p3 = p + 3 * ldp;
+  const float *p4 = p + 4 * ldp, *p5 = p + 5 * ldp, *p6 = p + 6 * ldp, *p7 = p + 7 * ldp;
+  const __mmask16 m1 = two ? (__mmask16)0xffff : (__mmask16)0;
+#pragma GCC unroll 4
+  for (int key = 0; key < nk; ++key) {
+    const float* vr = v + (size_t)key * ldv;
+    const __m512 v0 = _mm512_loadu_ps(vr);
+    const __m512 v1 = _mm512_maskz_loadu_ps(m1, vr + 16);
+    __m512 x;
+    x = _mm512_set1_ps(p0[key]); c00 = _mm512_fmadd_ps(x, v0, c00); c01 = _mm512_fmadd_ps(x, v1, c01);
+    x = _mm512_set1_ps(p1[key]); c10 = _mm512_fmadd_ps(x, v0, c10); c11 = _mm512_fmadd_ps(x, v1, c11);
+    x = _mm512_set1_ps(p2[key]); c20 = _mm512_fmadd_ps(x, v0, c20); c21 = _mm512_fmadd_ps(x, v1, c21);
+    x = _mm512_set1_ps(p3[key]); c30 = _mm512_fmadd_ps(x, v0, c30); c31 = _mm512_fmadd_ps(x, v1, c31);
+    x = _mm512_set1_ps(p4[key]); c40 = _mm512_fmadd_ps(x, v0, c40); c41 = _mm512_fmadd_ps(x, v1, c41);
+    x = _mm512_set1_ps(p5[key]); c50 = _mm512_fmadd_ps(x, v0, c50); c51 = _mm512_fmadd_ps(x, v1, c51);
+    x = _mm512_set1_ps(p6[key]); c60 = _mm512_fmadd_ps(x, v0, c60); c61 = _mm512_fmadd_ps(x, v1, c61);
+    x = _mm512_set1_ps(p7[key]); c70 = _mm512_fmadd_ps(x, v0, c70); c71 = _mm512_fmadd_ps(x, v1, c71);
+  }
+  const __m512 acc[QR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31},
+                             {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
+  for (int r = 0; r < rows; ++r) {
+    _mm512_storeu_ps(out + (size_t)r * ldo, acc[r][0]);
+    _mm512_mask_storeu_ps(out + (size_t)r * ldo + 16, m1, acc[r][1]);
+  }
+}
+
+// acc[r][0:32] = sum_d q[r][d] * kt[d][0:32] for 8 rows (q row stride D,
+// kt row stride ldk), then keys past each row's limit set to -inf, stored
+// into sc (row stride lds). Explicit registers: 16 accumulators.
+MLXCEL_ATTN_TARGET void score_tile(const float* q, int D, const float* kt, size_t ldk, int key0, const int* lim,
+                                   float* sc, size_t lds) {
+  __m512 c00 = _mm512_setzero_ps(), c01 = _mm512_setzero_ps(), c10 = _mm512_setzero_ps(), c11 = _mm512_setzero_ps();
+  __m512 c20 = _mm512_setzero_ps(), c21 = _mm512_setzero_ps(), c30 = _mm512_setzero_ps(), c31 = _mm512_setzero_ps();
+  __m512 c40 = _mm512_setzero_ps(), c41 = _mm512_setzero_ps(), c50 = _mm512_setzero_ps(), c51 = _mm512_setzero_ps();
+  __m512 c60 = _mm512_setzero_ps(), c61 = _mm512_setzero_ps(), c70 = _mm512_setzero_ps(), c71 = _mm512_setzero_ps();
+  const float *q0 = q, *q1 = q + D, *q2 = q + 2 * D, *q3 = q + 3 * D;
+  const float *q4 = q + 4 * D, *q5 = q + 5 * D, *q6 = q + 6 * D, *q7 = q + 7 * D;
+#pragma GCC unroll 4
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_load_ps(kt + (size_t)d * ldk);
+    const __m512 k1 = _mm512_load_ps(kt + (size_t)d * ldk + 16);
+    __m512 x;
+    x = _mm512_set1_ps(q0[d]); c00 = _mm512_fmadd_ps(x, k0, c00); c01 = _mm512_fmadd_ps(x, k1, c01);
+    x = _mm512_set1_ps(q1[d]); c10 = _mm512_fmadd_ps(x, k0, c10); c11 = _mm512_fmadd_ps(x, k1, c11);
+    x = _mm512_set1_ps(q2[d]); c20 = _mm512_fmadd_ps(x, k0, c20); c21 = _mm512_fmadd_ps(x, k1, c21);
+    x = _mm512_set1_ps(q3[d]); c30 = _mm512_fmadd_ps(x, k0, c30); c31 = _mm512_fmadd_ps(x, k1, c31);
+    x = _mm512_set1_ps(q4[d]); c40 = _mm512_fmadd_ps(x, k0, c40); c41 = _mm512_fmadd_ps(x, k1, c41);
+    x = _mm512_set1_ps(q5[d]); c50 = _mm512_fmadd_ps(x, k0, c50); c51 = _mm512_fmadd_ps(x, k1, c51);
+    x = _mm512_set1_ps(q6[d]); c60 = _mm512_fmadd_ps(x, k0, c60); c61 = _mm512_fmadd_ps(x, k1, c61);
+    x = _mm512_set1_ps(q7[d]); c70 = _mm512_fmadd_ps(x, k0, c70); c71 = _mm512_fmadd_ps(x, k1, c71);
+  }
+  const __m512 acc[QR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31},
+                             {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i kv0 = _mm512_add_epi32(lane, _mm512_set1_epi32(key0));
+  const __m512i kv1 = _mm512_add_epi32(kv0, _mm512_set1_epi32(16));
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < QR; ++r) {
+    const __m512i l = _mm512_set1_epi32(lim[r]);
+    _mm512_store_ps(sc + (size_t)r * lds, _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(kv0, l), neg_inf, acc[r][0]));
+    _mm512_store_ps(sc + (size_t)r * lds + 16, _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(kv1, l), neg_inf, acc[r][1]));
+  }
+}
+
 MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
   const int bh = t % (j.B * j.H);
   const int qb = j.qblocks - 1 - t / (j.B * j.H);
@@ -131,31 +204,10 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
   }
 
   // Scores.
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  int lim[QR];
+  for (int r = 0; r < QR; ++r) lim[r] = lim0 + std::min(r, rows - 1);
+  for (int j0 = 0; j0 < nk_pad; j0 += KC) score_tile(qs, D, kt + j0, S_pad, j0, lim, sc + j0, S_pad);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int j0 = 0; j0 < nk_pad; j0 += KC) {
-    __m512 acc[QR][2];
-    for (int r = 0; r < QR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int d = 0; d < D; ++d) {
-      const __m512 k0 = _mm512_load_ps(kt + (size_t)d * S_pad + j0);
-      const __m512 k1 = _mm512_load_ps(kt + (size_t)d * S_pad + j0 + 16);
-#pragma GCC unroll 8
-      for (int r = 0; r < QR; ++r) {
-        const __m512 x = _mm512_set1_ps(qs[r * D + d]);
-        acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
-      }
-    }
-    const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(j0));
-    const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
-    for (int r = 0; r < QR; ++r) {
-      const __m512i lim = _mm512_set1_epi32(lim0 + std::min(r, rows - 1));
-      const __mmask16 m0 = _mm512_cmple_epi32_mask(key0, lim);
-      const __mmask16 m1 = _mm512_cmple_epi32_mask(key1, lim);
-      _mm512_store_ps(sc + (size_t)r * S_pad + j0, _mm512_mask_blend_ps(m0, neg_inf, acc[r][0]));
-      _mm512_store_ps(sc + (size_t)r * S_pad + j0 + 16, _mm512_mask_blend_ps(m1, neg_inf, acc[r][1]));
-    }
-  }
 
   // Softmax per row: max, exp(x - max), sum, times 1 / sum.
   for (int r = 0; r < QR; ++r) {
@@ -174,27 +226,9 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
   }
 
   // Probabilities times values, 32 (or a last 16) features at a time.
-  float* out = j.out;
   for (int dc = 0; dc < D; dc += KC) {
-    const bool two = dc + 16 < D;
-    __m512 acc[QR][2];
-    for (int r = 0; r < QR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int key = 0; key < nk; ++key) {
-      const float* vr = vp + (size_t)key * D + dc;
-      const __m512 v0 = _mm512_loadu_ps(vr);
-      const __m512 v1 = two ? _mm512_loadu_ps(vr + 16) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-      for (int r = 0; r < QR; ++r) {
-        const __m512 p = _mm512_set1_ps(sc[(size_t)r * S_pad + key]);
-        acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < rows; ++r) {
-      float* o = out + (((size_t)b * j.L + i0 + r) * j.H + h) * D + dc;
-      _mm512_storeu_ps(o, acc[r][0]);
-      if (two) _mm512_storeu_ps(o + 16, acc[r][1]);
-    }
+    float* o = j.out + (((size_t)b * j.L + i0) * j.H + h) * D + dc;
+    pv_tile(sc, S_pad, vp + dc, D, nk, o, (size_t)j.H * D, rows, dc + 16 < D);
   }
 }
 

@@ -227,12 +227,25 @@ void rms_norm(const float* x, const VectorRef& w, float eps, int n, float* y) {
   for (int i = 0; i < n; ++i) y[i] = (x[i] * r) * w[i];
 }
 
-void project(const Projection& p, const float* x, int rows, float* y) {
-  detail::quantized_matmul_f32(p.view, x, rows, y);
+void add_bias(const Projection& p, int rows, float* y) {
   if (p.bias) {
     for (int r = 0; r < rows; ++r)
       for (int i = 0; i < p.view.n; ++i) y[(size_t)r * p.view.n + i] += p.bias[i];
   }
+}
+
+void project(const Projection& p, const float* x, int rows, float* y) {
+  detail::quantized_matmul_f32(p.view, x, rows, y);
+  add_bias(p, rows, y);
+}
+
+// Several projections of the same x as one pool job (q, k, v; gate, up).
+template <int N>
+void project_many(const Projection* const (&ps)[N], const float* x, int rows, float* const (&ys)[N]) {
+  QuantizedView views[N];
+  for (int i = 0; i < N; ++i) views[i] = ps[i]->view;
+  detail::quantized_matmul_f32_many(views, N, x, rows, ys);
+  for (int i = 0; i < N; ++i) add_bias(*ps[i], rows, ys[i]);
 }
 
 // Rotates `heads` heads of one row in place with precomputed cos/sin.
@@ -323,9 +336,7 @@ void run_layer(const Pointers& p) {
 
   // Attention.
   for (int l = 0; l < L; ++l) rms_norm(&sc.x[(size_t)l * H], p.input_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
-  project(p.q, sc.n.data(), L, sc.q.data());
-  project(p.k, sc.n.data(), L, sc.k.data());
-  project(p.v, sc.n.data(), L, sc.v.data());
+  project_many<3>({&p.q, &p.k, &p.v}, sc.n.data(), L, {sc.q.data(), sc.k.data(), sc.v.data()});
   if (s.qk_norm) {
     std::vector<float> tmp(D);
     for (int l = 0; l < L; ++l) {
@@ -381,8 +392,7 @@ void run_layer(const Pointers& p) {
 
   // MLP.
   for (int l = 0; l < L; ++l) rms_norm(&sc.h[(size_t)l * H], p.post_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
-  project(p.gate, sc.n.data(), L, sc.g.data());
-  project(p.up, sc.n.data(), L, sc.u.data());
+  project_many<2>({&p.gate, &p.up}, sc.n.data(), L, {sc.g.data(), sc.u.data()});
   for (size_t i = 0; i < (size_t)L * I; ++i) {
     const float a = sc.g[i];
     sc.g[i] = a * (1.0f / (1.0f + std::exp(-a))) * sc.u[i];

@@ -30,6 +30,12 @@ struct QuantizedView {
 // split across the pool (same loops and results as quantized_matmul).
 void quantized_matmul_f32(const QuantizedView& w, const float* x, int m, float* y, Path path = Path::Auto);
 
+// Several products of the same x at once (q, k, v; gate, up): the
+// activations are laid out once and all rows run as one pool job. Falls back
+// to one call each when the layouts differ or count > 4.
+void quantized_matmul_f32_many(const QuantizedView* ws, int count, const float* x, int m, float* const* ys,
+                               Path path = Path::Auto);
+
 // Runs fn(ctx, t) for t in [0, tasks) on the pool, the caller included.
 void parallel_for(int tasks, void (*fn)(void* ctx, int task), void* ctx);
 

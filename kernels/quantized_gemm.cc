@@ -143,6 +143,40 @@ thread_local PanelScratch tl_panel;
 
 std::atomic<uint64_t> next_job_id{1};
 
+// The scales and biases of rows [n0, n0 + rows) transposed into sb: scales
+// then biases, [G][nc_pad] each, zero beyond `rows`.
+MLXCEL_GEMM_TARGET void load_panel_scales(const GemmJob& j, const void* scales, const void* biases, int n0, int rows,
+                                          int nc_pad, float* sb) {
+  const int G = j.G;
+  float* st = sb;
+  float* bt = sb + (size_t)G * nc_pad;
+  if (j.sty == Scalar::F32) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(G));
+    for (int r0 = 0; r0 < nc_pad; r0 += 16) {
+      const int valid = std::clamp(rows - r0, 0, 16);
+      const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+      const float* sbase = static_cast<const float*>(scales) + (size_t)(n0 + r0) * G;
+      const float* bbase = static_cast<const float*>(biases) + (size_t)(n0 + r0) * G;
+      for (int g = 0; g < G; ++g) {
+        const __m512 z = _mm512_setzero_ps();
+        _mm512_store_ps(st + (size_t)g * nc_pad + r0,
+                        valid ? _mm512_mask_i32gather_ps(z, mask, idx, sbase + g, 4) : z);
+        _mm512_store_ps(bt + (size_t)g * nc_pad + r0,
+                        valid ? _mm512_mask_i32gather_ps(z, mask, idx, bbase + g, 4) : z);
+      }
+    }
+    return;
+  }
+  for (int r = 0; r < nc_pad; ++r) {
+    const size_t base = (size_t)(n0 + r) * G;
+    for (int g = 0; g < G; ++g) {
+      st[(size_t)g * nc_pad + r] = r < rows ? detail::load_f32(scales, j.sty, base + g) : 0.0f;
+      bt[(size_t)g * nc_pad + r] = r < rows ? detail::load_f32(biases, j.sty, base + g) : 0.0f;
+    }
+  }
+}
+
 // Dequantizes rows [n0, n0 + rows) of w into bp ([nc_pad/NR][K][NR], zero
 // beyond `rows`). sb holds the panel's scales then biases, [G][nc_pad] each.
 template <int BITS>
@@ -151,15 +185,9 @@ MLXCEL_GEMM_TARGET void pack_panel(const GemmJob& j, const uint32_t* w, const vo
   constexpr int EPW = 32 / BITS;
   constexpr uint32_t QM = (1u << BITS) - 1;
   const int G = j.G, K = j.K, wpr = j.wpr;
-  float* st = sb;
-  float* bt = sb + (size_t)G * nc_pad;
-  for (int r = 0; r < nc_pad; ++r) {
-    const size_t base = (size_t)(n0 + r) * G;
-    for (int g = 0; g < G; ++g) {
-      st[(size_t)g * nc_pad + r] = r < rows ? detail::load_f32(scales, j.sty, base + g) : 0.0f;
-      bt[(size_t)g * nc_pad + r] = r < rows ? detail::load_f32(biases, j.sty, base + g) : 0.0f;
-    }
-  }
+  load_panel_scales(j, scales, biases, n0, rows, nc_pad, sb);
+  const float* st = sb;
+  const float* bt = sb + (size_t)G * nc_pad;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(wpr));
   const __m512i qm = _mm512_set1_epi32((int)QM);
@@ -278,15 +306,9 @@ MLXCEL_GEMM_TARGET void pack_panel_amx(const GemmJob& j, const uint32_t* w, cons
   constexpr int EPW = 32 / BITS;
   constexpr uint32_t QM = (1u << BITS) - 1;
   const int G = j.G, wpr = j.wpr, P = j.Kp / 2, Pk = j.K / 2;
-  float* st = sb;
-  float* bt = sb + (size_t)G * nc_pad;
-  for (int r = 0; r < nc_pad; ++r) {
-    const size_t base = (size_t)(n0 + r) * G;
-    for (int g = 0; g < G; ++g) {
-      st[(size_t)g * nc_pad + r] = r < rows ? detail::load_f32(scales, j.sty, base + g) : 0.0f;
-      bt[(size_t)g * nc_pad + r] = r < rows ? detail::load_f32(biases, j.sty, base + g) : 0.0f;
-    }
-  }
+  load_panel_scales(j, scales, biases, n0, rows, nc_pad, sb);
+  const float* st = sb;
+  const float* bt = sb + (size_t)G * nc_pad;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(wpr));
   const __m512i qm = _mm512_set1_epi32((int)QM);
@@ -377,33 +399,48 @@ const TileConfig& tile_config() {
   return cfg;
 }
 
-// tmp[32][32] = x rows (32 from xh/xl, stride ldx elements) . panel columns
-// (two slabs from bh/bl, `slab` dwords apart), over `chunks` chunks of 32 k.
+// dst[32][32] (row stride ldd floats) = x rows (32 from xh/xl, stride ldx
+// elements) . panel columns (two slabs from bh/bl, `slab` dwords apart), over
+// `chunks` chunks of 32 k.
 MLXCEL_AMX_TARGET void amx_32x32(const uint16_t* xh, const uint16_t* xl, size_t ldx, const uint32_t* bh,
-                                 const uint32_t* bl, size_t slab, int chunks, float* tmp) {
+                                 const uint32_t* bl, size_t slab, int chunks, float* dst, size_t ldd) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+  // Per chunk of 32 k: xh.wh, xh.wl (reusing the x tiles), xl.wh (the wh
+  // tiles come back from L1): 10 tile loads for 12 products.
   const long sx = (long)ldx * 2;
-  for (int pass = 0; pass < 3; ++pass) {
-    const uint16_t* xa = pass == 2 ? xl : xh;
-    const uint32_t* b = pass == 1 ? bl : bh;
-    for (int c = 0; c < chunks; ++c) {
-      _tile_loadd(4, xa + c * 32, sx);
-      _tile_loadd(5, xa + 16 * ldx + c * 32, sx);
-      _tile_loadd(6, b + (size_t)c * 256, 64);
-      _tile_loadd(7, b + slab + (size_t)c * 256, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+  for (int c = 0; c < chunks; ++c) {
+    const size_t bo = (size_t)c * 256;
+    _tile_loadd(4, xh + c * 32, sx);
+    _tile_loadd(5, xh + 16 * ldx + c * 32, sx);
+    _tile_loadd(6, bh + bo, 64);
+    _tile_loadd(7, bh + slab + bo, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(6, bl + bo, 64);
+    _tile_loadd(7, bl + slab + bo, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(4, xl + c * 32, sx);
+    _tile_loadd(5, xl + 16 * ldx + c * 32, sx);
+    _tile_loadd(6, bh + bo, 64);
+    _tile_loadd(7, bh + slab + bo, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, tmp, 128);
-  _tile_stored(1, tmp + 16, 128);
-  _tile_stored(2, tmp + 512, 128);
-  _tile_stored(3, tmp + 528, 128);
+  const long sd = (long)ldd * 4;
+  _tile_stored(0, dst, sd);
+  _tile_stored(1, dst + 16, sd);
+  _tile_stored(2, dst + 16 * ldd, sd);
+  _tile_stored(3, dst + 16 * ldd + 16, sd);
 }
 
 MLXCEL_AMX_TARGET void run_block_amx(const GemmJob& j, int task) {
@@ -443,8 +480,12 @@ MLXCEL_AMX_TARGET void run_block_amx(const GemmJob& j, int task) {
     for (int jb = 0; jb < nc_pad; jb += 32) {
       const int cols = std::min(32, ncols - jb);
       const size_t off = (size_t)(jb / 16) * P * 16;
-      amx_32x32(xh, xl, j.Kp, bh + off, bl + off, P * 16, chunks, tmp);
-      if (gated) amx_32x32(xh, xl, j.Kp, bh2 + off, bl2 + off, P * 16, chunks, tmp + 1024);
+      if (!gated && rows == 32 && cols == 32) {  // straight into y
+        amx_32x32(xh, xl, j.Kp, bh + off, bl + off, P * 16, chunks, j.y + (size_t)i * j.N + n0 + jb, j.N);
+        continue;
+      }
+      amx_32x32(xh, xl, j.Kp, bh + off, bl + off, P * 16, chunks, tmp, 32);
+      if (gated) amx_32x32(xh, xl, j.Kp, bh2 + off, bl2 + off, P * 16, chunks, tmp + 1024, 32);
       const __mmask16 k0 = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
       const __mmask16 k1 = cols >= 32 ? (__mmask16)0xffff : cols <= 16 ? (__mmask16)0 : (__mmask16)((1u << (cols - 16)) - 1);
       for (int r = 0; r < rows; ++r) {
@@ -601,7 +642,10 @@ class QuantizedGemm : public mx::UnaryPrimitive {
       // in panels of 64, or 32 when that leaves too few tasks to share.
       const int threads = num_threads();
       const int step_rows = j.amx ? 32 : MR;
-      j.mc = std::min(128 / step_rows, (j.M + step_rows - 1) / step_rows) * step_rows;
+      // AMX: packing a panel (dequantize, split) costs as much as a few
+      // hundred rows of tile products, so a task takes up to 512 rows.
+      const int max_rows = j.amx ? 512 : 128;
+      j.mc = std::min(max_rows / step_rows, (j.M + step_rows - 1) / step_rows) * step_rows;
       // AMX: x as bf16 halves, in the evaluating thread's buffers (reused).
       static thread_local Aligned<uint32_t> xh_buf, xl_buf;
       if (j.amx) {
@@ -614,8 +658,8 @@ class QuantizedGemm : public mx::UnaryPrimitive {
         j.xl = xl;
       }
       j.mblocks = (j.M + j.mc - 1) / j.mc;
-      j.nc = 64;
-      if ((long)j.mblocks * ((j.N + 63) / 64) < 4L * threads) j.nc = 32;
+      j.nc = j.amx ? 128 : 64;
+      while (j.nc > 32 && (long)j.mblocks * ((j.N + j.nc - 1) / j.nc) < 4L * threads) j.nc /= 2;
       j.npanels = (j.N + j.nc - 1) / j.nc;
       const long tasks = (long)j.mblocks * j.npanels;
       if (tasks > 0xffff) {  // the pool's limit: run in slices of panels

@@ -883,6 +883,21 @@ void task_fn(void* ctx, int t) {
   run_rows(j, n0, n1);
 }
 
+// Several products of the same activations, run as one pool job.
+struct MultiJob {
+  static constexpr int kMax = 4;
+  Job jobs[kMax];
+  int first_task[kMax + 1] = {0};
+  int count = 0;
+};
+
+void multi_task_fn(void* ctx, int t) {
+  const MultiJob& mj = *static_cast<const MultiJob*>(ctx);
+  int i = 0;
+  while (t >= mj.first_task[i + 1]) ++i;
+  task_fn(const_cast<Job*>(&mj.jobs[i]), t - mj.first_task[i]);
+}
+
 // Per-thread buffers of the evaluating thread, reused across calls.
 struct CallScratch {
   std::vector<float> xf, xp, xsum, y, xscale;
@@ -892,8 +907,9 @@ thread_local CallScratch tl_call;
 
 // Evaluates one call. x rows are read through `x_offsets` (element offsets of
 // each row's first element) with `x_step` between consecutive elements.
-void compute(Job j, const void* x, Ty xty, const std::vector<int64_t>& x_offsets, int64_t x_step, void* out,
-             Ty oty) {
+// Lays out the activations for j's loop (in this thread's scratch, valid
+// until the next call on this thread) and sets j's activation pointers.
+void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offsets, int64_t x_step) {
   CallScratch& cs = tl_call;
   const int M = j.M, K = j.K;
   cs.xf.resize((size_t)M * K);
@@ -939,6 +955,26 @@ void compute(Job j, const void* x, Ty xty, const std::vector<int64_t>& x_offsets
   }
   j.xf = cs.xf.data();
   j.xsum = cs.xsum.data();
+}
+
+// Splits j's output rows into tasks: a few per thread for balance on a
+// loaded machine, but never below ~32K weights per task. Returns the count.
+int plan_tasks(Job& j, int threads) {
+  const double work = (double)j.N * j.K * std::max(1, j.M);
+  int tasks = 1;
+  if (threads > 1 && work >= 64.0 * 1024) {
+    tasks = std::min<int>(threads * 4, (int)std::max(1.0, work / (32.0 * 1024)));
+    tasks = std::max(1, std::min(tasks, j.N));
+  }
+  j.rows_per_task = (j.N + tasks - 1) / tasks;
+  return (j.N + j.rows_per_task - 1) / j.rows_per_task;
+}
+
+void compute(Job j, const void* x, Ty xty, const std::vector<int64_t>& x_offsets, int64_t x_step, void* out,
+             Ty oty) {
+  CallScratch& cs = tl_call;
+  const int M = j.M;
+  prepare(j, x, xty, x_offsets, x_step);
 
   float* y32;
   if (oty == Ty::F32) {
@@ -949,18 +985,8 @@ void compute(Job j, const void* x, Ty xty, const std::vector<int64_t>& x_offsets
   }
   j.y = y32;
 
-  // Split output rows across threads: a few tasks per thread for balance on
-  // a loaded machine, but never below ~32K weights per task.
   Pool& p = pool();
-  const double work = (double)j.N * K * std::max(1, M);
-  int tasks = 1;
-  if (p.threads() > 1 && work >= 64.0 * 1024) {
-    tasks = std::min<int>(p.threads() * 4, (int)std::max(1.0, work / (32.0 * 1024)));
-    tasks = std::max(1, std::min(tasks, j.N));
-  }
-  j.rows_per_task = (j.N + tasks - 1) / tasks;
-  tasks = (j.N + j.rows_per_task - 1) / j.rows_per_task;
-  p.run(tasks, task_fn, &j);
+  p.run(plan_tasks(j, p.threads()), task_fn, &j);
 
   if (oty == Ty::F16) {
     auto* o = static_cast<uint16_t*>(out);
@@ -1110,6 +1136,51 @@ void quantized_matmul_f32(const QuantizedView& w, const float* x, int m, float* 
   std::vector<int64_t> offsets(m);
   for (int r = 0; r < m; ++r) offsets[r] = (int64_t)r * w.k;
   compute(j, x, Ty::F32, offsets, 1, y, Ty::F32);
+}
+
+void quantized_matmul_f32_many(const QuantizedView* ws, int count, const float* x, int m, float* const* ys,
+                               Path path) {
+  if (m == 0 || count <= 0) return;
+  auto job_for = [&](const QuantizedView& w) {
+    Job j = make_job(m, w.n, w.k, w.group, w.bits, (size_t)w.k * w.bits / 8, static_cast<Ty>(w.scale_type), path);
+    j.w = w.weight;
+    j.scales = w.scales;
+    j.biases = w.biases;
+    return j;
+  };
+  MultiJob mj;
+  mj.count = count;
+  mj.jobs[0] = job_for(ws[0]);
+  bool shared = count <= MultiJob::kMax;
+  for (int i = 1; shared && i < count; ++i) {
+    mj.jobs[i] = job_for(ws[i]);
+    const Job &a = mj.jobs[0], &b = mj.jobs[i];
+    shared = b.K == a.K && b.bits == a.bits && b.group == a.group && b.path == a.path && b.lanes == a.lanes;
+  }
+  if (!shared) {
+    for (int i = 0; i < count; ++i) quantized_matmul_f32(ws[i], x, m, ys[i], path);
+    return;
+  }
+  std::vector<int64_t> offsets(m);
+  for (int r = 0; r < m; ++r) offsets[r] = (int64_t)r * ws[0].k;
+  prepare(mj.jobs[0], x, Ty::F32, offsets, 1);
+  Pool& p = pool();
+  for (int i = 0; i < count; ++i) {
+    Job& j = mj.jobs[i];
+    if (i > 0) {
+      const Job& a = mj.jobs[0];
+      j.xf = a.xf;
+      j.xp = a.xp;
+      j.xp_stride = a.xp_stride;
+      j.xsum = a.xsum;
+      j.xq = a.xq;
+      j.xq_stride = a.xq_stride;
+      j.xscale = a.xscale;
+    }
+    j.y = ys[i];
+    mj.first_task[i + 1] = mj.first_task[i] + (j.N == 0 ? 0 : plan_tasks(j, p.threads()));
+  }
+  p.run(mj.first_task[count], multi_task_fn, &mj);
 }
 
 void parallel_for(int tasks, void (*fn)(void* ctx, int task), void* ctx) { pool().run(tasks, fn, ctx); }

@@ -171,6 +171,10 @@ fn gemm_matches_on_model_shapes_and_batches() {
         let x = x_of(k as u64 + n as u64, &[2, 67, k], Dtype::Float32);
         gemm_case(1000 + n as u64, bits, 32, k, n, &x, Dtype::Float16, supported);
     }
+    // More rows than one task takes (several row blocks per panel).
+    let x = x_of(1500, &[600, 96], Dtype::Float32);
+    gemm_case(1500, 4, 32, 96, 100, &x, Dtype::Float32, supported);
+    swiglu_case(1501, 4, 32, 96, 70, &x, Dtype::Float32);
     // A single row and a few rows also work (any M).
     for m in [1, 2, 7, 8, 9] {
         let x = x_of(2000 + m as u64, &[m, 96], Dtype::Float32);

@@ -94,9 +94,14 @@ impl Run {
 pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     args.validate()?;
     eprintln!("loading {}", dir.display());
+    // The runtime's own footprint (binary, libmlx, BLAS) before any model.
+    let baseline_rss = rss_bytes("VmRSS:");
     let loaded = Instant::now();
     let engine = Engine::load(dir)?;
     eprintln!("loaded in {:.2} s", loaded.elapsed().as_secs_f64());
+    // Peak RSS counts generation only, not the loader's transient buffers.
+    let loaded_rss = rss_bytes("VmRSS:");
+    reset_peak_rss();
     let model = engine.model();
     let shape = &model.info.shape;
     if let Some(context) = shape.max_position_embeddings {
@@ -154,6 +159,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "decode_tps": decode_tps,
             "ttft_s": ttft_s,
             "peak_rss_bytes": peak_rss,
+            "baseline_rss_bytes": baseline_rss,
+            "loaded_rss_bytes": loaded_rss,
             "peak_mlx_bytes": peak_mlx_bytes,
             "weight_bytes": weight_bytes,
             "kv_bytes": kv_bytes,
@@ -178,6 +185,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("decode tok/s", format!("{decode_tps:.1}")),
         ("TTFT", format!("{ttft_s:.3} s")),
         ("peak RSS", peak_rss.map_or_else(|| "n/a".to_string(), mib)),
+        ("baseline RSS", baseline_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (before loading the model)", mib(b)))),
+        ("loaded RSS", loaded_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (model loaded, before generating)", mib(b)))),
         ("peak MLX", mib(peak_mlx_bytes as u64)),
         ("weights", mib(weight_bytes)),
         ("KV cache", format!("{} ({kv_positions} positions)", human_bytes(kv_bytes))),
@@ -252,14 +261,34 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
     }
 }
 
-/// The process's peak resident set size, in bytes.
+/// The process's peak resident set size since the last [`reset_peak_rss`], in bytes.
 #[cfg(target_os = "linux")]
 fn peak_rss_bytes() -> Option<u64> {
+    rss_bytes("VmHWM:")
+}
+
+/// A size line (`VmRSS:`, `VmHWM:`) of /proc/self/status, in bytes.
+#[cfg(target_os = "linux")]
+fn rss_bytes(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.trim_start_matches("VmHWM:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let kib: u64 = line.trim_start_matches(key).trim().trim_end_matches("kB").trim().parse().ok()?;
     Some(kib * 1024)
 }
+
+/// Restarts the peak RSS from the current RSS (Linux: `clear_refs` 5).
+#[cfg(target_os = "linux")]
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+#[cfg(not(target_os = "linux"))]
+fn rss_bytes(_key: &str) -> Option<u64> {
+    None
+}
+
+#[cfg(not(target_os = "linux"))]
+fn reset_peak_rss() {}
 
 /// The process's peak resident set size, in bytes.
 #[cfg(all(unix, not(target_os = "linux")))]
