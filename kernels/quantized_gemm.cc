@@ -3,12 +3,19 @@
 //   of word k / (32/bits); scales, biases [N, K/group].
 //
 // Work split: the output is cut into blocks of MC rows of x by NC outputs;
-// each block is one task on the kernels' pool. A task dequantizes its NC rows
-// of w into `bp` (f32, [NC/NR][K][NR]: for every k, NR consecutive outputs),
-// unless the same thread packed that panel for the previous block, then runs
-// the 8x32 microkernel over its rows: 16 zmm accumulators, two 16-float
-// loads of the panel and 8 broadcasts of x per k. Rows of x are read in place
-// through a table of row pointers (any strides, broadcast rows included).
+// each block is one task on the kernels' pool, panel-major. A task
+// dequantizes its NC rows of w into a thread-local panel, unless the same
+// thread packed that panel for its previous block, then runs its rows of x
+// against it:
+//  - exact f32 loop (AVX-512): panel [NC/NR][K][NR] f32, an 8x32 microkernel
+//    (16 zmm accumulators, two 16-float panel loads and 8 broadcasts of x
+//    per k); rows of x are read in place through a table of row pointers
+//    (any strides, broadcast rows included).
+//  - AMX loop: x is first split into bf16 halves for all rows ([Mp][Kp]),
+//    panels hold the bf16 halves of the dequantized weights in tile layout,
+//    and 32x32 output blocks accumulate three tile products (see below).
+// The SwiGLU variant packs the same panel of two weights (gate, up) and
+// combines the two output tiles as they are stored.
 
 #include "quantized_gemm.h"
 
@@ -168,11 +175,30 @@ MLXCEL_GEMM_TARGET void load_panel_scales(const GemmJob& j, const void* scales, 
     }
     return;
   }
+  // f16 / bf16: each row's groups converted 16 at a time, then transposed.
+  alignas(64) float srow[16], brow[16];
   for (int r = 0; r < nc_pad; ++r) {
+    if (r >= rows) {
+      for (int g = 0; g < G; ++g) st[(size_t)g * nc_pad + r] = bt[(size_t)g * nc_pad + r] = 0.0f;
+      continue;
+    }
     const size_t base = (size_t)(n0 + r) * G;
-    for (int g = 0; g < G; ++g) {
-      st[(size_t)g * nc_pad + r] = r < rows ? detail::load_f32(scales, j.sty, base + g) : 0.0f;
-      bt[(size_t)g * nc_pad + r] = r < rows ? detail::load_f32(biases, j.sty, base + g) : 0.0f;
+    for (int g0 = 0; g0 < G; g0 += 16) {
+      const int n = std::min(16, G - g0);
+      const __mmask16 km = (__mmask16)((1u << n) - 1);
+      const __m256i sh = _mm256_maskz_loadu_epi16(km, static_cast<const uint16_t*>(scales) + base + g0);
+      const __m256i bh = _mm256_maskz_loadu_epi16(km, static_cast<const uint16_t*>(biases) + base + g0);
+      if (j.sty == Scalar::F16) {
+        _mm512_store_ps(srow, _mm512_cvtph_ps(sh));
+        _mm512_store_ps(brow, _mm512_cvtph_ps(bh));
+      } else {
+        _mm512_store_ps(srow, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sh), 16)));
+        _mm512_store_ps(brow, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bh), 16)));
+      }
+      for (int g = 0; g < n; ++g) {
+        st[(size_t)(g0 + g) * nc_pad + r] = srow[g];
+        bt[(size_t)(g0 + g) * nc_pad + r] = brow[g];
+      }
     }
   }
 }
@@ -270,8 +296,8 @@ MLXCEL_GEMM_TARGET void micro_8x32(const float* const* a, const float* b, int K,
 // x . w ~ xh . wh + xh . wl + xl . wh: three bf16 tile products with f32
 // accumulation. The products of bf16 values are exact in f32; what is lost
 // is the representation error of each half (at most 2^-16 |v|) and the
-// dropped xl . wl (at most 2^-16 |x w|), i.e. ~2^-15 relative per term in
-// the worst case, far less on average.
+// dropped xl . wl (at most 2^-16 |x w|), i.e. ~3 * 2^-16 relative per term
+// in the worst case, far less on average.
 //
 // Layout of a packed panel half: [nc_pad/16 slabs][Kp/2 pairs][16 outputs]
 // dwords, each dword the bf16 pair (k = 2p, k = 2p + 1) of one output: rows

@@ -5,12 +5,20 @@
 // weight once per call and is bound by memory bandwidth. With hundreds of
 // rows the same weight is reused by every row and the work is compute-bound,
 // so this kernel is a GEMM: each task dequantizes a panel of the weight
-// (64 output features by all K, at most a few hundred KiB of f32, which stays
-// in L2) into a thread-local buffer laid out for an AVX-512 register-blocked
-// microkernel (8 rows of x by 32 outputs, f32 FMAs, f32 accumulation), and
-// runs every block of rows of x against it. Numerics: exact f32 dequantization
-// (scale * q + bias, as MLX's dequantize) and f32 dot products, so the result
-// differs from `x @ dequantize(w).T` only in summation order.
+// (up to 128 output features by all K, a few hundred KiB, which stays in L2)
+// into a thread-local buffer and runs blocks of rows of x against it, with
+// one of two inner loops:
+//  - AMX (the default where the CPU has AMX-BF16 and Linux grants the tile
+//    state; see gemm_uses_amx): activations and dequantized weights are split
+//    into two bf16 halves each, v ~ hi + lo, and 32x32 output blocks sum
+//    three tile products (hi.hi, hi.lo, lo.hi) in f32. Each product term is
+//    off by at most ~3 * 2^-16 of |x w| (far less on average): the same
+//    class of precision as the matvec kernel's 16-bit VNNI path.
+//  - exact f32 (AVX-512, or MLXCEL_KERNELS=avx512, or MLXCEL_AMX=0): an
+//    8x32 register-blocked FMA microkernel over f32 panels. Exact f32
+//    dequantization (scale * q + bias, as MLX's dequantize) and f32 dot
+//    products: the result differs from `x @ dequantize(w).T` only in
+//    summation order.
 //
 // It returns an MLX graph node (evaluated on the CPU through MLX's command
 // encoder, threads from the kernels' shared pool). On a GPU stream, or where
@@ -33,8 +41,8 @@ bool gemm_supports(int group_size, int bits);
 // caps it below avx512-vnni) and Avx512Vnni, where the CPU has AMX-BF16 and
 // the OS grants the tile state (and MLXCEL_AMX is not 0). It splits both
 // operands into two bf16 halves (v ~ hi + lo) and sums three bf16 tile
-// products in f32: relative error at most ~2^-15 per product term, far less
-// on average, the same class as the matvec's 16-bit VNNI path. `Avx512` runs
+// products in f32: at most ~3 * 2^-16 (4.6e-5) relative error per product
+// term, far less on average; the same class as the matvec's 16-bit VNNI path. `Avx512` runs
 // the exact f32 loop.
 bool gemm_uses_amx(Path path = Path::Auto);
 

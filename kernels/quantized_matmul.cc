@@ -446,6 +446,29 @@ __attribute__((target("avx512f,avx512dq"), always_inline)) inline float hsum512(
   return _mm_cvtss_f32(s);
 }
 
+// The end of an AVX-512 tile: the bias term, sum_g bias[g] * xsum[m, g],
+// joins each vector sum, which is reduced and stored.
+template <int MT, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"), always_inline)) inline void
+finish_tile_avx512(const Job& j, __m512 (&y)[NR][MT], const float* bf, size_t gs, int m0, int n) {
+  const int G = j.G;
+  for (int m = 0; m < MT; ++m) {
+    const float* xs = j.xsum + (size_t)(m0 + m) * G;
+    int g = 0;
+    for (; g + 16 <= G; g += 16) {
+      const __m512 xsv = _mm512_loadu_ps(xs + g);
+      for (int r = 0; r < NR; ++r) y[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(bf + r * gs + g), xsv, y[r][m]);
+    }
+    if (g < G) {
+      const __mmask16 k = (__mmask16)((1u << (G - g)) - 1);
+      const __m512 xsv = _mm512_maskz_loadu_ps(k, xs + g);
+      for (int r = 0; r < NR; ++r)
+        y[r][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, bf + r * gs + g), xsv, y[r][m]);
+    }
+    for (int r = 0; r < NR; ++r) j.y[(size_t)(m0 + m) * j.N + n + r] = hsum512(y[r][m]);
+  }
+}
+
 // sf, bf: f32 scales and biases of the NR rows, `gs` floats apart, readable
 // 16 floats past each row's last group.
 template <int BITS, int MT, int NR>
@@ -501,23 +524,7 @@ tile_avx512(const Job& j, const uint32_t* wr, const float* sf, const float* bf, 
       for (int m = 0; m < MT; ++m) y[r][m] = _mm512_fmadd_ps(acc[r][m], scale, y[r][m]);
     }
   }
-  // Bias term, sum_g bias[g] * xsum[m, g], joins the vector sum.
-  const int G = j.G;
-  for (int m = 0; m < MT; ++m) {
-    const float* xs = j.xsum + (size_t)(m0 + m) * G;
-    int g = 0;
-    for (; g + 16 <= G; g += 16) {
-      const __m512 xsv = _mm512_loadu_ps(xs + g);
-      for (int r = 0; r < NR; ++r) y[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(bf + r * gs + g), xsv, y[r][m]);
-    }
-    if (g < G) {
-      const __mmask16 k = (__mmask16)((1u << (G - g)) - 1);
-      const __m512 xsv = _mm512_maskz_loadu_ps(k, xs + g);
-      for (int r = 0; r < NR; ++r)
-        y[r][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, bf + r * gs + g), xsv, y[r][m]);
-    }
-    for (int r = 0; r < NR; ++r) j.y[(size_t)(m0 + m) * j.N + n + r] = hsum512(y[r][m]);
-  }
+  finish_tile_avx512<MT, NR>(j, y, bf, gs, m0, n);
 }
 
 // Runs every activation row against output rows [n, n + NR).
@@ -739,22 +746,7 @@ tile_vnni(const Job& j, const uint32_t* wr, const float* sf, const float* bf, si
       }
     }
   }
-  const int G = j.G;
-  for (int m = 0; m < MT; ++m) {
-    const float* xsum = j.xsum + (size_t)(m0 + m) * G;
-    int g = 0;
-    for (; g + 16 <= G; g += 16) {
-      const __m512 xsv = _mm512_loadu_ps(xsum + g);
-      for (int r = 0; r < NR; ++r) y[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(bf + r * gs + g), xsv, y[r][m]);
-    }
-    if (g < G) {
-      const __mmask16 k = (__mmask16)((1u << (G - g)) - 1);
-      const __m512 xsv = _mm512_maskz_loadu_ps(k, xsum + g);
-      for (int r = 0; r < NR; ++r)
-        y[r][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, bf + r * gs + g), xsv, y[r][m]);
-    }
-    for (int r = 0; r < NR; ++r) j.y[(size_t)(m0 + m) * j.N + n + r] = hsum512(y[r][m]);
-  }
+  finish_tile_avx512<MT, NR>(j, y, bf, gs, m0, n);
 }
 
 template <int BITS>

@@ -184,8 +184,8 @@ pub fn quantized_gemm_swiglu(
 /// default (`Auto` or `Avx512Vnni`) on CPUs with AMX-BF16 whose OS grants the
 /// tile state, unless `MLXCEL_AMX=0`. It splits activations and dequantized
 /// weights into two bf16 halves each (`v ~ hi + lo`) and sums three bf16 tile
-/// products in f32: at most ~2^-15 relative error per product term (far less
-/// on average), the same class as the matvec's VNNI path. `Avx512` (or
+/// products in f32: at most ~3 * 2^-16 (4.6e-5) relative error per product
+/// term (far less on average), the same class as the matvec's VNNI path. `Avx512` (or
 /// `MLXCEL_KERNELS=avx512`) runs the exact f32 loop.
 pub fn gemm_uses_amx(path: KernelPath) -> bool {
     ffi::kernels_gemm_uses_amx(path as i32).unwrap_or(false)

@@ -40,6 +40,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(d) => PathBuf::from(d),
         None => default_model::default_model_dir()?,
     };
+    // As mlxcel_engine::Engine does on the CPU: MLX's buffer cache off
+    // (PREFILL_BENCH_CACHE=1 keeps it).
+    if std::env::var("PREFILL_BENCH_CACHE").map_or(true, |v| v != "1") {
+        mlx_sys::memory::set_cache_limit(0)?;
+    }
     let model = Model::load(&dir)?;
     let text_ids = model.tokenizer.encode(PROMPT_TEXT, false)?;
     let ids: Vec<i32> = text_ids.iter().cycle().take(tokens).map(|&t| t as i32).collect();
