@@ -358,6 +358,22 @@ def fmt(x, width=10, digits=1):
     return f"{x:>{width}.{digits}f}" if x is not None else f"{'n/a':>{width}}"
 
 
+def best_of_runs(entry, field):
+    """The largest per-run value of field (the least disturbed run on a busy machine)."""
+    values = [_num(run.get(field)) for run in entry.get("runs") or [] if isinstance(run, dict)]
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def fmt_pair(median_value, best_value, width=17):
+    if _num(median_value) is None:
+        return f"{'n/a':>{width}}"
+    text = f"{median_value:.1f}"
+    if _num(best_value) is not None:
+        text += f" ({best_value:.1f})"
+    return f"{text:>{width}}"
+
+
 def fmt_mib(x):
     x = _num(x)
     return f"{x / 2**20:>9.1f}" if x is not None else f"{'':>9}"
@@ -370,14 +386,19 @@ def report_cmd(args):
     P, G = meta["prompt_tokens"], meta["gen_tokens"]
 
     lines = []
-    lines.append(f"{'engine / configuration':<32} {'prompt tok/s':>12} {'decode tok/s':>12} {'tokens P/G':>11} {'peak MiB':>9} {'load':>5}  notes")
-    lines.append("-" * 110)
+    for key, _ in ROWS:
+        if r[key].get("status") == "ok":
+            r[key]["best_prompt_tps"] = best_of_runs(r[key], "prompt_tps")
+            r[key]["best_decode_tps"] = best_of_runs(r[key], "decode_tps")
+    lines.append("tok/s: median of the runs (best run in parentheses)")
+    lines.append(f"{'engine / configuration':<32} {'prompt tok/s':>17} {'decode tok/s':>17} {'tokens P/G':>11} {'peak MiB':>9} {'load':>5}  notes")
+    lines.append("-" * 120)
     for key, label in ROWS:
         e = r[key]
         load = e.get("loadavg_1min_at_start")
         load_s = f"{load:>5.1f}" if isinstance(load, float) else f"{'':>5}"
         if e.get("status") != "ok":
-            lines.append(f"{label:<32} {'n/a':>12} {'n/a':>12} {'':>11} {'':>9} {load_s}  {e.get('status')}")
+            lines.append(f"{label:<32} {'n/a':>17} {'n/a':>17} {'':>11} {'':>9} {load_s}  {e.get('status')}")
             continue
         toks = f"{e.get('prompt_tokens', P)}/{e.get('gen_tokens', G)}"
         peak = e.get("peak_rss_bytes") or e.get("peak_memory_bytes")
@@ -396,44 +417,49 @@ def report_cmd(args):
             notes.append("peak = MLX; its own token counts")
         if e.get("note"):
             notes.append(e["note"])
-        lines.append(f"{label:<32} {fmt(e.get('prompt_tps'), 12)} {fmt(e.get('decode_tps'), 12)} {toks:>11} {fmt_mib(peak)} {load_s}  {'; '.join(notes)}")
+        lines.append(f"{label:<32} {fmt_pair(e.get('prompt_tps'), e.get('best_prompt_tps'))} "
+                     f"{fmt_pair(e.get('decode_tps'), e.get('best_decode_tps'))} {toks:>11} {fmt_mib(peak)} {load_s}  {'; '.join(notes)}")
 
-    get = lambda key, field: r[key].get(field) if r[key].get("status") == "ok" else None
-    best_q4_decode, best_q4 = _best(portable=get("llama_portable_q4_1", "decode_tps"),
-                                    native=get("llama_native_q4_1", "decode_tps"))
-    best_q8_decode, best_q8 = _best(portable=get("llama_portable_q8_0", "decode_tps"),
-                                    native=get("llama_native_q8_0", "decode_tps"))
-    ratios = [
-        (f"mlxcel q4 decode / best llama.cpp Q4_1 decode ({best_q4 or 'n/a'})",
-         _ratio(get("mlxcel_q4", "decode_tps"), best_q4_decode), 1.2),
-        (f"mlxcel q4 prompt({P}) / llama.cpp portable Q4_1 prompt({P})",
-         _ratio(get("mlxcel_q4", "prompt_tps"), get("llama_portable_q4_1", "prompt_tps")), 1.5),
-        (f"mlxcel q8 decode / best llama.cpp Q8_0 decode ({best_q8 or 'n/a'})",
-         _ratio(get("mlxcel_q8", "decode_tps"), best_q8_decode), 1.0),
-        ("mlxcel q4 decode / mlx-lm q4 decode", _ratio(get("mlxcel_q4", "decode_tps"), get("mlx_lm_q4", "decode_tps")), None),
-        ("mlxcel q4 prompt / mlx-lm q4 prompt (different lengths)",
-         _ratio(get("mlxcel_q4", "prompt_tps"), get("mlx_lm_q4", "prompt_tps")), None),
-    ]
+    def ratio_rows(prefix):
+        get = lambda key, field: r[key].get(prefix + field) if r[key].get("status") == "ok" else None
+        best_q4_decode, best_q4 = _best(portable=get("llama_portable_q4_1", "decode_tps"),
+                                        native=get("llama_native_q4_1", "decode_tps"))
+        best_q8_decode, best_q8 = _best(portable=get("llama_portable_q8_0", "decode_tps"),
+                                        native=get("llama_native_q8_0", "decode_tps"))
+        return [
+            ("mlxcel q4 decode / best llama.cpp Q4_1 decode", best_q4,
+             _ratio(get("mlxcel_q4", "decode_tps"), best_q4_decode), 1.2),
+            (f"mlxcel q4 prompt({P}) / llama.cpp portable Q4_1 prompt({P})", None,
+             _ratio(get("mlxcel_q4", "prompt_tps"), get("llama_portable_q4_1", "prompt_tps")), 1.5),
+            ("mlxcel q8 decode / best llama.cpp Q8_0 decode", best_q8,
+             _ratio(get("mlxcel_q8", "decode_tps"), best_q8_decode), 1.0),
+            ("mlxcel q4 decode / mlx-lm q4 decode", None,
+             _ratio(get("mlxcel_q4", "decode_tps"), get("mlx_lm_q4", "decode_tps")), None),
+            ("mlxcel q4 prompt / mlx-lm q4 prompt (different lengths)", None,
+             _ratio(get("mlxcel_q4", "prompt_tps"), get("mlx_lm_q4", "prompt_tps")), None),
+        ]
+
     lines.append("")
-    lines.append(f"{'ratio':<62} {'value':>7}  {'goal':>6}  verdict")
-    lines.append("-" * 90)
+    lines.append(f"{'ratio (goal on the medians)':<58} {'medians':>14}  {'best runs':>14}  {'goal':>6}  verdict")
+    lines.append("-" * 110)
     ratio_json = []
-    for name, value, goal in ratios:
+    for (name, which, value, goal), (_, which_best, value_best, _) in zip(ratio_rows(""), ratio_rows("best_")):
         verdict = "" if goal is None or value is None else ("met" if value >= goal else "NOT met")
         goal_s = f">= {goal:g}" if goal is not None else ""
-        value_s = f"{value:.2f}x" if value is not None else "n/a"
-        lines.append(f"{name:<62} {value_s:>7}  {goal_s:>6}  {verdict}")
-        ratio_json.append({"name": name, "value": value, "goal": goal,
-                           "met": None if goal is None or value is None else value >= goal})
+        show = lambda v, w: (f"{v:.2f}x" + (f" ({w})" if w else "")) if v is not None else "n/a"
+        lines.append(f"{name:<58} {show(value, which):>14}  {show(value_best, which_best):>14}  {goal_s:>6}  {verdict}")
+        ratio_json.append({"name": name, "value": value, "against": which, "goal": goal,
+                           "met": None if goal is None or value is None else value >= goal,
+                           "value_best_runs": value_best, "against_best_runs": which_best})
     lines.append("")
     lines.append("load: the 1-minute load average when the configuration started; on this "
                  f"{meta.get('machine', {}).get('cpus', '?')}-CPU machine anything above about 1 means other "
                  "work shared the cores and the figures are low (llama.cpp's decode most of all).")
-    busy = [label for key, label in ROWS
-            if isinstance(r[key].get("loadavg_1min_at_start"), float) and r[key]["loadavg_1min_at_start"] >= 1.0]
+    measured = [key for key, _ in ROWS if isinstance(r[key].get("loadavg_1min_at_start"), float)]
+    busy = [key for key in measured if r[key]["loadavg_1min_at_start"] >= 1.0]
     if busy:
-        lines.append(f"WARNING: {len(busy)} of {len(ROWS)} configurations started on a busy machine (load >= 1.0); "
-                     "the ratios below are not trustworthy. Re-run on a quiet machine or with --wait-quiet.")
+        lines.append(f"WARNING: {len(busy)} of {len(measured)} configurations started on a busy machine (load >= 1.0); "
+                     "the ratios above are not trustworthy. Re-run on a quiet machine or with --wait-quiet.")
     if "PASSIVE" in str(meta.get("llama_cpp_omp_wait_policy", "")):
         lines.append("llama.cpp ran with OMP_WAIT_POLICY=PASSIVE (--omp-passive).")
     print("\n".join(lines))

@@ -8,8 +8,9 @@
 #                           AVX-512 but no AMX: prompt processing and decode,
 #                           on the Q4_1 GGUF and a Q8_0 GGUF requantized from it
 #   llama.cpp native        the same built with -DGGML_NATIVE=ON: decode only
-#                           (its AMX path crashes on batched prompt evaluation
-#                           on this machine; a crash is reported as n/a)
+#                           (its AMX path dies on batched prompt evaluation
+#                           on this machine, with SIGILL in 2026-11; the prompt
+#                           is fed one token at a time and a crash is n/a)
 #   mlx-lm q4               the stock mlx-cpu wheel (tests/reference/.venv),
 #                           a shorter prompt and generation (it is slow)
 #
