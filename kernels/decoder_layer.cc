@@ -270,6 +270,52 @@ struct AttentionJob {
   int heads_per_task;
 };
 
+// One head and row of attention with AVX-512, head_dim = 16 * NV: q and the
+// output stay in registers across the cache positions (the generic loop
+// below makes two calls per position). Same arithmetic as the generic loop.
+template <int NV>
+__attribute__((target("avx512f,avx512dq"))) void attend_avx512(const float* q, const float* keys, const float* values,
+                                                                 int T, float* scores, float* out) {
+  constexpr int D = 16 * NV;
+  __m512 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  float m = -INFINITY;
+  for (int t = 0; t < T; ++t) {
+    const float* k = keys + (size_t)t * D;
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), acc);
+    scores[t] = _mm512_reduce_add_ps(acc);
+    m = std::max(m, scores[t]);
+  }
+  float sum = 0.0f;
+  for (int t = 0; t < T; ++t) {
+    scores[t] = std::exp(scores[t] - m);
+    sum += scores[t];
+  }
+  const float inv = 1.0f / sum;
+  __m512 o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) {
+    const float* v = values + (size_t)t * D;
+    const __m512 pt = _mm512_set1_ps(scores[t] * inv);
+    for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * i), o[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, int, float*, float*);
+
+// The register-resident loop for this head_dim, when the CPU runs it.
+AttendFn attend_for(int head_dim) {
+  if (vector_ops().dot != dot_avx512) return nullptr;
+  switch (head_dim) {
+    case 64: return attend_avx512<4>;
+    case 128: return attend_avx512<8>;
+    case 256: return attend_avx512<16>;
+    default: return nullptr;
+  }
+}
+
 // Softmax(q k^T) v for the heads of one task, every new row, causal.
 void attention_task(void* ctx, int task) {
   const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
@@ -280,6 +326,7 @@ void attention_task(void* ctx, int task) {
   const int h0 = task * job.heads_per_task, h1 = std::min(s.heads, h0 + job.heads_per_task);
   thread_local std::vector<float> scores;
   scores.resize((size_t)s.offset + p.L);
+  const AttendFn attend = attend_for(D);
   for (int h = h0; h < h1; ++h) {
     const int g = h / group;
     const float* keys = p.keys + (size_t)g * p.capacity * D;
@@ -287,6 +334,10 @@ void attention_task(void* ctx, int task) {
     for (int l = 0; l < p.L; ++l) {
       const float* q = job.q + ((size_t)l * s.heads + h) * D;
       const int T = s.offset + l + 1;
+      if (attend) {
+        attend(q, keys, values, T, scores.data(), job.out + ((size_t)l * s.heads + h) * D);
+        continue;
+      }
       float m = -INFINITY;
       for (int t = 0; t < T; ++t) {
         scores[t] = ops.dot(q, keys + (size_t)t * D, D);
