@@ -85,10 +85,8 @@ std::string shape_str(const mx::array& a) {
   return os.str();
 }
 
-bool is_float(mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; }
-
 void check_vector(const mx::array& a, int size, const char* name) {
-  if (a.ndim() != 1 || a.shape(0) != size || !is_float(a.dtype())) {
+  if (a.ndim() != 1 || a.shape(0) != size || !detail::is_float(a.dtype())) {
     fail(std::string(name) + " must be a float vector of " + std::to_string(size) + ", got shape " + shape_str(a));
   }
 }
@@ -104,7 +102,7 @@ QuantLayout check_projection(const std::vector<mx::array>& in, int at, int n, in
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || w.shape(0) != n) {
     fail(where() + "weight must be uint32 [" + std::to_string(n) + ", k*bits/32], got shape " + shape_str(w));
   }
-  if (s.ndim() != 2 || s.shape(0) != n || b.shape() != s.shape() || !is_float(s.dtype()) || s.dtype() != b.dtype()) {
+  if (s.ndim() != 2 || s.shape(0) != n || b.shape() != s.shape() || !detail::is_float(s.dtype()) || s.dtype() != b.dtype()) {
     fail(where() + "scales and biases must be float [" + std::to_string(n) + ", groups] of one dtype, got " +
          shape_str(s) + " and " + shape_str(b));
   }
@@ -628,10 +626,7 @@ std::vector<mx::array> decoder_layer(const std::vector<mx::array>& inputs, const
   // The projections are read as dense rows.
   std::vector<mx::array> args = inputs;
   for (int at : {kQ, kK, kV, kO, kGate, kUp, kDown}) {
-    for (int i = at; i < at + 3; ++i) {
-      const mx::array& a = args[i];
-      if (!(a.is_available() && a.flags().row_contiguous)) args[i] = mx::contiguous(a, false, stream);
-    }
+    for (int i = at; i < at + 3; ++i) args[i] = detail::row_contiguous(args[i], stream);
   }
   return mx::array::make_arrays({x.shape(), inputs[kKeys].shape(), inputs[kValues].shape()},
                                 {mx::float32, mx::float32, mx::float32},

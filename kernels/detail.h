@@ -13,6 +13,13 @@ namespace mlxcel::kernels::detail {
 
 enum class Scalar : int { F32 = 0, F16 = 1, BF16 = 2 };
 
+// float32, float16 or bfloat16.
+bool is_float(mlx::core::Dtype dtype);
+
+// `a` itself when it is known to be row-contiguous (evaluated and dense), else
+// a contiguous copy on `stream`: the kernels read their weights as dense rows.
+mlx::core::array row_contiguous(const mlx::core::array& a, mlx::core::Stream stream);
+
 // Throws std::invalid_argument naming `what` for a dtype other than f32/f16/bf16.
 Scalar scalar_of(mlx::core::Dtype dtype, const char* what);
 float load_f32(const void* p, Scalar type, size_t i);

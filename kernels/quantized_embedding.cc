@@ -136,8 +136,6 @@ class QuantizedEmbedding : public mx::UnaryPrimitive {
   int group_size_, bits_;
 };
 
-bool is_float(mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; }
-
 }  // namespace
 
 mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx::array& scales,
@@ -145,7 +143,7 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
                               mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s);
   if (!mx::issubdtype(ids.dtype(), mx::integer)) fail("ids must be integers");
-  if (!is_float(dtype)) fail("the output dtype must be float32, float16 or bfloat16");
+  if (!detail::is_float(dtype)) fail("the output dtype must be float32, float16 or bfloat16");
   if (stream.device != mx::Device::cpu) {
     auto rows = [&](const mx::array& a) { return mx::take(a, ids, 0, stream); };
     return mx::dequantize(rows(w), rows(scales), rows(biases), group_size, bits, "affine", std::nullopt, dtype, stream);
@@ -154,7 +152,7 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
     fail(std::to_string(bits) + "-bit weights in groups of " + std::to_string(group_size) + " are not supported");
   }
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.ndim() != 2 || scales.shape(0) != w.shape(0) ||
-      biases.shape() != scales.shape() || !is_float(scales.dtype()) || biases.dtype() != scales.dtype()) {
+      biases.shape() != scales.shape() || !detail::is_float(scales.dtype()) || biases.dtype() != scales.dtype()) {
     fail("expected uint32 weights [V, K*bits/32] with float scales and biases [V, K/group] of one dtype");
   }
   const int64_t k = (int64_t)scales.shape(1) * group_size;
@@ -162,9 +160,7 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
     fail("weights of " + std::to_string(w.shape(1)) + " words per row do not hold " + std::to_string(k) + " " +
          std::to_string(bits) + "-bit values");
   }
-  auto rc = [&](const mx::array& a) {
-    return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
-  };
+  auto rc = [&](const mx::array& a) { return detail::row_contiguous(a, stream); };
   mx::Shape shape = ids.shape();
   shape.push_back((int)k);
   return mx::array(shape, dtype, std::make_shared<QuantizedEmbedding>(stream, group_size, bits),

@@ -741,7 +741,6 @@ bool use_amx(Path path) {
   return p == Path::Avx512Vnni && amx_usable();
 }
 
-bool known_row_contiguous(const mx::array& a) { return a.is_available() && a.flags().row_contiguous; }
 
 }  // namespace
 
@@ -768,13 +767,12 @@ mx::array quantized_gemm(
   }
   // MLX's node validates the arguments and fixes the output shape and dtype.
   mx::array ref = mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", stream);
-  auto floating = [](mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; };
   if (stream.device != mx::Device::cpu || !gemm_supports(group_size, bits) || w.ndim() != 2 || scales.ndim() != 2 ||
-      x.ndim() < 1 || !floating(x.dtype()) || !floating(scales.dtype()) || scales.dtype() != biases.dtype() ||
-      !floating(ref.dtype()) || ref.size() == 0) {
+      x.ndim() < 1 || !detail::is_float(x.dtype()) || !detail::is_float(scales.dtype()) || scales.dtype() != biases.dtype() ||
+      !detail::is_float(ref.dtype()) || ref.size() == 0) {
     return quantized_matmul(x, w, scales, biases, group_size, bits, path, stream);
   }
-  auto rc = [&](const mx::array& a) { return known_row_contiguous(a) ? a : mx::contiguous(a, false, stream); };
+  auto rc = [&](const mx::array& a) { return detail::row_contiguous(a, stream); };
   mx::array xf = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, stream);
   mx::array y = mx::array(ref.shape(), mx::float32,
                           std::make_shared<QuantizedGemm>(stream, group_size, bits, false, use_amx(path)),
@@ -797,18 +795,17 @@ mx::array quantized_gemm_swiglu(
   // MLX's nodes validate both projections and fix the output shape and dtype.
   mx::array g_ref = mx::quantized_matmul(x, gate_w, gate_scales, gate_biases, true, group_size, bits, "affine", stream);
   mx::array u_ref = mx::quantized_matmul(x, up_w, up_scales, up_biases, true, group_size, bits, "affine", stream);
-  auto floating = [](mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; };
   const bool same = gate_w.shape() == up_w.shape() && gate_scales.shape() == up_scales.shape() &&
                     gate_scales.dtype() == up_scales.dtype() && gate_biases.dtype() == up_biases.dtype() &&
                     gate_scales.dtype() == gate_biases.dtype() && g_ref.dtype() == u_ref.dtype();
   if (stream.device != mx::Device::cpu || !same || !gemm_supports(group_size, bits) || gate_w.ndim() != 2 ||
-      gate_scales.ndim() != 2 || x.ndim() < 1 || !floating(x.dtype()) || !floating(gate_scales.dtype()) ||
-      !floating(g_ref.dtype()) || g_ref.size() == 0) {
+      gate_scales.ndim() != 2 || x.ndim() < 1 || !detail::is_float(x.dtype()) || !detail::is_float(gate_scales.dtype()) ||
+      !detail::is_float(g_ref.dtype()) || g_ref.size() == 0) {
     mx::array g = quantized_gemm(x, gate_w, gate_scales, gate_biases, group_size, bits, Path::Auto, stream);
     mx::array u = quantized_gemm(x, up_w, up_scales, up_biases, group_size, bits, Path::Auto, stream);
     return mx::multiply(mx::multiply(g, mx::sigmoid(g, stream), stream), u, stream);
   }
-  auto rc = [&](const mx::array& a) { return known_row_contiguous(a) ? a : mx::contiguous(a, false, stream); };
+  auto rc = [&](const mx::array& a) { return detail::row_contiguous(a, stream); };
   mx::array xf = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, stream);
   mx::array y = mx::array(g_ref.shape(), mx::float32,
                           std::make_shared<QuantizedGemm>(stream, group_size, bits, true, use_amx(Path::Auto)),

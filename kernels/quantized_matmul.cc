@@ -1102,13 +1102,16 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
   Path path_;
 };
 
-bool known_row_contiguous(const mx::array& a) {
-  return a.is_available() && a.flags().row_contiguous;
-}
 
 }  // namespace
 
 namespace detail {
+
+bool is_float(mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; }
+
+mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
+}
 
 Scalar scalar_of(mx::Dtype dtype, const char* what) {
   if (dtype == mx::float32) return Scalar::F32;
@@ -1219,15 +1222,14 @@ mx::array quantized_matmul(
   mx::Stream stream = mx::to_stream(s);
   // MLX's node validates the arguments and fixes the output shape and dtype.
   mx::array ref = mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", stream);
-  auto floating = [](mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; };
   if (stream.device != mx::Device::cpu || !supports(group_size, bits) || w.ndim() != 2 || scales.ndim() != 2 ||
-      x.ndim() < 1 || !floating(x.dtype()) || !floating(scales.dtype()) || scales.dtype() != biases.dtype() ||
-      !floating(ref.dtype()) || ref.size() == 0) {
+      x.ndim() < 1 || !detail::is_float(x.dtype()) || !detail::is_float(scales.dtype()) || scales.dtype() != biases.dtype() ||
+      !detail::is_float(ref.dtype()) || ref.size() == 0) {
     return ref;
   }
-  auto rc = [&](const mx::array& a) { return known_row_contiguous(a) ? a : mx::contiguous(a, false, stream); };
   return mx::array(ref.shape(), ref.dtype(), std::make_shared<QuantizedMatvec>(stream, group_size, bits, path),
-                   {x, rc(w), rc(scales), rc(biases)});
+                   {x, detail::row_contiguous(w, stream), detail::row_contiguous(scales, stream),
+                    detail::row_contiguous(biases, stream)});
 }
 
 }  // namespace mlxcel::kernels
