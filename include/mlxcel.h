@@ -26,13 +26,14 @@
 
 // The major version of the ABI this header describes. It changes when a
 // function's signature or a struct's layout changes incompatibly; a program
-// must only run against a library with the same major version.
+// must only run against a library with the same major version. It is also
+// the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
 #define MLXCEL_ABI_VERSION_MAJOR 1
 
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
 // same major version and minor >= N.
-#define MLXCEL_ABI_VERSION_MINOR 0
+#define MLXCEL_ABI_VERSION_MINOR 1
 
 // The named values of `mlxcel_status`. Functions return `mlxcel_status`
 // (an `int32_t`), not this enum, so that the ABI does not depend on the
@@ -75,6 +76,9 @@ enum mlxcel_status_code
     // A bug in mlxcel (an internal panic was caught). The handles involved stay
     // valid, but their state is unspecified; freeing them is safe.
     MLXCEL_ERR_INTERNAL = -12,
+    // The process is exiting (`exit()` was called or `main` returned): no new
+    // work starts. Freeing handles still succeeds. Since ABI 1.1.
+    MLXCEL_ERR_EXITING = -13,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -231,8 +235,9 @@ typedef struct mlxcel_generation_result {
     double prompt_seconds;
     // From the first generated token to the last.
     double decode_seconds;
-    // MLX's peak memory use during the run.
-    uint64_t peak_memory_bytes;
+    // Process-wide: MLX's allocator high-water mark when the run ended, over
+    // every model and generation in the process (not reset by any run).
+    uint64_t process_peak_memory_bytes;
 } mlxcel_generation_result;
 
 #ifdef __cplusplus

@@ -9,11 +9,18 @@
 //     0 .. nk-1 (nk = the last row's limit + 1) in 8x32 tiles, sets the
 //     masked ones to -inf, runs the softmax per row, then accumulates
 //     probabilities times values in 8x32 tiles and writes out[b, i, h, :].
+//     Without AVX-512 the same task runs with 4x16 tiles
+//     (attention_generic.inc: AVX2 + FMA, or portable vector code).
 
 #include "causal_attention.h"
 
+#include "cpu_features.h"
 #include "detail.h"
+
+#ifdef MLXCEL_X86
 #include "simd_math.h"
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -37,13 +44,7 @@ namespace {
 constexpr int QR = 8;   // query rows per task
 constexpr int KC = 32;  // keys (or value features) per tile
 
-#define MLXCEL_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
+enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2 };
 
 struct AlignedFloats {
   float* p = nullptr;
@@ -79,6 +80,7 @@ struct AttnJob {
   float* vp = nullptr;  // [B * Hkv][S][D]
   float* out = nullptr; // [B, L, H, D]
   int qblocks = 0;
+  Isa isa = Isa::Portable;
 };
 
 struct TaskScratch {
@@ -105,6 +107,9 @@ void pack_kv(void* ctx, int t) {
     for (int s = j.S; s < j.S_pad; ++s) kt[(size_t)d * j.S_pad + s] = 0.0f;
   }
 }
+
+#ifdef MLXCEL_X86
+#define MLXCEL_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
 // out[r][0:32] (row stride ldo; the second half only when `two`) =
 // sum_key p[r][key] * v[key][0:32] for the first `rows` of 8 rows (p row
@@ -232,7 +237,49 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
   }
 }
 
-void attend_task(void* ctx, int t) { attend(*static_cast<const AttnJob*>(ctx), t); }
+#endif  // MLXCEL_X86
+
+#ifdef MLXCEL_X86
+namespace avx2 {
+#define MLXCEL_TGT __attribute__((target("avx2,fma,f16c")))
+#define MLXCEL_FMA8(a, b, c) ((vf8)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#include "attention_generic.inc"
+#undef MLXCEL_FMA8
+#undef MLXCEL_TGT
+}  // namespace avx2
+#endif
+
+namespace portable {
+#if defined(__GNUC__) && !defined(__clang__)
+#define MLXCEL_TGT __attribute__((optimize("fp-contract=fast")))
+#else
+#define MLXCEL_TGT
+#endif
+#define MLXCEL_FMA8(a, b, c) ((a) * (b) + (c))
+#include "attention_generic.inc"
+#undef MLXCEL_FMA8
+#undef MLXCEL_TGT
+}  // namespace portable
+
+void attend_task(void* ctx, int t) {
+  const AttnJob& j = *static_cast<const AttnJob*>(ctx);
+  switch (j.isa) {
+#ifdef MLXCEL_X86
+    case Isa::Avx512: attend(j, t); return;
+    case Isa::Avx2: avx2::attend(j, t); return;
+#endif
+    default: portable::attend(j, t); return;
+  }
+}
+
+// The loops this process runs: the best the CPU has, capped by MLXCEL_KERNELS.
+Isa attention_isa() {
+  const Path p = resolve_path(Path::Auto);
+  const auto& cpu = cpu::features();
+  if ((p == Path::Avx512 || p == Path::Avx512Vnni) && cpu.avx512) return Isa::Avx512;
+  if (p != Path::Portable && cpu.avx2) return Isa::Avx2;
+  return Isa::Portable;
+}
 
 class CausalAttention : public mx::UnaryPrimitive {
  public:
@@ -253,6 +300,7 @@ class CausalAttention : public mx::UnaryPrimitive {
     j.S_pad = (j.S + KC - 1) / KC * KC;
     j.scale = scale_;
     j.qblocks = (j.L + QR - 1) / QR;
+    j.isa = attention_isa();
     for (int d = 0; d < 4; ++d) {
       j.qs.s[d] = q.strides()[d];
       j.ks.s[d] = k.strides()[d];
@@ -305,8 +353,7 @@ class CausalAttention : public mx::UnaryPrimitive {
 }  // namespace
 
 bool causal_attention_supports(const mx::array& q, const mx::array& k, const mx::array& v) {
-  static const bool avx512 = cpu_has_avx512();
-  if (!avx512 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return false;
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return false;
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) return false;
   const int D = q.shape(3);
   if (D <= 0 || D % 16 != 0 || k.shape(3) != D || v.shape(3) != D) return false;

@@ -7,8 +7,9 @@
 // matmul, all over the full square although half of it is masked. Here it is
 // one graph node: keys and values are packed once per KV head (K transposed),
 // and each task takes 8 query rows of one head: scores against the keys they
-// may see (8x32 AVX-512 register tiles), an exact softmax with a vectorized
-// exp, and probabilities times values (8x32 tiles again). Grouped-query
+// may see (8x32 AVX-512 register tiles, or 4x16 tiles on AVX2 + FMA and in
+// the portable vector code every other CPU runs), an exact softmax with a
+// vectorized exp, and probabilities times values (the same tiles again). Grouped-query
 // attention reads the KV head h / (H / H_kv) in place of repeating K and V.
 //
 // Numerics follow MLX's decomposition: q is multiplied by `scale` first,
@@ -22,7 +23,7 @@ namespace mlxcel::kernels {
 
 // Whether `causal_attention` computes these inputs itself: a CPU stream,
 // float32 q, k, v of rank 4, head_dim a multiple of 16, H a multiple of H_kv,
-// S >= L, and AVX-512 on this CPU.
+// S >= L (any CPU: the loops follow MLXCEL_KERNELS and the CPU's features).
 bool causal_attention_supports(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v);
 
 // q [B, H, L, D], k and v [B, H_kv, S, D] (any strides) -> [B, H, L, D]:

@@ -2,9 +2,13 @@
 
 #include "decoder_layer.h"
 
+#include "cpu_features.h"
+
+#ifdef MLXCEL_X86
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -27,51 +31,53 @@ namespace {
 using detail::QuantizedView;
 using detail::Scalar;
 
-// Input positions (see decoder_layer.h).
-enum : int {
-  kX = 0,
-  kInputNorm = 1,
-  kQ = 2,
-  kK = 5,
-  kV = 8,
-  kO = 11,
-  kPostNorm = 14,
-  kGate = 15,
-  kUp = 18,
-  kDown = 21,
-  kKeys = 24,
-  kValues = 25,
-  kFixedInputs = 26,
+// Where each named input sits in the primitive's input list (-1: absent).
+// `pack` below is the one place that lays the names out as that list.
+struct ProjectionSlots {
+  int weight = -1, scales = -1, biases = -1, bias = -1;
+  bool operator==(const ProjectionSlots&) const = default;
 };
 
-// Positions of the optional inputs for a spec; -1 when absent.
-struct OptionalInputs {
-  int q_bias = -1, k_bias = -1, v_bias = -1, o_bias = -1;
-  int gate_bias = -1, up_bias = -1, down_bias = -1;
+struct Slots {
+  int x = -1, input_norm = -1, post_norm = -1, keys = -1, values = -1;
   int q_norm = -1, k_norm = -1, freqs = -1;
-  int count = kFixedInputs;
-
-  explicit OptionalInputs(const DecoderLayerSpec& s) {
-    int next = kFixedInputs;
-    if (s.qkv_bias) {
-      q_bias = next++;
-      k_bias = next++;
-      v_bias = next++;
-    }
-    if (s.o_bias) o_bias = next++;
-    if (s.mlp_bias) {
-      gate_bias = next++;
-      up_bias = next++;
-      down_bias = next++;
-    }
-    if (s.qk_norm) {
-      q_norm = next++;
-      k_norm = next++;
-    }
-    if (s.rope_freqs) freqs = next++;
-    count = next;
-  }
+  ProjectionSlots q, k, v, o, gate, up, down;
+  bool operator==(const Slots&) const = default;
 };
+
+// The primitive's inputs; the projections as dense rows.
+std::vector<mx::array> pack(const DecoderLayerInputs& in, mx::Stream stream, Slots& slots) {
+  std::vector<mx::array> list;
+  auto put = [&](const mx::array& a, int& slot) {
+    slot = (int)list.size();
+    list.push_back(a);
+  };
+  auto put_optional = [&](const std::optional<mx::array>& a, int& slot) {
+    if (a) put(*a, slot);
+  };
+  auto put_projection = [&](const QuantizedProjection& p, ProjectionSlots& at) {
+    put(detail::row_contiguous(p.weight, stream), at.weight);
+    put(detail::row_contiguous(p.scales, stream), at.scales);
+    put(detail::row_contiguous(p.biases, stream), at.biases);
+    put_optional(p.bias, at.bias);
+  };
+  put(in.x, slots.x);
+  put(in.input_norm, slots.input_norm);
+  put_projection(in.q_proj, slots.q);
+  put_projection(in.k_proj, slots.k);
+  put_projection(in.v_proj, slots.v);
+  put_projection(in.o_proj, slots.o);
+  put(in.post_attention_norm, slots.post_norm);
+  put_projection(in.gate_proj, slots.gate);
+  put_projection(in.up_proj, slots.up);
+  put_projection(in.down_proj, slots.down);
+  put(in.keys, slots.keys);
+  put(in.values, slots.values);
+  put_optional(in.q_norm, slots.q_norm);
+  put_optional(in.k_norm, slots.k_norm);
+  put_optional(in.rope_freqs, slots.freqs);
+  return list;
+}
 
 [[noreturn]] void fail(const std::string& message) {
   throw std::invalid_argument("[mlxcel::kernels::decoder_layer] " + message);
@@ -96,9 +102,9 @@ struct QuantLayout {
   int bits = 0, group = 0;
 };
 
-QuantLayout check_projection(const std::vector<mx::array>& in, int at, int n, int k, const char* name) {
-  const mx::array &w = in[at], &s = in[at + 1], &b = in[at + 2];
-  auto where = [&] { return std::string(name) + ": "; };
+QuantLayout check_projection(const QuantizedProjection& p, int n, int k, const std::string& name) {
+  const mx::array &w = p.weight, &s = p.scales, &b = p.biases;
+  auto where = [&] { return name + ": "; };
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || w.shape(0) != n) {
     fail(where() + "weight must be uint32 [" + std::to_string(n) + ", k*bits/32], got shape " + shape_str(w));
   }
@@ -116,12 +122,14 @@ QuantLayout check_projection(const std::vector<mx::array>& in, int at, int n, in
     fail(where() + std::to_string(q.bits) + "-bit weights in groups of " + std::to_string(q.group) +
          " are not supported");
   }
+  if (p.bias) check_vector(*p.bias, n, (name + " bias").c_str());
   return q;
 }
 
 // ---------------------------------------------------------------------------
 // Small vector helpers for attention, AVX-512 when the CPU has it.
 
+#ifdef MLXCEL_X86
 __attribute__((target("avx512f,avx512dq"))) float dot_avx512(const float* a, const float* b, int n) {
   __m512 acc = _mm512_setzero_ps();
   int i = 0;
@@ -143,11 +151,7 @@ __attribute__((target("avx512f"))) void axpy_avx512(float alpha, const float* x,
   }
 }
 
-float dot_portable(const float* a, const float* b, int n) {
-  float s = 0.0f;
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+#endif  // MLXCEL_X86
 
 void axpy_portable(float alpha, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
@@ -160,9 +164,11 @@ struct VectorOps {
 
 VectorOps vector_ops() {
   static const VectorOps ops = [] {
+#ifdef MLXCEL_X86
     const Path path = resolve_path(Path::Auto);
     if (path == Path::Avx512 || path == Path::Avx512Vnni) return VectorOps{dot_avx512, axpy_avx512};
-    return VectorOps{dot_portable, axpy_portable};
+#endif
+    return VectorOps{detail::dot, axpy_portable};
   }();
   return ops;
 }
@@ -268,6 +274,7 @@ struct AttentionJob {
   int heads_per_task;
 };
 
+#ifdef MLXCEL_X86
 // One head and row of attention with AVX-512, head_dim = 16 * NV: q and the
 // output stay in registers across the cache positions (the generic loop
 // below makes two calls per position). Same arithmetic as the generic loop.
@@ -301,10 +308,13 @@ __attribute__((target("avx512f,avx512dq"))) void attend_avx512(const float* q, c
   for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
 }
 
+#endif  // MLXCEL_X86
+
 using AttendFn = void (*)(const float*, const float*, const float*, int, float*, float*);
 
 // The register-resident loop for this head_dim, when the CPU runs it.
 AttendFn attend_for(int head_dim) {
+#ifdef MLXCEL_X86
   if (vector_ops().dot != dot_avx512) return nullptr;
   switch (head_dim) {
     case 64: return attend_avx512<4>;
@@ -312,6 +322,10 @@ AttendFn attend_for(int head_dim) {
     case 256: return attend_avx512<16>;
     default: return nullptr;
   }
+#else
+  (void)head_dim;
+  return nullptr;
+#endif
 }
 
 // Softmax(q k^T) v for the heads of one task, every new row, causal.
@@ -386,7 +400,7 @@ void run_layer(const Pointers& p) {
   // Attention.
   for (int l = 0; l < L; ++l) rms_norm(&sc.x[(size_t)l * H], p.input_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
   project_many<3>({&p.q, &p.k, &p.v}, sc.n.data(), L, {sc.q.data(), sc.k.data(), sc.v.data()});
-  if (s.qk_norm) {
+  if (p.q_norm) {
     std::vector<float> tmp(D);
     for (int l = 0; l < L; ++l) {
       for (int h = 0; h < s.heads; ++h) {
@@ -455,15 +469,16 @@ void run_layer(const Pointers& p) {
 
 class DecoderLayer : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream stream, DecoderLayerSpec spec) : mx::Primitive(stream), spec_(spec) {}
+  DecoderLayer(mx::Stream stream, DecoderLayerSpec spec, Slots slots)
+      : mx::Primitive(stream), spec_(spec), slots_(slots) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const OptionalInputs opt(spec_);
+    const Slots& at = slots_;
     Pointers p;
     p.spec = spec_;
-    const mx::array& x = inputs[kX];
+    const mx::array& x = inputs[at.x];
     p.L = x.shape(1);
-    p.capacity = inputs[kKeys].shape(2);
+    p.capacity = inputs[at.keys].shape(2);
 
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -471,7 +486,7 @@ class DecoderLayer : public mx::Primitive {
     // (spec.cache_in_place), else copy it. (MLX's donation check cannot help
     // here: each of the three outputs holds its own copy of the inputs.)
     for (int c = 0; c < 2; ++c) {
-      const mx::array& in = inputs[kKeys + c];
+      const mx::array& in = inputs[c == 0 ? at.keys : at.values];
       mx::array& o = outputs[1 + c];
       const bool dense = in.flags().row_contiguous && in.data_size() == in.size();
       const bool reuse = dense && spec_.cache_in_place;
@@ -491,44 +506,44 @@ class DecoderLayer : public mx::Primitive {
 
     p.x = x.data<float>();
     for (int d = 0; d < 3; ++d) p.x_strides[d] = x.strides()[d];
-    auto vec = [&](int at) {
+    auto vec = [&](int slot) {
       VectorRef r;
-      if (at < 0) return r;
-      const mx::array& a = inputs[at];
+      if (slot < 0) return r;
+      const mx::array& a = inputs[slot];
       r.data = a.data<void>();
       r.type = detail::scalar_of(a.dtype(), "a norm weight or bias");
       r.stride = a.strides()[0];
       return r;
     };
-    p.input_norm = vec(kInputNorm);
-    p.post_norm = vec(kPostNorm);
-    p.q_norm = vec(opt.q_norm);
-    p.k_norm = vec(opt.k_norm);
-    p.freqs = vec(opt.freqs);
+    p.input_norm = vec(at.input_norm);
+    p.post_norm = vec(at.post_norm);
+    p.q_norm = vec(at.q_norm);
+    p.k_norm = vec(at.k_norm);
+    p.freqs = vec(at.freqs);
     const int H = spec_.hidden, D = spec_.head_dim;
-    auto proj = [&](int at, int n, int k, int bias) {
+    auto proj = [&](const ProjectionSlots& ps, int n, int k) {
       Projection pr;
-      const mx::array &w = inputs[at], &sc = inputs[at + 1];
+      const mx::array &w = inputs[ps.weight], &sc = inputs[ps.scales];
       pr.view.weight = w.data<uint8_t>();
       pr.view.scales = sc.data<void>();
-      pr.view.biases = inputs[at + 2].data<void>();
+      pr.view.biases = inputs[ps.biases].data<void>();
       pr.view.scale_type = detail::scalar_of(sc.dtype(), "scales");
       pr.view.n = n;
       pr.view.k = k;
       pr.view.group = k / sc.shape(1);
       pr.view.bits = (int)((int64_t)w.shape(1) * 32 / k);
-      pr.bias = vec(bias);
+      pr.bias = vec(ps.bias);
       return pr;
     };
-    p.q = proj(kQ, spec_.heads * D, H, opt.q_bias);
-    p.k = proj(kK, spec_.kv_heads * D, H, opt.k_bias);
-    p.v = proj(kV, spec_.kv_heads * D, H, opt.v_bias);
-    p.o = proj(kO, H, spec_.heads * D, opt.o_bias);
-    p.gate = proj(kGate, spec_.intermediate, H, opt.gate_bias);
-    p.up = proj(kUp, spec_.intermediate, H, opt.up_bias);
-    p.down = proj(kDown, H, spec_.intermediate, opt.down_bias);
-    p.keys_in = inputs[kKeys].data<float>();
-    p.values_in = inputs[kValues].data<float>();
+    p.q = proj(at.q, spec_.heads * D, H);
+    p.k = proj(at.k, spec_.kv_heads * D, H);
+    p.v = proj(at.v, spec_.kv_heads * D, H);
+    p.o = proj(at.o, H, spec_.heads * D);
+    p.gate = proj(at.gate, spec_.intermediate, H);
+    p.up = proj(at.up, spec_.intermediate, H);
+    p.down = proj(at.down, H, spec_.intermediate);
+    p.keys_in = inputs[at.keys].data<float>();
+    p.values_in = inputs[at.values].data<float>();
     p.keys = outputs[1].data<float>();
     p.values = outputs[2].data<float>();
     p.out = out.data<float>();
@@ -549,31 +564,25 @@ class DecoderLayer : public mx::Primitive {
     return a.hidden == b.hidden && a.heads == b.heads && a.kv_heads == b.kv_heads && a.head_dim == b.head_dim &&
            a.intermediate == b.intermediate && a.offset == b.offset && a.norm_eps == b.norm_eps &&
            a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
-           a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale && a.qkv_bias == b.qkv_bias &&
-           a.o_bias == b.o_bias && a.mlp_bias == b.mlp_bias && a.qk_norm == b.qk_norm && a.rope_freqs == b.rope_freqs &&
-           a.cache_in_place == b.cache_in_place;
+           a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale &&
+           a.cache_in_place == b.cache_in_place && slots_ == o->slots_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[kX].shape(), inputs[kKeys].shape(), inputs[kValues].shape()};
+    return {inputs[slots_.x].shape(), inputs[slots_.keys].shape(), inputs[slots_.values].shape()};
   }
 
  private:
   DecoderLayerSpec spec_;
+  Slots slots_;
 };
 
 }  // namespace
 
-int decoder_layer_input_count(const DecoderLayerSpec& spec) { return OptionalInputs(spec).count; }
-
-std::vector<mx::array> decoder_layer(const std::vector<mx::array>& inputs, const DecoderLayerSpec& spec,
+std::vector<mx::array> decoder_layer(const DecoderLayerInputs& in, const DecoderLayerSpec& spec,
                                      mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only; GPUs use MLX's ops");
-  const OptionalInputs opt(spec);
-  if ((int)inputs.size() != opt.count) {
-    fail("expected " + std::to_string(opt.count) + " inputs, got " + std::to_string(inputs.size()));
-  }
   const int H = spec.hidden, D = spec.head_dim, I = spec.intermediate;
   if (H <= 0 || D <= 0 || I <= 0 || spec.heads <= 0 || spec.kv_heads <= 0 || spec.heads % spec.kv_heads != 0) {
     fail("invalid dimensions");
@@ -582,55 +591,40 @@ std::vector<mx::array> decoder_layer(const std::vector<mx::array>& inputs, const
   if (spec.rope_dims <= 0 || spec.rope_dims % 2 != 0 || spec.rope_dims > D) {
     fail("rope dims must be even and at most head_dim, got " + std::to_string(spec.rope_dims));
   }
-  if (!spec.rope_freqs && !(spec.rope_base > 0.0f)) fail("rope base must be positive");
-  const mx::array& x = inputs[kX];
+  if (!in.rope_freqs && !(spec.rope_base > 0.0f)) fail("rope base must be positive");
+  const mx::array& x = in.x;
   if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) < 1 || x.shape(2) != H) {
     fail("x must be float32 [1, L, " + std::to_string(H) + "], got shape " + shape_str(x));
   }
   const int L = x.shape(1);
-  check_vector(inputs[kInputNorm], H, "input_layernorm weight");
-  check_vector(inputs[kPostNorm], H, "post_attention_layernorm weight");
-  check_projection(inputs, kQ, spec.heads * D, H, "q_proj");
-  check_projection(inputs, kK, spec.kv_heads * D, H, "k_proj");
-  check_projection(inputs, kV, spec.kv_heads * D, H, "v_proj");
-  check_projection(inputs, kO, H, spec.heads * D, "o_proj");
-  check_projection(inputs, kGate, I, H, "gate_proj");
-  check_projection(inputs, kUp, I, H, "up_proj");
-  check_projection(inputs, kDown, H, I, "down_proj");
-  for (int c : {kKeys, kValues}) {
-    const mx::array& a = inputs[c];
-    if (a.dtype() != mx::float32 || a.ndim() != 4 || a.shape(0) != 1 || a.shape(1) != spec.kv_heads ||
-        a.shape(3) != D || a.shape(2) < spec.offset + L) {
-      fail(std::string(c == kKeys ? "keys" : "values") + " cache must be float32 [1, " +
-           std::to_string(spec.kv_heads) + ", >= " + std::to_string(spec.offset + L) + ", " + std::to_string(D) +
-           "], got shape " + shape_str(a));
+  check_vector(in.input_norm, H, "input_layernorm weight");
+  check_vector(in.post_attention_norm, H, "post_attention_layernorm weight");
+  check_projection(in.q_proj, spec.heads * D, H, "q_proj");
+  check_projection(in.k_proj, spec.kv_heads * D, H, "k_proj");
+  check_projection(in.v_proj, spec.kv_heads * D, H, "v_proj");
+  check_projection(in.o_proj, H, spec.heads * D, "o_proj");
+  check_projection(in.gate_proj, I, H, "gate_proj");
+  check_projection(in.up_proj, I, H, "up_proj");
+  check_projection(in.down_proj, H, I, "down_proj");
+  for (const auto& [a, name] : {std::pair{&in.keys, "keys"}, std::pair{&in.values, "values"}}) {
+    if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != 1 || a->shape(1) != spec.kv_heads ||
+        a->shape(3) != D || a->shape(2) < spec.offset + L) {
+      fail(std::string(name) + " cache must be float32 [1, " + std::to_string(spec.kv_heads) + ", >= " +
+           std::to_string(spec.offset + L) + ", " + std::to_string(D) + "], got shape " + shape_str(*a));
     }
   }
-  if (opt.q_bias >= 0) {
-    check_vector(inputs[opt.q_bias], spec.heads * D, "q_proj bias");
-    check_vector(inputs[opt.k_bias], spec.kv_heads * D, "k_proj bias");
-    check_vector(inputs[opt.v_bias], spec.kv_heads * D, "v_proj bias");
+  if (in.q_norm.has_value() != in.k_norm.has_value()) fail("q_norm and k_norm weights come together");
+  if (in.q_norm) {
+    check_vector(*in.q_norm, D, "q_norm weight");
+    check_vector(*in.k_norm, D, "k_norm weight");
   }
-  if (opt.o_bias >= 0) check_vector(inputs[opt.o_bias], H, "o_proj bias");
-  if (opt.gate_bias >= 0) {
-    check_vector(inputs[opt.gate_bias], I, "gate_proj bias");
-    check_vector(inputs[opt.up_bias], I, "up_proj bias");
-    check_vector(inputs[opt.down_bias], H, "down_proj bias");
-  }
-  if (opt.q_norm >= 0) {
-    check_vector(inputs[opt.q_norm], D, "q_norm weight");
-    check_vector(inputs[opt.k_norm], D, "k_norm weight");
-  }
-  if (opt.freqs >= 0) check_vector(inputs[opt.freqs], spec.rope_dims / 2, "rope freqs");
+  if (in.rope_freqs) check_vector(*in.rope_freqs, spec.rope_dims / 2, "rope freqs");
 
-  // The projections are read as dense rows.
-  std::vector<mx::array> args = inputs;
-  for (int at : {kQ, kK, kV, kO, kGate, kUp, kDown}) {
-    for (int i = at; i < at + 3; ++i) args[i] = detail::row_contiguous(args[i], stream);
-  }
-  return mx::array::make_arrays({x.shape(), inputs[kKeys].shape(), inputs[kValues].shape()},
+  Slots slots;
+  std::vector<mx::array> args = pack(in, stream, slots);
+  return mx::array::make_arrays({x.shape(), in.keys.shape(), in.values.shape()},
                                 {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<DecoderLayer>(stream, spec), args);
+                                std::make_shared<DecoderLayer>(stream, spec, slots), args);
 }
 
 }  // namespace mlxcel::kernels

@@ -19,6 +19,7 @@
 // operation order, exact f32 dequantization.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "mlx/mlx.h"
@@ -36,18 +37,12 @@ struct DecoderLayerSpec {
   float norm_eps = 0.0f;
   // Rotary embedding over the first `rope_dims` features of each head.
   int rope_dims = 0;
+  // Unused when the inputs carry rope_freqs.
   float rope_base = 0.0f;
   float rope_scale = 1.0f;
   bool rope_traditional = false;
   // Softmax scale, usually head_dim^-0.5.
   float attn_scale = 0.0f;
-  bool qkv_bias = false;
-  bool o_bias = false;
-  bool mlp_bias = false;
-  // Qwen3's per-head RMSNorm of q and k (eps `norm_eps`).
-  bool qk_norm = false;
-  // Per-frequency periods (llama3 scaling) instead of rope_base.
-  bool rope_freqs = false;
   // The caller owns the cache buffers: nothing reads them at positions
   // >= offset except nodes evaluated after this one, so the new rows can be
   // written into the input buffers even while other references exist (the
@@ -55,26 +50,39 @@ struct DecoderLayerSpec {
   bool cache_in_place = false;
 };
 
-// Inputs, in this order (each projection is an MLX affine-quantized triple
-// weight, scales, biases; bits and group size follow from the shapes):
-//    0  x [1, L, hidden] float32
-//    1  input_layernorm weight [hidden]
-//    2  q_proj (3 arrays), 5 k_proj, 8 v_proj, 11 o_proj
-//   14  post_attention_layernorm weight [hidden]
-//   15  gate_proj (3 arrays), 18 up_proj, 21 down_proj
-//   24  keys, 25 values: float32 [1, kv_heads, capacity, head_dim] with
-//       capacity >= offset + L; positions below `offset` hold the cache.
-//   then, when enabled: q/k/v biases, o bias, gate/up/down biases,
-//   q_norm and k_norm weights [head_dim], rope freqs [rope_dims / 2].
+// An MLX affine-quantized [out, in] projection (weight uint32
+// [out, in * bits / 32], scales and biases [out, in / group] of one float
+// dtype; bits and group size follow from the shapes), plus an optional
+// float bias [out] added to its output.
+struct QuantizedProjection {
+  mlx::core::array weight;
+  mlx::core::array scales;
+  mlx::core::array biases;
+  std::optional<mlx::core::array> bias;
+};
+
+// The arrays of one block, by name. Float vectors may be f32, f16 or bf16.
+struct DecoderLayerInputs {
+  mlx::core::array x;  // float32 [1, L, hidden]
+  mlx::core::array input_norm;  // input_layernorm weight [hidden]
+  QuantizedProjection q_proj, k_proj, v_proj, o_proj;
+  mlx::core::array post_attention_norm;  // [hidden]
+  QuantizedProjection gate_proj, up_proj, down_proj;
+  // float32 [1, kv_heads, capacity, head_dim] with capacity >= offset + L;
+  // positions below `offset` hold the cache.
+  mlx::core::array keys, values;
+  // Qwen3's per-head RMSNorm of q and k (eps `norm_eps`): both or neither.
+  std::optional<mlx::core::array> q_norm, k_norm;  // [head_dim]
+  // Per-frequency periods (llama3 scaling) in place of rope_base.
+  std::optional<mlx::core::array> rope_freqs;  // [rope_dims / 2]
+};
+
 // Returns {out [1, L, hidden], keys, values}: the caches with positions
-// offset..offset+L written. Throws std::invalid_argument on any mismatch,
-// and on a non-CPU stream (GPUs use MLX's ops).
+// offset..offset+L written. Throws std::invalid_argument naming the input
+// on any mismatch, and on a non-CPU stream (GPUs use MLX's ops).
 std::vector<mlx::core::array> decoder_layer(
-    const std::vector<mlx::core::array>& inputs,
+    const DecoderLayerInputs& inputs,
     const DecoderLayerSpec& spec,
     mlx::core::StreamOrDevice s = {});
-
-// How many inputs `decoder_layer` expects for `spec`.
-int decoder_layer_input_count(const DecoderLayerSpec& spec);
 
 }  // namespace mlxcel::kernels

@@ -1,5 +1,6 @@
 // Internals the kernels share (implemented in quantized_matmul.cc): the
-// quantized matvec loops on raw pointers, the thread pool, scalar loads.
+// quantized matvec loops on raw pointers, the thread pool, scalar loads, the
+// portable dot product.
 // Not part of the public kernel API.
 #pragma once
 
@@ -42,6 +43,22 @@ void quantized_matmul_f32(const QuantizedView& w, const float* x, int m, float* 
 // to one call each when the layouts differ or count > 4.
 void quantized_matmul_f32_many(const QuantizedView* ws, int count, const float* x, int m, float* const* ys,
                                Path path = Path::Auto);
+
+// sum a[i] * b[i] in eight interleaved partial sums, added pairwise at the
+// end: the portable loops' dot product, in a form compilers vectorize
+// without -ffast-math (NEON, SSE2).
+inline float dot(const float* a, const float* b, int n) {
+  float acc[8] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
+  for (int w = 4; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
 
 // Runs fn(ctx, t) for t in [0, tasks) on the pool, the caller included.
 void parallel_for(int tasks, void (*fn)(void* ctx, int task), void* ctx);

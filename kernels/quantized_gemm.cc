@@ -19,18 +19,17 @@
 
 #include "quantized_gemm.h"
 
+#include "cpu_features.h"
 #include "detail.h"
-#include "simd_math.h"
 
+#ifdef MLXCEL_X86
+#include "simd_math.h"
 // GCC 12 reports the `_mm512_undefined_*` idiom inside its own AVX-512
 // intrinsics as -Wmaybe-uninitialized; the warnings are false positives.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
-
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -56,14 +55,6 @@ using detail::Scalar;
 constexpr int MR = 8;   // rows of x per microkernel call
 constexpr int NR = 32;  // outputs per microkernel call (two zmm)
 
-#define MLXCEL_GEMM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
-
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-
 // A 64-byte aligned, growable buffer of 4-byte elements (the microkernels'
 // aligned loads; AMX tile rows).
 template <class T>
@@ -87,32 +78,12 @@ struct Aligned {
 };
 using AlignedFloats = Aligned<float>;
 
-// ---------------------------------------------------------------------------
-// AMX: whether this CPU and OS run tile instructions (AMX-TILE and AMX-BF16
-// in CPUID, and Linux grants the process the tile data state), unless
-// MLXCEL_AMX=0.
+// From this many rows of x on, dense weights are packed into panels (the
+// packing pays for itself); fewer rows dot rows of w in place.
+constexpr int kDensePanelMinRows = 16;
 
-bool amx_usable_impl() {
-  if (const char* env = std::getenv("MLXCEL_AMX")) {
-    if (std::string(env) == "0") return false;
-  }
-  if (!cpu_has_avx512()) return false;
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-  if (!tile || !bf16) return false;
-#if defined(__linux__) && defined(SYS_arch_prctl)
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-  return false;
-#endif
-}
-
-bool amx_usable() {
-  static const bool ok = amx_usable_impl();
-  return ok;
-}
+// Which loops evaluate a GEMM.
+enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2, Amx = 3 };
 
 struct GemmJob {
   int M = 0, N = 0, K = 0;
@@ -126,6 +97,10 @@ struct GemmJob {
   const uint32_t* w2 = nullptr;
   const void* scales2 = nullptr;
   const void* biases2 = nullptr;
+  // Dense weight: [N, K] f32 rows (then w is null); `dense_dot` runs the
+  // unpacked dot-product loop (few rows of x) instead of packed panels.
+  const float* wd = nullptr;
+  bool dense_dot = false;
   const float* const* rows = nullptr;  // [M] row pointers of x (f32, unit stride)
   float* y = nullptr;                  // [M, N] f32
   int mc = 0, nc = 0;                  // block sizes (multiples of MR and NR, 32 for AMX)
@@ -133,7 +108,7 @@ struct GemmJob {
   uint64_t id = 0;                     // distinguishes calls for panel reuse
   // AMX: x as bf16 halves, x ~ hi + lo, [Mp][Kp] (rows padded to 32 and
   // columns to Kp = K rounded up to 32, with zeros).
-  bool amx = false;
+  Isa isa = Isa::Portable;
   int Kp = 0;
   const uint16_t* xh = nullptr;
   const uint16_t* xl = nullptr;
@@ -149,6 +124,9 @@ struct PanelScratch {
 thread_local PanelScratch tl_panel;
 
 std::atomic<uint64_t> next_job_id{1};
+
+#ifdef MLXCEL_X86
+#define MLXCEL_GEMM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
 // The scales and biases of rows [n0, n0 + rows) transposed into sb: scales
 // then biases, [G][nc_pad] each, zero beyond `rows`.
@@ -568,40 +546,95 @@ MLXCEL_GEMM_TARGET void run_block(const GemmJob& j, int task) {
   }
 }
 
+#endif  // MLXCEL_X86
+
+// The generic loops, once per instruction set.
+#ifdef MLXCEL_X86
+namespace avx2 {
+#define MLXCEL_TGT __attribute__((target("avx2,fma,f16c")))
+#define MLXCEL_FMA8(a, b, c) ((vf8)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#include "gemm_generic.inc"
+#undef MLXCEL_FMA8
+#undef MLXCEL_TGT
+}  // namespace avx2
+#endif
+
+namespace portable {
+#if defined(__GNUC__) && !defined(__clang__)
+// ISO C++ mode turns GCC's contraction off; these loops want FMAs.
+#define MLXCEL_TGT __attribute__((optimize("fp-contract=fast")))
+#else
+#define MLXCEL_TGT
+#endif
+#define MLXCEL_FMA8(a, b, c) ((a) * (b) + (c))
+#include "gemm_generic.inc"
+#undef MLXCEL_FMA8
+#undef MLXCEL_TGT
+}  // namespace portable
+
 void task_fn(void* ctx, int task) {
   const GemmJob& j = *static_cast<const GemmJob*>(ctx);
-  if (j.amx) {
-    run_block_amx(j, task);
-  } else {
-    run_block(j, task);
+  switch (j.isa) {
+#ifdef MLXCEL_X86
+    case Isa::Amx: run_block_amx(j, task); return;
+    case Isa::Avx512: run_block(j, task); return;
+    case Isa::Avx2: j.dense_dot ? avx2::run_dense_block(j, task) : avx2::run_block(j, task); return;
+#endif
+    default: j.dense_dot ? portable::run_dense_block(j, task) : portable::run_block(j, task); return;
   }
 }
 
-// The MLX primitive: x (f32, any strides) @ dequantize(w).T -> f32, or with
-// 7 inputs (x, gate triple, up triple) silu(x @ gate.T) * (x @ up.T).
+// The MLX primitive: x (f32, any strides) @ dequantize(w).T -> f32; with
+// 7 inputs (x, gate triple, up triple) silu(x @ gate.T) * (x @ up.T); with
+// 2 inputs (x, w dense f32 [N, K]) x @ w.T.
 class QuantizedGemm : public mx::UnaryPrimitive {
  public:
-  QuantizedGemm(mx::Stream stream, int group_size, int bits, bool gated, bool amx)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), gated_(gated), amx_(amx) {}
+  enum class Kind : int { Affine = 0, AffineSwiglu = 1, Dense = 2 };
+
+  QuantizedGemm(mx::Stream stream, int group_size, int bits, Kind kind, Isa isa)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), kind_(kind), isa_(isa) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
     const mx::array& w = inputs[1];
-    const mx::array& scales = inputs[2];
-    const mx::array& biases = inputs[3];
     out.set_data(mx::allocator::malloc(out.nbytes()));
 
     GemmJob j;
     j.K = x.shape(-1);
     j.N = out.shape(-1);
     j.M = j.N == 0 ? 0 : (int)(out.size() / j.N);
-    j.bits = bits_;
-    j.group = group_size_;
-    j.G = j.K / group_size_;
-    j.wpr = j.K * bits_ / 32;
-    j.sty = detail::scalar_of(scales.dtype(), "scales");
-    if (biases.dtype() != scales.dtype()) {
-      throw std::invalid_argument("[mlxcel::kernels::quantized_gemm] scales and biases differ in dtype");
+    j.isa = isa_;
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) enc.set_input_array(in);
+    enc.set_output_array(out);
+
+    const void *sp = nullptr, *bp = nullptr, *s2p = nullptr, *b2p = nullptr;
+    const uint32_t *wp = nullptr, *w2p = nullptr;
+    const float* wdp = nullptr;
+    if (kind_ == Kind::Dense) {
+      wdp = w.data<float>();
+    } else {
+      const mx::array& scales = inputs[2];
+      const mx::array& biases = inputs[3];
+      j.bits = bits_;
+      j.group = group_size_;
+      j.G = j.K / group_size_;
+      j.wpr = j.K * bits_ / 32;
+      j.sty = detail::scalar_of(scales.dtype(), "scales");
+      if (biases.dtype() != scales.dtype()) {
+        throw std::invalid_argument("[mlxcel::kernels::quantized_gemm] scales and biases differ in dtype");
+      }
+      wp = w.data<uint32_t>();
+      sp = scales.data<void>();
+      bp = biases.data<void>();
+      if (kind_ == Kind::AffineSwiglu) {
+        if (inputs[5].dtype() != scales.dtype() || inputs[6].dtype() != scales.dtype()) {
+          throw std::invalid_argument("[mlxcel::kernels::quantized_gemm_swiglu] gate and up scales differ in dtype");
+        }
+        w2p = inputs[4].data<uint32_t>();
+        s2p = inputs[5].data<void>();
+        b2p = inputs[6].data<void>();
+      }
     }
 
     // Element offsets of x's rows (all axes but the last).
@@ -618,28 +651,8 @@ class QuantizedGemm : public mx::UnaryPrimitive {
       offsets[m] = off;
     }
     const int64_t step = nd > 0 ? strides[nd - 1] : 1;
-
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(x);
-    enc.set_input_array(w);
-    enc.set_input_array(scales);
-    enc.set_input_array(biases);
-    const uint32_t* w2p = nullptr;
-    const void *s2p = nullptr, *b2p = nullptr;
-    if (gated_) {
-      for (int i = 4; i < 7; ++i) enc.set_input_array(inputs[i]);
-      if (inputs[5].dtype() != scales.dtype() || inputs[6].dtype() != scales.dtype()) {
-        throw std::invalid_argument("[mlxcel::kernels::quantized_gemm_swiglu] gate and up scales differ in dtype");
-      }
-      w2p = inputs[4].data<uint32_t>();
-      s2p = inputs[5].data<void>();
-      b2p = inputs[6].data<void>();
-    }
-    enc.set_output_array(out);
-    j.amx = amx_;
     j.Kp = (j.K + 31) / 32 * 32;
-    enc.dispatch([j, xp = x.data<float>(), offsets = std::move(offsets), step, wp = w.data<uint32_t>(),
-                  sp = scales.data<void>(), bp = biases.data<void>(), w2p, s2p, b2p,
+    enc.dispatch([j, xp = x.data<float>(), offsets = std::move(offsets), step, wp, sp, bp, w2p, s2p, b2p, wdp,
                   op = out.data<float>()]() mutable {
       if (j.M == 0 || j.N == 0) return;
       // Rows of x in place when their elements are adjacent, else copied.
@@ -662,31 +675,44 @@ class QuantizedGemm : public mx::UnaryPrimitive {
       j.w2 = w2p;
       j.scales2 = s2p;
       j.biases2 = b2p;
+      j.wd = wdp;
       j.y = op;
       j.id = next_job_id.fetch_add(1, std::memory_order_relaxed);
-      // Blocks: rows in multiples of MR (32 for AMX; at most 128), outputs
-      // in panels of 64, or 32 when that leaves too few tasks to share.
       const int threads = num_threads();
-      const int step_rows = j.amx ? 32 : MR;
-      // AMX: packing a panel (dequantize, split) costs as much as a few
-      // hundred rows of tile products, so a task takes up to 512 rows.
-      const int max_rows = j.amx ? 512 : 128;
-      j.mc = std::min(max_rows / step_rows, (j.M + step_rows - 1) / step_rows) * step_rows;
-      // AMX: x as bf16 halves, in the evaluating thread's buffers (reused).
-      static thread_local Aligned<uint32_t> xh_buf, xl_buf;
-      if (j.amx) {
-        const int Mp = (j.M + 31) / 32 * 32;
-        auto* xh = reinterpret_cast<uint16_t*>(xh_buf.get((size_t)Mp * j.Kp / 2));
-        auto* xl = reinterpret_cast<uint16_t*>(xl_buf.get((size_t)Mp * j.Kp / 2));
-        XSplit xs{&j, xh, xl};
-        detail::parallel_for(Mp / 32, split_rows, &xs);
-        j.xh = xh;
-        j.xl = xl;
+      j.dense_dot = j.wd && j.M < kDensePanelMinRows;
+      if (j.dense_dot) {
+        // Few rows: tasks are blocks of outputs, rows of w read in place.
+        j.mblocks = 1;
+        j.nc = 48;
+        while (j.nc > 6 && (long)(j.N + j.nc - 1) / j.nc < 4L * threads) j.nc /= 2;
+        j.npanels = (j.N + j.nc - 1) / j.nc;
+      } else {
+        const bool amx = j.isa == Isa::Amx;
+        // Blocks: rows in multiples of the microkernel's (32 for AMX; at most
+        // 128), outputs in panels of 64, or 32 when that leaves too few tasks.
+        const int step_rows = amx ? 32 : j.isa == Isa::Avx512 ? 8 : 6;
+        // AMX: packing a panel (dequantize, split) costs as much as a few
+        // hundred rows of tile products, so a task takes up to 512 rows.
+        const int max_rows = amx ? 512 : 128;
+        j.mc = std::min(max_rows / step_rows, (j.M + step_rows - 1) / step_rows) * step_rows;
+#ifdef MLXCEL_X86
+        // AMX: x as bf16 halves, in the evaluating thread's buffers (reused).
+        static thread_local Aligned<uint32_t> xh_buf, xl_buf;
+        if (amx) {
+          const int Mp = (j.M + 31) / 32 * 32;
+          auto* xh = reinterpret_cast<uint16_t*>(xh_buf.get((size_t)Mp * j.Kp / 2));
+          auto* xl = reinterpret_cast<uint16_t*>(xl_buf.get((size_t)Mp * j.Kp / 2));
+          XSplit xs{&j, xh, xl};
+          detail::parallel_for(Mp / 32, split_rows, &xs);
+          j.xh = xh;
+          j.xl = xl;
+        }
+#endif
+        j.mblocks = (j.M + j.mc - 1) / j.mc;
+        j.nc = amx ? 128 : 64;
+        while (j.nc > 32 && (long)j.mblocks * ((j.N + j.nc - 1) / j.nc) < 4L * threads) j.nc /= 2;
+        j.npanels = (j.N + j.nc - 1) / j.nc;
       }
-      j.mblocks = (j.M + j.mc - 1) / j.mc;
-      j.nc = j.amx ? 128 : 64;
-      while (j.nc > 32 && (long)j.mblocks * ((j.N + j.nc - 1) / j.nc) < 4L * threads) j.nc /= 2;
-      j.npanels = (j.N + j.nc - 1) / j.nc;
       const long tasks = (long)j.mblocks * j.npanels;
       if (tasks > 0xffff) {  // the pool's limit: run in slices of panels
         const int panels_per = std::max(1, 0xffff / j.mblocks);
@@ -713,11 +739,17 @@ class QuantizedGemm : public mx::UnaryPrimitive {
     throw std::runtime_error("[mlxcel::kernels::QuantizedGemm] has no GPU evaluation");
   }
 
-  const char* name() const override { return gated_ ? "MlxcelQuantizedGemmSwiglu" : "MlxcelQuantizedGemm"; }
+  const char* name() const override {
+    switch (kind_) {
+      case Kind::AffineSwiglu: return "MlxcelQuantizedGemmSwiglu";
+      case Kind::Dense: return "MlxcelDenseGemm";
+      default: return "MlxcelQuantizedGemm";
+    }
+  }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const QuantizedGemm*>(&other);
-    return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->gated_ == gated_ && o->amx_ == amx_;
+    return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->kind_ == kind_ && o->isa_ == isa_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -729,27 +761,51 @@ class QuantizedGemm : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
-  bool gated_;
-  bool amx_;
+  Kind kind_;
+  Isa isa_;
 };
 
-// Whether a call on `path` runs the AMX loop: the default (approximate,
-// like the matvec's VNNI path) where the CPU and OS allow it; `Avx512` asks
-// for the exact f32 loop.
-bool use_amx(Path path) {
+// The loops a call on `path` runs for `bits` (0: dense weights). The AVX-512
+// and AMX loops unpack whole words (bits 2, 4, 8); the generic loops take
+// every width MLX quantizes to, and dense weights.
+Isa isa_for(Path path, int bits) {
+#ifdef MLXCEL_X86
   const Path p = resolve_path(path);
-  return p == Path::Avx512Vnni && amx_usable();
+  const auto& cpu = cpu::features();
+  if (bits == 2 || bits == 4 || bits == 8) {
+    if (p == Path::Avx512Vnni && cpu.amx_bf16) return Isa::Amx;
+    if ((p == Path::Avx512Vnni || p == Path::Avx512) && cpu.avx512) return Isa::Avx512;
+  }
+  if (p != Path::Portable && cpu.avx2) return Isa::Avx2;
+#else
+  (void)path;
+  (void)bits;
+#endif
+  return Isa::Portable;
 }
 
+bool valid_layout(int group_size, int bits) {
+  if (group_size <= 0) return false;
+  switch (bits) {
+    case 2: case 4: case 8: return group_size % (32 / bits) == 0;
+    case 3: case 5: case 6: return group_size % 32 == 0;  // whole words per group
+    default: return false;
+  }
+}
 
 }  // namespace
 
-bool gemm_uses_amx(Path path) { return gemm_supports(32, 4) && use_amx(path); }
+bool gemm_uses_amx(Path path) { return isa_for(path, 4) == Isa::Amx; }
 
-bool gemm_supports(int group_size, int bits) {
-  static const bool avx512 = cpu_has_avx512();
-  if (!avx512 || group_size <= 0) return false;
-  return (bits == 2 || bits == 4 || bits == 8) && group_size % (32 / bits) == 0;
+bool gemm_supports(int group_size, int bits) { return valid_layout(group_size, bits); }
+
+const char* gemm_loop_name(Path path, int bits) {
+  switch (isa_for(path, bits)) {
+    case Isa::Amx: return "amx";
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    default: return "portable";
+  }
 }
 
 mx::array quantized_gemm(
@@ -762,9 +818,6 @@ mx::array quantized_gemm(
     Path path,
     mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s);
-  if (path == Path::Portable || path == Path::Avx2) {
-    return quantized_matmul(x, w, scales, biases, group_size, bits, path, stream);
-  }
   // MLX's node validates the arguments and fixes the output shape and dtype.
   mx::array ref = mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", stream);
   if (stream.device != mx::Device::cpu || !gemm_supports(group_size, bits) || w.ndim() != 2 || scales.ndim() != 2 ||
@@ -774,9 +827,10 @@ mx::array quantized_gemm(
   }
   auto rc = [&](const mx::array& a) { return detail::row_contiguous(a, stream); };
   mx::array xf = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, stream);
-  mx::array y = mx::array(ref.shape(), mx::float32,
-                          std::make_shared<QuantizedGemm>(stream, group_size, bits, false, use_amx(path)),
-                          {xf, rc(w), rc(scales), rc(biases)});
+  mx::array y = mx::array(
+      ref.shape(), mx::float32,
+      std::make_shared<QuantizedGemm>(stream, group_size, bits, QuantizedGemm::Kind::Affine, isa_for(path, bits)),
+      {xf, rc(w), rc(scales), rc(biases)});
   return y.dtype() == ref.dtype() ? y : mx::astype(y, ref.dtype(), stream);
 }
 
@@ -808,9 +862,37 @@ mx::array quantized_gemm_swiglu(
   auto rc = [&](const mx::array& a) { return detail::row_contiguous(a, stream); };
   mx::array xf = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, stream);
   mx::array y = mx::array(g_ref.shape(), mx::float32,
-                          std::make_shared<QuantizedGemm>(stream, group_size, bits, true, use_amx(Path::Auto)),
+                          std::make_shared<QuantizedGemm>(stream, group_size, bits, QuantizedGemm::Kind::AffineSwiglu,
+                                                          isa_for(Path::Auto, bits)),
                           {xf, rc(gate_w), rc(gate_scales), rc(gate_biases), rc(up_w), rc(up_scales), rc(up_biases)});
   return y.dtype() == g_ref.dtype() ? y : mx::astype(y, g_ref.dtype(), stream);
+}
+
+mx::array dense_matmul(const mx::array& x, const mx::array& w, Path path, mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu || w.ndim() != 2 || x.ndim() < 1 || !detail::is_float(x.dtype()) ||
+      !detail::is_float(w.dtype())) {
+    return mx::matmul(x, mx::transpose(w, {1, 0}, stream), stream);
+  }
+  if (x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("[mlxcel::kernels::dense_matmul] x has " + std::to_string(x.shape(-1)) +
+                                " features but w is [" + std::to_string(w.shape(0)) + ", " +
+                                std::to_string(w.shape(1)) + "]");
+  }
+  const mx::Dtype out_dtype = mx::promote_types(x.dtype(), w.dtype());
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  size_t count = 1;
+  for (int d : shape) count *= (size_t)d;
+  if (count == 0) {
+    return mx::zeros(shape, out_dtype, stream);
+  }
+  mx::array xf = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, stream);
+  mx::array wf = w.dtype() == mx::float32 ? w : mx::astype(w, mx::float32, stream);
+  mx::array y = mx::array(shape, mx::float32,
+                          std::make_shared<QuantizedGemm>(stream, 0, 0, QuantizedGemm::Kind::Dense, isa_for(path, 0)),
+                          {xf, detail::row_contiguous(wf, stream)});
+  return y.dtype() == out_dtype ? y : mx::astype(y, out_dtype, stream);
 }
 
 }  // namespace mlxcel::kernels

@@ -18,13 +18,16 @@
 
 #include "quantized_matmul.h"
 
+#include "cpu_features.h"
 #include "detail.h"
 
+#ifdef MLXCEL_X86
 // GCC 12 reports the `_mm512_undefined_*` idiom inside its own AVX-512
 // intrinsics as -Wmaybe-uninitialized; the warnings are false positives.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -149,6 +152,7 @@ void convert_row_portable(const void* p, Ty ty, size_t i, int n, float* dst) {
   }
 }
 
+#ifdef MLXCEL_X86
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 void convert_row_avx512(const void* p, Ty ty, size_t i, int n, float* dst) {
   if (ty == Ty::F32) {
@@ -182,30 +186,18 @@ void convert_row_avx2(const void* p, Ty ty, size_t i, int n, float* dst) {
   }
   for (; j < n; ++j) dst[j] = ty == Ty::F16 ? f16_to_f32(s[j]) : bf16_to_f32(s[j]);
 }
+#endif  // MLXCEL_X86
 
 // ---------------------------------------------------------------------------
 // CPU features and path selection.
 
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-}
-
-bool cpu_has_avx512_vnni() {
-  __builtin_cpu_init();
-  return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
-}
-
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
+// The best path at or below `want` that this CPU runs (always Portable
+// off x86-64).
 Path best_supported(Path want) {
-  if (want == Path::Avx512Vnni && cpu_has_avx512_vnni()) return Path::Avx512Vnni;
-  if ((want == Path::Avx512Vnni || want == Path::Avx512) && cpu_has_avx512()) return Path::Avx512;
-  if ((want == Path::Avx512Vnni || want == Path::Avx512 || want == Path::Avx2) && cpu_has_avx2()) return Path::Avx2;
+  const cpu::Features& f = cpu::features();
+  if (want == Path::Avx512Vnni && f.avx512_vnni) return Path::Avx512Vnni;
+  if ((want == Path::Avx512Vnni || want == Path::Avx512) && f.avx512) return Path::Avx512;
+  if ((want == Path::Avx512Vnni || want == Path::Avx512 || want == Path::Avx2) && f.avx2) return Path::Avx2;
   return Path::Portable;
 }
 
@@ -222,6 +214,15 @@ Path env_path() {
     return best_supported(Path::Avx512Vnni);
   }();
   return path;
+}
+
+// A hint to the core that this thread is spinning.
+inline void cpu_relax() {
+#ifdef MLXCEL_X86
+  _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -265,7 +266,7 @@ class Pool {
     // A worker may hold a task while descheduled on a busy machine: spin a
     // little, then give the CPU away between checks.
     for (int spins = 0; done_.load(std::memory_order_acquire) < tasks; ++spins) {
-      if (spins < 4096) _mm_pause();
+      if (spins < 4096) cpu_relax();
       else std::this_thread::yield();
     }
   }
@@ -292,7 +293,7 @@ class Pool {
         auto start = std::chrono::steady_clock::now();
         int spins = 0;
         while ((gen = gen_.load(std::memory_order_acquire)) == seen) {
-          _mm_pause();
+          cpu_relax();
           if (++spins % 64 == 0 && std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
             sleepers_.fetch_add(1, std::memory_order_seq_cst);
             gen_.wait(seen, std::memory_order_seq_cst);
@@ -384,53 +385,62 @@ struct RowScratch {
 thread_local RowScratch tl_scratch;
 
 // ---------------------------------------------------------------------------
-// Portable loop: any bits (bit-stream extraction), one output row at a time.
+// Portable loop: any bits, one output row at a time. Plain C++ written for
+// the compiler's vectorizer (NEON on aarch64, SSE2 on x86-64): each row is
+// unpacked to f32 once (bits 2, 4, 8: constant shifts per word), then every
+// activation row is dotted with it group by group (detail::dot).
+
+template <int BITS>
+void unpack_row_pow2(const uint32_t* words, int n_words, float* q) {
+  constexpr int EPW = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  for (int w = 0; w < n_words; ++w) {
+    const uint32_t v = words[w];
+    for (int s = 0; s < EPW; ++s) q[w * EPW + s] = (float)(int)((v >> (BITS * s)) & MASK);
+  }
+}
+
+// Bits 3, 5, 6: value k sits at bit k * bits of the row's little-endian stream.
+void unpack_row_any(const uint8_t* row, size_t row_bytes, int bits, int k, float* q) {
+  const uint32_t mask = (1u << bits) - 1;
+  for (int i = 0; i < k; ++i) {
+    const size_t bit = (size_t)i * bits;
+    uint32_t v = 0;
+    std::memcpy(&v, row + bit / 8, std::min<size_t>(4, row_bytes - bit / 8));
+    q[i] = (float)(int)((v >> (bit % 8)) & mask);
+  }
+}
 
 void rows_portable(const Job& j, int n0, int n1) {
   RowScratch& sc = tl_scratch;
   sc.ensure(j.G, 16);
-  const uint32_t mask = (1u << j.bits) - 1;
-  const bool pow2 = (j.bits & (j.bits - 1)) == 0;
-  std::vector<float> q(j.group);
+  thread_local std::vector<float> q;
+  q.resize(j.K);
   for (int n = n0; n < n1; ++n) {
     convert_row_portable(j.scales, j.sty, (size_t)n * j.G, j.G, sc.s.data());
     convert_row_portable(j.biases, j.sty, (size_t)n * j.G, j.G, sc.b.data());
     const uint8_t* row = j.w + (size_t)n * j.row_bytes;
-    float acc[8] = {0};
-    // Process x rows in blocks of up to 8 so each group's dequantized
-    // values are reused.
-    for (int m0 = 0; m0 < j.M; m0 += 8) {
-      int mb = std::min(8, j.M - m0);
-      for (int m = 0; m < mb; ++m) acc[m] = 0.0f;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(row);
+    switch (j.bits) {
+      case 2: unpack_row_pow2<2>(words, j.K / 16, q.data()); break;
+      case 4: unpack_row_pow2<4>(words, j.K / 8, q.data()); break;
+      case 8: unpack_row_pow2<8>(words, j.K / 4, q.data()); break;
+      default: unpack_row_any(row, j.row_bytes, j.bits, j.K, q.data()); break;
+    }
+    for (int m = 0; m < j.M; ++m) {
+      const float* x = j.xf + (size_t)m * j.K;
+      const float* xs = j.xsum + (size_t)m * j.G;
+      float acc = 0.0f;
       for (int g = 0; g < j.G; ++g) {
-        int k0 = g * j.group;
-        if (pow2) {
-          const uint32_t* wr = reinterpret_cast<const uint32_t*>(row);
-          int epw = 32 / j.bits;
-          for (int k = 0; k < j.group; ++k) {
-            int kk = k0 + k;
-            q[k] = (float)((wr[kk / epw] >> ((kk % epw) * j.bits)) & mask);
-          }
-        } else {
-          for (int k = 0; k < j.group; ++k) {
-            size_t bit = (size_t)(k0 + k) * j.bits;
-            uint32_t v = 0;
-            std::memcpy(&v, row + bit / 8, std::min<size_t>(4, j.row_bytes - bit / 8));
-            q[k] = (float)((v >> (bit % 8)) & mask);
-          }
-        }
-        for (int m = 0; m < mb; ++m) {
-          const float* x = j.xf + (size_t)(m0 + m) * j.K + k0;
-          float d = 0.0f;
-          for (int k = 0; k < j.group; ++k) d += x[k] * q[k];
-          acc[m] += sc.s[g] * d + sc.b[g] * j.xsum[(size_t)(m0 + m) * j.G + g];
-        }
+        const size_t k0 = (size_t)g * j.group;
+        acc += sc.s[g] * detail::dot(x + k0, q.data() + k0, j.group) + sc.b[g] * xs[g];
       }
-      for (int m = 0; m < mb; ++m) j.y[(size_t)(m0 + m) * j.N + n] = acc[m];
+      j.y[(size_t)m * j.N + n] = acc;
     }
   }
 }
 
+#ifdef MLXCEL_X86
 // ---------------------------------------------------------------------------
 // AVX-512 loop: 16 words per chunk. One pass computes NR output rows for MT
 // activation rows: each weight vector is unpacked once and used MT times,
@@ -837,11 +847,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prepare_vnni(
   j.xq = xq.data();
   j.xscale = xscale.data();
 }
+#endif  // MLXCEL_X86
 
 // ---------------------------------------------------------------------------
 // Driver.
 
 void run_rows(const Job& j, int n0, int n1) {
+#ifdef MLXCEL_X86
   switch (j.path) {
     case Path::Avx512Vnni:
       switch (j.bits) {
@@ -865,6 +877,7 @@ void run_rows(const Job& j, int n0, int n1) {
       break;
     default: break;
   }
+#endif
   rows_portable(j, n0, n1);
 }
 
@@ -909,9 +922,12 @@ void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offset
     float* dst = cs.xf.data() + (size_t)m * K;
     int64_t off = x_offsets[m];
     if (x_step == 1) {
+#ifdef MLXCEL_X86
       if (j.path == Path::Avx512 || j.path == Path::Avx512Vnni) convert_row_avx512(x, xty, off, K, dst);
       else if (j.path == Path::Avx2) convert_row_avx2(x, xty, off, K, dst);
-      else convert_row_portable(x, xty, off, K, dst);
+      else
+#endif
+        convert_row_portable(x, xty, off, K, dst);
     } else {
       for (int k = 0; k < K; ++k) dst[k] = load_as_f32(x, xty, off + k * x_step);
     }
@@ -925,9 +941,12 @@ void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offset
       cs.xsum[(size_t)m * j.G + g] = s;
     }
   }
+#ifdef MLXCEL_X86
   if (j.path == Path::Avx512Vnni) {
     prepare_vnni(j, cs.xf.data(), cs.xq, cs.xscale);
-  } else if (j.lanes > 0) {
+  } else
+#endif
+  if (j.lanes > 0) {
     const int L = j.lanes, EPW = j.epw;
     j.xp_stride = (size_t)j.chunks * EPW * L;
     cs.xp.assign((size_t)M * j.xp_stride, 0.0f);

@@ -1,6 +1,10 @@
-// Vectorized math shared by the prefill kernels (internal).
+// Vectorized math shared by the prefill kernels (internal). x86-64 only
+// (MLXCEL_X86): elsewhere the kernels' portable loops use std::exp.
 #pragma once
 
+#include "cpu_features.h"
+
+#ifdef MLXCEL_X86
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
@@ -35,3 +39,5 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 exp512(__m512 x)
 }
 
 }  // namespace mlxcel::kernels::simd
+
+#endif  // MLXCEL_X86

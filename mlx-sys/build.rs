@@ -21,25 +21,9 @@ struct Pin {
 }
 
 fn main() {
-    for path in [
-        "cpp/shim.h",
-        "cpp/shim.cc",
-        "src/ffi.rs",
-        "mlx-pin.txt",
-        "cmake-probe/CMakeLists.txt",
-        "../kernels/quantized_matmul.h",
-        "../kernels/quantized_matmul.cc",
-        "../kernels/decoder_layer.h",
-        "../kernels/decoder_layer.cc",
-        "../kernels/detail.h",
-        "../kernels/quantized_embedding.h",
-        "../kernels/quantized_embedding.cc",
-        "../kernels/quantized_gemm.h",
-        "../kernels/quantized_gemm.cc",
-        "../kernels/causal_attention.h",
-        "../kernels/causal_attention.cc",
-        "../kernels/simd_math.h",
-    ] {
+    // `../kernels` is watched as a folder: any kernel source or header added,
+    // changed or removed there reruns this script.
+    for path in ["cpp/shim.h", "cpp/shim.cc", "src/ffi.rs", "mlx-pin.txt", "cmake-probe/CMakeLists.txt", "../kernels"] {
         println!("cargo:rerun-if-changed={path}");
     }
     for var in ["MLX_DIR", "MLXCEL_CACHE_DIR", "MLXCEL_BLAS", "PYTHON"] {
@@ -58,21 +42,23 @@ fn main() {
     if openblas_dir.is_some() {
         build.define("MLXCEL_OPENBLAS", None);
     }
-    // Our own compute kernels (../kernels) build with the shim. They pick
-    // AVX-512, AVX2 or a portable loop at run time (target attributes plus
-    // __builtin_cpu_supports), so no -march flag is needed or wanted here.
+    // Our own compute kernels (every ../kernels/*.cc) build with the shim.
+    // On x86-64 they pick AVX-512, AVX2 or a portable loop at run time
+    // (target attributes plus kernels/cpu_features.h), so no -march flag is
+    // needed or wanted here; elsewhere only the portable loops are compiled.
+    build.file("cpp/shim.cc");
+    for source in kernel_sources(&manifest_dir.join("../kernels")) {
+        build.file(source);
+    }
     build
-        .file("cpp/shim.cc")
-        .file(manifest_dir.join("../kernels/quantized_matmul.cc"))
-        .file(manifest_dir.join("../kernels/decoder_layer.cc"))
-        .file(manifest_dir.join("../kernels/quantized_embedding.cc"))
-        .file(manifest_dir.join("../kernels/quantized_gemm.cc"))
-        .file(manifest_dir.join("../kernels/causal_attention.cc"))
         .include(&install.include_dir)
         .include(manifest_dir.join("../kernels"))
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
+        // The portable loops pass 32-byte vectors between inline helpers on
+        // CPUs without AVX; GCC notes the (internal) ABI on every build.
+        .flag_if_supported("-Wno-psabi")
         .opt_level(3)
         .compile("mlxcel_mlx_shim");
 
@@ -133,12 +119,67 @@ fn find_with_cmake(mlx_dir: &Path) -> MlxInstall {
     MlxInstall { include_dir: field("include"), lib_dir: field("lib") }
 }
 
-fn wheel_package() -> &'static str {
-    if cfg!(feature = "cuda") {
+/// The platform the build targets, and whether it differs from the host's.
+struct Target {
+    os: String,
+    arch: String,
+    cross: bool,
+}
+
+impl Target {
+    fn from_env() -> Target {
+        let os = env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
+        let arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+        let host = env::var("HOST").unwrap_or_default();
+        let target = env::var("TARGET").unwrap_or_default();
+        let host_arch = host.split('-').next().unwrap_or_default();
+        let host_os = if host.contains("-linux") { "linux" } else if host.contains("-apple-darwin") { "macos" } else { "" };
+        Target { cross: host != target && (host_arch != arch || host_os != os), os, arch }
+    }
+
+    /// Whether an official wheel's file name is built for this target.
+    fn accepts_wheel(&self, name: &str) -> bool {
+        let Some(tag) = name.strip_suffix(".whl").and_then(|n| n.rsplit('-').next()) else { return false };
+        match self.os.as_str() {
+            "linux" => tag.starts_with("manylinux") && tag.ends_with(&format!("_{}", self.arch)),
+            "macos" => self.arch == "aarch64" && tag.starts_with("macosx_") && tag.ends_with("_arm64"),
+            _ => false,
+        }
+    }
+
+    /// pip's `--platform` for a cross build (a native one lets pip choose).
+    fn pip_platform(&self) -> Option<String> {
+        match (self.cross, self.os.as_str()) {
+            (false, _) => None,
+            (true, "linux") => Some(format!("manylinux_2_35_{}", self.arch)),
+            (true, _) => Some("macosx_14_0_arm64".into()),
+        }
+    }
+}
+
+/// The official wheel for the features and target: mlx-cuda-12 (`cuda`, Linux
+/// x86_64 and aarch64), mlx-metal (`metal`, or any macOS build; Apple Silicon
+/// only), else mlx-cpu (Linux x86_64 and aarch64).
+fn wheel_package(target: &Target) -> &'static str {
+    let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
+    let metal = env::var_os("CARGO_FEATURE_METAL").is_some();
+    let supported = |package: &str, platforms: &str, ok: bool| {
+        assert!(
+            ok,
+            "{package} has no official wheel for {}-{} (only {platforms}); build MLX yourself and set MLX_DIR",
+            target.os, target.arch
+        );
+    };
+    let linux = target.os == "linux" && (target.arch == "x86_64" || target.arch == "aarch64");
+    assert!(!(cuda && metal), "mlx-sys: the `cuda` and `metal` features exclude each other");
+    if cuda {
+        supported("mlx-cuda-12", "Linux x86_64 and aarch64", linux);
         "mlx-cuda-12"
-    } else if cfg!(feature = "metal") || env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("macos") {
+    } else if metal || target.os == "macos" {
+        supported("mlx-metal", "macOS arm64", target.os == "macos" && target.arch == "aarch64");
         "mlx-metal"
     } else {
+        supported("mlx-cpu", "Linux x86_64 and aarch64", linux);
         "mlx-cpu"
     }
 }
@@ -153,35 +194,53 @@ fn cache_dir() -> PathBuf {
 
 /// Downloads the pinned wheel with pip (no dependencies), checks its sha256
 /// against mlx-pin.txt and unpacks it once into the cache.
+/// A native build unpacks into `mlx/<package>-<version>`, a cross build into
+/// `mlx/<package>-<version>-<os>-<arch>`.
 fn fetch_pinned_wheel(pin: &Pin) -> MlxInstall {
-    let package = wheel_package();
+    let target = Target::from_env();
+    let package = wheel_package(&target);
     let prefix = package.replace('-', "_") + "-" + &pin.version + "-";
-    let unpacked = cache_dir().join("mlx").join(format!("{package}-{}", pin.version));
+    let accepted = |name: &str| name.starts_with(&prefix) && target.accepts_wheel(name);
+    let mut dir_name = format!("{package}-{}", pin.version);
+    if target.cross {
+        dir_name += &format!("-{}-{}", target.os, target.arch);
+    }
+    let unpacked = cache_dir().join("mlx").join(dir_name);
     let install = MlxInstall {
         include_dir: unpacked.join("mlx/include"),
         lib_dir: unpacked.join("mlx/lib"),
     };
-    if unpacked.join(".complete").exists() {
-        return install;
+    // `.complete` names the wheel unpacked there.
+    match fs::read_to_string(unpacked.join(".complete")) {
+        Ok(name) if accepted(name.trim()) => return install,
+        Ok(name) => {
+            println!("cargo:warning={} holds {name}, not a {package} wheel for this target: unpacking again", unpacked.display());
+            let _ = fs::remove_dir_all(&unpacked);
+        }
+        Err(_) => {}
     }
 
     let wheels_dir = cache_dir().join("wheels");
     fs::create_dir_all(&wheels_dir).expect("cannot create the wheel cache");
-    let find_wheel = || {
-        pin.wheels.iter().find(|(name, _)| name.starts_with(&prefix) && wheels_dir.join(name).exists())
-    };
+    let find_wheel = || pin.wheels.iter().find(|(name, _)| accepted(name) && wheels_dir.join(name).exists());
     if find_wheel().is_none() {
         let python = env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-        let status = Command::new(&python)
-            .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "-d"])
-            .arg(&wheels_dir)
+        let mut pip = Command::new(&python);
+        pip.args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "-d"]).arg(&wheels_dir);
+        if let Some(platform) = target.pip_platform() {
+            pip.args(["--platform", &platform]);
+        }
+        let status = pip
             .arg(format!("{package}=={}", pin.version))
             .status()
             .unwrap_or_else(|e| panic!("cannot run `{python} -m pip` to fetch {package}: {e}"));
         assert!(status.success(), "pip could not download {package}=={}", pin.version);
     }
     let (name, expected) = find_wheel().unwrap_or_else(|| {
-        panic!("pip fetched no wheel of {package}=={} that mlx-pin.txt lists for this platform", pin.version)
+        panic!(
+            "pip fetched no wheel of {package}=={} that mlx-pin.txt lists for {}-{}",
+            pin.version, target.os, target.arch
+        )
     });
     let wheel = wheels_dir.join(name);
     let actual = sha256_file(&wheel);
@@ -223,17 +282,44 @@ fn sha256_file(path: &Path) -> String {
     hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Every `*.cc` directly in `dir`, sorted.
+fn kernel_sources(dir: &Path) -> Vec<PathBuf> {
+    let entries = fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let mut sources: Vec<PathBuf> =
+        entries.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "cc")).collect();
+    sources.sort();
+    sources
+}
+
 /// Debian's OpenBLAS (`libopenblas-dev`) on Linux, unless `MLXCEL_BLAS=bundled`
-/// asks for the wheel's reference BLAS (for benchmarks).
+/// asks for the wheel's reference BLAS (for benchmarks). It looks for
+/// `libopenblas.so` in the multiarch folder (`/usr/lib/<arch>-linux-gnu`)
+/// where there is one, else in `/usr/lib64` and `/usr/lib`.
+///
+/// Cargo reruns this script when the answer can change, and not on every
+/// build: it watches the library found (changed or removed), and every
+/// existing folder probed before it (an entry added there). Watching the
+/// missing file itself would make Cargo rerun the script, and recompile all
+/// the C++, on every build. Cargo scans a watched folder recursively, which
+/// is why a multiarch system does not probe all of `/usr/lib`.
 fn find_openblas() -> Option<String> {
     if env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") || env::var("MLXCEL_BLAS").as_deref() == Ok("bundled") {
         return None;
     }
     let arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
-    let candidates = [format!("/usr/lib/{arch}-linux-gnu"), "/usr/lib64".into(), "/usr/lib".into()];
-    let found = candidates.into_iter().find(|d| Path::new(d).join("libopenblas.so").exists());
-    if found.is_none() {
-        println!("cargo:warning=libopenblas.so not found (apt install libopenblas-dev): MLX falls back to its slow reference BLAS");
+    let multiarch = format!("/usr/lib/{arch}-linux-gnu");
+    let candidates =
+        if Path::new(&multiarch).is_dir() { vec![multiarch] } else { vec!["/usr/lib64".into(), "/usr/lib".into()] };
+    for dir in candidates {
+        let lib = Path::new(&dir).join("libopenblas.so");
+        if lib.exists() {
+            println!("cargo:rerun-if-changed={}", lib.display());
+            return Some(dir);
+        }
+        if Path::new(&dir).is_dir() {
+            println!("cargo:rerun-if-changed={dir}");
+        }
     }
-    found
+    println!("cargo:warning=libopenblas.so not found (apt install libopenblas-dev): MLX falls back to its slow reference BLAS");
+    None
 }

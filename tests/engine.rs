@@ -29,7 +29,9 @@ fn greedy_continuation_is_coherent_and_streams_exactly_the_output() {
     assert_eq!(out.finish_reason, FinishReason::Length);
     assert_eq!(out.text, engine.model().tokenizer.decode(&out.tokens, true).unwrap());
     assert_eq!(out.stats.prompt_tokens, 5);
-    assert!(out.stats.peak_memory_bytes > 0);
+    assert!(out.stats.process_peak_memory_bytes > 0);
+    let positions = out.stats.prompt_tokens + out.stats.generated_tokens - 1;
+    assert!(out.stats.kv_cache_bytes >= engine.model().info.shape.kv_bytes_per_token() * positions, "{:?}", out.stats);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use mlx_sys::{io, Dtype};
-use mlxcel_models::default_model::{cache_dir, DEFAULT_MODEL};
+use mlxcel_hub::{cache_dir, DEFAULT_MODEL};
 use mlxcel_tests::default_model_dir;
 
 /// The GGUF file inside the cached wheel of the default model.

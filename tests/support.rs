@@ -8,7 +8,7 @@ use mlxcel_models::Model;
 
 /// The default model's checkpoint, fetched and converted on first use.
 pub fn default_model_dir() -> PathBuf {
-    mlxcel_models::default_model::default_model_dir().expect("the default model could not be prepared")
+    mlxcel_hub::default_model_dir().expect("the default model could not be prepared")
 }
 
 /// One engine over the default model, shared by every test in a binary.

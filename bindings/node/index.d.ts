@@ -41,6 +41,10 @@ export interface GenerationStats {
   promptMs: number
   /** From the first token to the last. */
   decodeMs: number
+  /** Bytes of this run's KV cache when it ended. */
+  kvCacheBytes: number
+  /** Process-wide: MLX's allocator high-water mark over every run in the process; runs never reset it. */
+  processPeakMemoryBytes: number
 }
 
 /** A piece of streamed text. */

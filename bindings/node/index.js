@@ -235,6 +235,8 @@ function statsOf(done) {
     generatedTokens: done.generatedTokens,
     promptMs: done.promptMs,
     decodeMs: done.decodeMs,
+    kvCacheBytes: done.kvCacheBytes,
+    processPeakMemoryBytes: done.processPeakMemoryBytes,
   }
 }
 

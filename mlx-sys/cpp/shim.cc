@@ -1,5 +1,7 @@
+#include <dlfcn.h>
 #include "mlx-sys/cpp/shim.h"
 
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -382,6 +384,15 @@ void set_blas_threads(int32_t threads) {
   (void)threads;
 #endif
 }
+rust::String blas_library() {
+  // The definition MLX's own cblas_sgemm calls bind to: the first in the
+  // process's lookup order (an LD_PRELOAD, a library linked ahead of libmlx,
+  // else the wheel's bundled reference BLAS).
+  void* sym = dlsym(RTLD_DEFAULT, "cblas_sgemm");
+  Dl_info info{};
+  if (sym == nullptr || dladdr(sym, &info) == 0 || info.dli_fname == nullptr) return rust::String();
+  return rust::String(info.dli_fname);
+}
 }  // namespace mlxcel
 
 namespace mlxcel {
@@ -411,6 +422,12 @@ ArrayPtr kernels_quantized_gemm(const array& x, const array& w, const array& sca
 }
 bool kernels_gemm_supports(int32_t group_size, int32_t bits) { return kernels::gemm_supports(group_size, bits); }
 bool kernels_gemm_uses_amx(int32_t path) { return kernels::gemm_uses_amx(to_path(path)); }
+rust::String kernels_gemm_loop_name(int32_t path, int32_t bits) {
+  return rust::String(kernels::gemm_loop_name(to_path(path), bits));
+}
+ArrayPtr kernels_dense_matmul(const array& x, const array& w, int32_t path) {
+  return wrap(kernels::dense_matmul(x, w, to_path(path)));
+}
 ArrayPtr kernels_quantized_gemm_swiglu(const array& x, const array& gate_w, const array& gate_scales, const array& gate_biases, const array& up_w, const array& up_scales, const array& up_biases, int32_t group_size, int32_t bits) {
   return wrap(kernels::quantized_gemm_swiglu(x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases, group_size, bits));
 }
@@ -436,26 +453,43 @@ kernels::DecoderLayerSpec to_kernel_spec(const DecoderLayerSpec& s) {
   k.rope_scale = s.rope_scale;
   k.rope_traditional = s.rope_traditional;
   k.attn_scale = s.attn_scale;
-  k.qkv_bias = s.qkv_bias;
-  k.o_bias = s.o_bias;
-  k.mlp_bias = s.mlp_bias;
-  k.qk_norm = s.qk_norm;
-  k.rope_freqs = s.rope_freqs;
   k.cache_in_place = s.cache_in_place;
   return k;
 }
+
+std::optional<array> optional_array(const array* a) {
+  return a ? std::optional<array>(*a) : std::nullopt;
+}
+
+kernels::QuantizedProjection to_kernel_projection(const DecoderProjection& p) {
+  return {.weight = p.weight, .scales = p.scales, .biases = p.biases, .bias = optional_array(p.bias)};
+}
 }  // namespace
 
-std::unique_ptr<ArrayList> kernels_decoder_layer(const ArrayList& inputs, const DecoderLayerSpec& spec) {
+std::unique_ptr<ArrayList> kernels_decoder_layer(const DecoderLayerArrays& a, const DecoderLayerSpec& spec) {
+  const kernels::DecoderLayerInputs inputs{
+      .x = a.x,
+      .input_norm = a.input_norm,
+      .q_proj = to_kernel_projection(a.q_proj),
+      .k_proj = to_kernel_projection(a.k_proj),
+      .v_proj = to_kernel_projection(a.v_proj),
+      .o_proj = to_kernel_projection(a.o_proj),
+      .post_attention_norm = a.post_attention_norm,
+      .gate_proj = to_kernel_projection(a.gate_proj),
+      .up_proj = to_kernel_projection(a.up_proj),
+      .down_proj = to_kernel_projection(a.down_proj),
+      .keys = a.keys,
+      .values = a.values,
+      .q_norm = optional_array(a.q_norm),
+      .k_norm = optional_array(a.k_norm),
+      .rope_freqs = optional_array(a.rope_freqs),
+  };
   auto list = std::make_unique<ArrayList>();
-  list->items = kernels::decoder_layer(inputs.items, to_kernel_spec(spec));
+  list->items = kernels::decoder_layer(inputs, to_kernel_spec(spec));
   return list;
 }
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype) {
   return wrap(kernels::quantized_embedding(ids, w, scales, biases, group_size, bits, to_dtype(dtype)));
-}
-size_t kernels_decoder_layer_input_count(const DecoderLayerSpec& spec) {
-  return (size_t)kernels::decoder_layer_input_count(to_kernel_spec(spec));
 }
 rust::String array_primitive_name(const array& a) {
   return rust::String(a.has_primitive() ? a.primitive().name() : "");

@@ -17,6 +17,7 @@ using ArrayPtr = std::unique_ptr<array>;
 
 struct StreamId;
 struct DecoderLayerSpec;
+struct DecoderLayerArrays;
 
 // An owned list of arrays, for the calls that take or return several.
 struct ArrayList {
@@ -184,6 +185,7 @@ namespace mlxcel {
 // OpenBLAS threads (0 when MLX uses another BLAS).
 int32_t blas_threads();
 void set_blas_threads(int32_t threads);
+rust::String blas_library();
 }  // namespace mlxcel
 
 namespace mlxcel {
@@ -196,13 +198,14 @@ bool kernels_supports(int32_t group_size, int32_t bits);
 ArrayPtr kernels_quantized_gemm(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path);
 bool kernels_gemm_supports(int32_t group_size, int32_t bits);
 bool kernels_gemm_uses_amx(int32_t path);
+rust::String kernels_gemm_loop_name(int32_t path, int32_t bits);
+ArrayPtr kernels_dense_matmul(const array& x, const array& w, int32_t path);
 ArrayPtr kernels_quantized_gemm_swiglu(const array& x, const array& gate_w, const array& gate_scales, const array& gate_biases, const array& up_w, const array& up_scales, const array& up_biases, int32_t group_size, int32_t bits);
 // Causal attention for many new tokens (kernels/causal_attention.h).
 ArrayPtr kernels_causal_attention(const array& q, const array& k, const array& v, float scale);
 bool kernels_causal_attention_supports(const array& q, const array& k, const array& v);
 // One fused decoder block on the CPU (kernels/decoder_layer.h): {out, keys, values}.
-std::unique_ptr<ArrayList> kernels_decoder_layer(const ArrayList& inputs, const DecoderLayerSpec& spec);
-size_t kernels_decoder_layer_input_count(const DecoderLayerSpec& spec);
+std::unique_ptr<ArrayList> kernels_decoder_layer(const DecoderLayerArrays& arrays, const DecoderLayerSpec& spec);
 // Dequantized rows of a quantized embedding table (kernels/quantized_embedding.h).
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype);
 // The name of the op that computes an unevaluated array ("" for a leaf).

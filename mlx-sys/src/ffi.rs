@@ -24,12 +24,35 @@ mod bridge {
         rope_scale: f32,
         rope_traditional: bool,
         attn_scale: f32,
-        qkv_bias: bool,
-        o_bias: bool,
-        mlp_bias: bool,
-        qk_norm: bool,
-        rope_freqs: bool,
         cache_in_place: bool,
+    }
+
+    /// One quantized projection of a fused decoder block; `bias` may be null.
+    struct DecoderProjection<'a> {
+        weight: &'a MlxArray,
+        scales: &'a MlxArray,
+        biases: &'a MlxArray,
+        bias: *const MlxArray,
+    }
+
+    /// The arrays of one fused decoder block by name (`DecoderLayerInputs`
+    /// in `kernels/decoder_layer.h`); null pointers are absent options.
+    struct DecoderLayerArrays<'a> {
+        x: &'a MlxArray,
+        input_norm: &'a MlxArray,
+        q_proj: DecoderProjection<'a>,
+        k_proj: DecoderProjection<'a>,
+        v_proj: DecoderProjection<'a>,
+        o_proj: DecoderProjection<'a>,
+        post_attention_norm: &'a MlxArray,
+        gate_proj: DecoderProjection<'a>,
+        up_proj: DecoderProjection<'a>,
+        down_proj: DecoderProjection<'a>,
+        keys: &'a MlxArray,
+        values: &'a MlxArray,
+        q_norm: *const MlxArray,
+        k_norm: *const MlxArray,
+        rope_freqs: *const MlxArray,
     }
 
     #[namespace = "mlx::core"]
@@ -47,6 +70,7 @@ mod bridge {
         fn mlx_version() -> String;
         fn blas_threads() -> i32;
         fn set_blas_threads(threads: i32);
+        fn blas_library() -> String;
         fn array_from_bytes(data: &[u8], shape: &[i32], dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_from_f64(value: f64, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_clone(a: &MlxArray) -> UniquePtr<MlxArray>;
@@ -175,12 +199,13 @@ mod bridge {
         fn kernels_quantized_gemm(x: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, path: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_gemm_supports(group_size: i32, bits: i32) -> bool;
         fn kernels_gemm_uses_amx(path: i32) -> Result<bool>;
+        fn kernels_gemm_loop_name(path: i32, bits: i32) -> Result<String>;
+        fn kernels_dense_matmul(x: &MlxArray, w: &MlxArray, path: i32) -> Result<UniquePtr<MlxArray>>;
         #[allow(clippy::too_many_arguments)]
         fn kernels_quantized_gemm_swiglu(x: &MlxArray, gate_w: &MlxArray, gate_scales: &MlxArray, gate_biases: &MlxArray, up_w: &MlxArray, up_scales: &MlxArray, up_biases: &MlxArray, group_size: i32, bits: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, scale: f32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_causal_attention_supports(q: &MlxArray, k: &MlxArray, v: &MlxArray) -> bool;
-        fn kernels_decoder_layer(inputs: &ArrayList, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
-        fn kernels_decoder_layer_input_count(spec: &DecoderLayerSpec) -> usize;
+        fn kernels_decoder_layer(arrays: &DecoderLayerArrays, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         #[allow(clippy::too_many_arguments)]
         fn kernels_quantized_embedding(ids: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_primitive_name(a: &MlxArray) -> String;

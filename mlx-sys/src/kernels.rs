@@ -17,7 +17,7 @@
 //!   path ignores it.
 //! - `MLXCEL_NUM_THREADS=n` sets the thread count (default: the hardware's).
 
-use crate::array::{array_list, from_array_list, Array};
+use crate::array::{from_array_list, Array};
 use crate::error::Result;
 use crate::ffi;
 
@@ -102,22 +102,86 @@ pub fn is_kernel_node(a: &Array) -> bool {
 /// Shape and options of a fused decoder block; see [`decoder_layer`].
 pub use crate::ffi::DecoderLayerSpec;
 
+/// An MLX affine-quantized projection (`weight` uint32 `[out, in * bits /
+/// 32]`, `scales` and `biases` `[out, in / group_size]` of one float dtype, as
+/// [`crate::quantize`] returns them; bits and group size follow from the
+/// shapes), with an optional float `bias` `[out]` added to its output.
+#[derive(Clone)]
+pub struct QuantizedProjection {
+    pub weight: Array,
+    pub scales: Array,
+    pub biases: Array,
+    pub bias: Option<Array>,
+}
+
+/// The weights of one pre-norm decoder block for [`decoder_layer`], by name.
+/// Norm weights are float vectors (f32, f16 or bf16).
+#[derive(Clone)]
+pub struct DecoderLayerWeights {
+    /// `input_layernorm` weight `[hidden]`.
+    pub input_norm: Array,
+    pub q_proj: QuantizedProjection,
+    pub k_proj: QuantizedProjection,
+    pub v_proj: QuantizedProjection,
+    pub o_proj: QuantizedProjection,
+    /// `post_attention_layernorm` weight `[hidden]`.
+    pub post_attention_norm: Array,
+    pub gate_proj: QuantizedProjection,
+    pub up_proj: QuantizedProjection,
+    pub down_proj: QuantizedProjection,
+    /// Qwen3's per-head RMSNorm of q and k (`[head_dim]`, eps
+    /// `spec.norm_eps`): both or neither.
+    pub q_norm: Option<Array>,
+    pub k_norm: Option<Array>,
+    /// Per-frequency periods `[rope_dims / 2]` (llama3 scaling) in place of
+    /// `spec.rope_base`.
+    pub rope_freqs: Option<Array>,
+}
+
 /// One pre-norm decoder block (the llama / mistral / qwen2 / qwen3 layout)
 /// for `L` new tokens as a single CPU graph node: RMSNorm, the q/k/v
 /// projections, RoPE, attention over the KV cache, the output projection,
 /// residual, RMSNorm, the gated MLP and residual. MLX builds the same block
 /// from ~25 nodes, whose dispatch dominates decode time on a CPU.
 ///
-/// `inputs` follow the order documented in `kernels/decoder_layer.h`: `x`
-/// (`f32 [1, L, hidden]`), the input norm weight, the q/k/v/o projections as
-/// affine-quantized `(weight, scales, biases)` triples, the post-attention
-/// norm weight, the gate/up/down triples, the `f32 [1, kv_heads, capacity,
-/// head_dim]` key and value buffers, then the optional arrays `spec` enables.
-/// Returns `(out, keys, values)`: the block output and the cache buffers with
-/// positions `spec.offset..spec.offset + L` written (in place when nothing
-/// else holds the input buffers). Errors name the input that does not fit.
-pub fn decoder_layer(inputs: &[Array], spec: &DecoderLayerSpec) -> Result<(Array, Array, Array)> {
-    let list = ffi::kernels_decoder_layer(&array_list(inputs), spec)?;
+/// `x` is `f32 [1, L, hidden]`; `keys` and `values` are the `f32 [1,
+/// kv_heads, capacity, head_dim]` cache buffers (`capacity >= spec.offset +
+/// L`). Returns `(out, keys, values)`: the block output and the cache buffers
+/// with positions `spec.offset..spec.offset + L` written (in the input
+/// buffers when `spec.cache_in_place`). Errors name the input that does not
+/// fit.
+pub fn decoder_layer(
+    x: &Array,
+    weights: &DecoderLayerWeights,
+    keys: &Array,
+    values: &Array,
+    spec: &DecoderLayerSpec,
+) -> Result<(Array, Array, Array)> {
+    fn optional(a: &Option<Array>) -> *const ffi::MlxArray {
+        a.as_ref().map_or(std::ptr::null(), |a| &*a.raw as *const ffi::MlxArray)
+    }
+    fn projection(p: &QuantizedProjection) -> ffi::DecoderProjection<'_> {
+        ffi::DecoderProjection { weight: &p.weight.raw, scales: &p.scales.raw, biases: &p.biases.raw, bias: optional(&p.bias) }
+    }
+    let w = weights;
+    let arrays = ffi::DecoderLayerArrays {
+        x: &*x.raw,
+        input_norm: &*w.input_norm.raw,
+        q_proj: projection(&w.q_proj),
+        k_proj: projection(&w.k_proj),
+        v_proj: projection(&w.v_proj),
+        o_proj: projection(&w.o_proj),
+        post_attention_norm: &*w.post_attention_norm.raw,
+        gate_proj: projection(&w.gate_proj),
+        up_proj: projection(&w.up_proj),
+        down_proj: projection(&w.down_proj),
+        keys: &*keys.raw,
+        values: &*values.raw,
+        q_norm: optional(&w.q_norm),
+        k_norm: optional(&w.k_norm),
+        rope_freqs: optional(&w.rope_freqs),
+    };
+    let list = ffi::kernels_decoder_layer(&arrays, spec)?;
     let mut out = from_array_list(&list)?.into_iter();
     match (out.next(), out.next(), out.next()) {
         (Some(h), Some(k), Some(v)) => Ok((h, k, v)),
@@ -125,30 +189,25 @@ pub fn decoder_layer(inputs: &[Array], spec: &DecoderLayerSpec) -> Result<(Array
     }
 }
 
-/// How many inputs [`decoder_layer`] takes for `spec`.
-pub fn decoder_layer_input_count(spec: &DecoderLayerSpec) -> usize {
-    ffi::kernels_decoder_layer_input_count(spec)
-}
-
 /// `x @ dequantize(w, scales, biases).T` for many rows of `x` (prefill): the
 /// same contract as [`quantized_matmul`], computed as a GEMM. Each task
 /// dequantizes a panel of `w` into an L2-sized buffer and runs it against
 /// blocks of rows of `x`: on CPUs with AMX (see [`gemm_uses_amx`]) as bf16
 /// tile products of split operands (~16-bit precision per operand, f32
-/// accumulation), otherwise with an AVX-512 register-blocked microkernel
-/// (exact f32 dequantization, f32 FMAs and accumulation; only the summation
-/// order differs from `x @ dequantize(w).T`; also what
-/// `MLXCEL_KERNELS=avx512` selects). Where the GEMM does not apply (no
-/// AVX-512, bits other than 2/4/8, a GPU stream; see [`gemm_supports`]) it
-/// returns [`quantized_matmul`].
+/// accumulation); otherwise with a register-blocked f32 microkernel (8x32
+/// AVX-512, 6x16 AVX2 + FMA, or portable vector code on every other CPU,
+/// aarch64 included): exact f32 dequantization, f32 FMAs and accumulation,
+/// only the summation order differs from `x @ dequantize(w).T`. Where the GEMM
+/// does not apply (a GPU stream, a layout [`gemm_supports`] rejects) it returns
+/// [`quantized_matmul`]. It never calls BLAS.
 pub fn quantized_gemm(x: &Array, w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<Array> {
     quantized_gemm_with_path(x, w, scales, biases, group_size, bits, KernelPath::Auto)
 }
 
-/// [`quantized_gemm`] with a chosen path: `Avx512` runs the exact f32 loop,
-/// `Avx512Vnni` the AMX loop where [`gemm_uses_amx`] says so (else the f32
-/// loop), `Portable` and `Avx2` hand the call to [`quantized_matmul_with_path`]
-/// (tests and benchmarks).
+/// [`quantized_gemm`] with a chosen path (tests and benchmarks): `Portable`,
+/// `Avx2` and `Avx512` run that exact f32 loop (or the best one below it the
+/// CPU runs; bits 3, 5 and 6 run the AVX2 or portable loop), `Avx512Vnni` the
+/// AMX loop where [`gemm_uses_amx`] says so. [`gemm_loop_name`] tells which.
 pub fn quantized_gemm_with_path(
     x: &Array,
     w: &Array,
@@ -191,21 +250,46 @@ pub fn gemm_uses_amx(path: KernelPath) -> bool {
     ffi::kernels_gemm_uses_amx(path as i32).unwrap_or(false)
 }
 
-/// Whether [`quantized_gemm`] runs its own GEMM for `(group_size, bits)` on this CPU.
+/// Whether [`quantized_gemm`] runs its own GEMM for `(group_size, bits)`: bits
+/// 2, 4, 8 (group a multiple of 32 / bits) or 3, 5, 6 (group a multiple of
+/// 32), on every CPU.
 pub fn gemm_supports(group_size: i32, bits: i32) -> bool {
     ffi::kernels_gemm_supports(group_size, bits)
+}
+
+/// The loop a [`quantized_gemm`] call on `path` runs for `bits` (0: a dense
+/// [`dense_matmul`]): `"amx"`, `"avx512"`, `"avx2"` or `"portable"`.
+pub fn gemm_loop_name(path: KernelPath, bits: i32) -> String {
+    ffi::kernels_gemm_loop_name(path as i32, bits).unwrap_or_else(|_| "unknown".into())
+}
+
+/// `x @ w.T` for a dense `w` `[N, K]` (f32, f16 or bf16) and `x` `[..., K]`:
+/// MLX's `x.matmul(w.T)` (promoted dtype) as one CPU node that never calls
+/// BLAS. From 16 rows of `x` on it runs [`quantized_gemm`]'s packed panels and
+/// microkernels (prefill); fewer rows dot rows of `w` in place, 4 rows of `x`
+/// at a time (decode streams `w` once). AVX2 + FMA or portable vector code,
+/// exact f32 accumulation: only the summation order differs from MLX. A `K` mismatch is an
+/// error naming both shapes; on a GPU stream it returns MLX's matmul.
+pub fn dense_matmul(x: &Array, w: &Array) -> Result<Array> {
+    dense_matmul_with_path(x, w, KernelPath::Auto)
+}
+
+/// [`dense_matmul`] on a chosen loop (`Portable` or the AVX2 one above it).
+pub fn dense_matmul_with_path(x: &Array, w: &Array, path: KernelPath) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_dense_matmul(&x.raw, &w.raw, path as i32))
 }
 
 /// Causal scaled-dot-product attention over many new tokens (prefill), the
 /// result of `fast::scaled_dot_product_attention(q, k, v, scale,
 /// AttentionMask::Causal)`: `q` `[B, H, L, D]`, `k` and `v` `[B, H_kv, S, D]`
 /// (`H` a multiple of `H_kv`, `S >= L`; query `i` sees keys `0..=S - L + i`).
-/// One CPU node: 8-query-row tasks with AVX-512 score and value tiles, an
-/// exact f32 softmax over only the keys each block may see. The result is a
-/// transposed view of a `[B, L, H, D]` buffer, so transposing it back to
-/// `[B, L, H, D]` and merging the heads copies nothing. Inputs that
-/// [`causal_attention_supports`] rejects (f16/bf16, a GPU stream, a head
-/// size not a multiple of 16, no AVX-512) run MLX's own attention.
+/// One CPU node: 8-query-row tasks with register-tiled scores and values
+/// (AVX-512, AVX2 + FMA or portable vector code), an exact f32 softmax over
+/// only the keys each block may see. The result is a transposed view of a
+/// `[B, L, H, D]` buffer, so transposing it back to `[B, L, H, D]` and merging
+/// the heads copies nothing. Inputs that [`causal_attention_supports`]
+/// rejects (f16/bf16, a GPU stream, a head size not a multiple of 16) run
+/// MLX's own attention.
 pub fn causal_attention(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
     Array::from_ffi(ffi::kernels_causal_attention(&q.raw, &k.raw, &v.raw, scale))
 }

@@ -46,6 +46,14 @@ pub fn blas_threads() -> i32 {
     ffi::blas_threads()
 }
 
+/// The file of the library whose `cblas_sgemm` MLX's CPU matmuls call in
+/// this process (resolved at run time, so an `LD_PRELOAD`ed BLAS shows up),
+/// or an empty string when none can be found. Model paths never reach it:
+/// quantized and dense matmuls and attention run on our kernels.
+pub fn blas_library() -> String {
+    ffi::blas_library()
+}
+
 /// Sets OpenBLAS's thread count (no effect with another BLAS).
 pub fn set_blas_threads(threads: i32) {
     ffi::set_blas_threads(threads)

@@ -34,7 +34,7 @@
 use std::sync::Mutex;
 
 use mlx_sys::fast::{self, AttentionMask};
-use mlx_sys::kernels::{self, DecoderLayerSpec, KernelPath};
+use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, KernelPath, QuantizedProjection};
 use mlx_sys::{quantize, quantized_matmul, random, Array, Dtype};
 
 /// MLX evaluation is not meant to run from several threads at once (and the
@@ -92,12 +92,15 @@ fn detached_copy(a: &Array) -> Array {
 // ---------------------------------------------------------------------------
 // A random layer.
 
+#[derive(Clone)]
 struct Proj {
     w: Array,
     scales: Array,
     biases: Array,
     group: i32,
     bits: i32,
+    /// Added to the output.
+    bias: Option<Array>,
 }
 
 impl Proj {
@@ -107,7 +110,7 @@ impl Proj {
         let scales = scales.astype(sdtype).unwrap();
         let biases = biases.astype(sdtype).unwrap();
         mlx_sys::eval([&w, &scales, &biases]).unwrap();
-        Proj { w, scales, biases, group, bits }
+        Proj { w, scales, biases, group, bits, bias: None }
     }
 
     fn apply(&self, x: &Array, mm: Matmul) -> Array {
@@ -115,11 +118,20 @@ impl Proj {
             Matmul::Mlx => quantized_matmul(x, &self.w, &self.scales, &self.biases, true, self.group, self.bits),
             Matmul::Kernel => kernels::quantized_matmul(x, &self.w, &self.scales, &self.biases, self.group, self.bits),
         };
-        y.unwrap().astype(Dtype::Float32).unwrap()
+        let y = y.unwrap().astype(Dtype::Float32).unwrap();
+        match &self.bias {
+            Some(b) => y.add(b).unwrap(),
+            None => y,
+        }
     }
 
-    fn triple(&self) -> [Array; 3] {
-        [self.w.clone(), self.scales.clone(), self.biases.clone()]
+    fn projection(&self) -> QuantizedProjection {
+        QuantizedProjection {
+            weight: self.w.clone(),
+            scales: self.scales.clone(),
+            biases: self.biases.clone(),
+            bias: self.bias.clone(),
+        }
     }
 }
 
@@ -166,6 +178,7 @@ const LLAMA: Config = Config {
     qk_norm: false,
 };
 
+#[derive(Clone)]
 struct Layer {
     spec: DecoderLayerSpec,
     bits: i32,
@@ -180,10 +193,8 @@ struct Layer {
     gate: Proj,
     up: Proj,
     down: Proj,
-    qkv_bias: Option<[Array; 3]>,
-    o_bias: Option<Array>,
-    mlp_bias: Option<[Array; 3]>,
-    qk_norm: Option<[Array; 2]>,
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
     freqs: Option<Array>,
 }
 
@@ -192,9 +203,13 @@ impl Layer {
         let (h, d, i) = (c.hidden, c.head_dim, c.intermediate);
         let (qn, kvn) = (c.heads * d, c.kv_heads * d);
         let rope_dims = if c.rope_dims == 0 { d } else { c.rope_dims };
-        let proj = |n: u64, rows: i32, cols: i32| Proj::new(seed * 100 + n, rows, cols, c.group, c.bits, c.sdtype);
-        let norm = |n: u64, size: i32| randn(seed * 100 + n, &[size], 0.2).add_scalar(1.0).unwrap();
         let bias = |n: u64, size: i32| randn(seed * 100 + n, &[size], 0.3);
+        // Projection n (bias seed n + 10 when `biased`).
+        let proj = |n: u64, rows: i32, cols: i32, biased: bool| Proj {
+            bias: biased.then(|| bias(n + 10, rows)),
+            ..Proj::new(seed * 100 + n, rows, cols, c.group, c.bits, c.sdtype)
+        };
+        let norm = |n: u64, size: i32| randn(seed * 100 + n, &[size], 0.2).add_scalar(1.0).unwrap();
         let freqs = c.rope_freqs.then(|| {
             // Periods as llama3 scaling produces them: base^(2i/dims), the
             // low-frequency half stretched by 8.
@@ -229,34 +244,26 @@ impl Layer {
                 rope_scale: c.rope_scale,
                 rope_traditional: c.rope_traditional,
                 attn_scale: (d as f32).powf(-0.5),
-                qkv_bias: c.qkv_bias,
-                o_bias: c.o_bias,
-                mlp_bias: c.mlp_bias,
-                qk_norm: c.qk_norm,
-                rope_freqs: c.rope_freqs,
                 cache_in_place: false,
             },
             input_norm: norm(1, h),
             post_norm: norm(2, h),
-            q: proj(3, qn, h),
-            k: proj(4, kvn, h),
-            v: proj(5, kvn, h),
-            o: proj(6, h, qn),
-            gate: proj(7, i, h),
-            up: proj(8, i, h),
-            down: proj(9, h, i),
-            qkv_bias: c.qkv_bias.then(|| [bias(10, qn), bias(11, kvn), bias(12, kvn)]),
-            o_bias: c.o_bias.then(|| bias(13, h)),
-            mlp_bias: c.mlp_bias.then(|| [bias(14, i), bias(15, i), bias(16, h)]),
-            qk_norm: c.qk_norm.then(|| [norm(17, d), norm(18, d)]),
+            q: proj(3, qn, h, c.qkv_bias),
+            k: proj(4, kvn, h, c.qkv_bias),
+            v: proj(5, kvn, h, c.qkv_bias),
+            o: proj(6, h, qn, c.o_bias),
+            gate: proj(7, i, h, c.mlp_bias),
+            up: proj(8, i, h, c.mlp_bias),
+            down: proj(9, h, i, c.mlp_bias),
+            q_norm: c.qk_norm.then(|| norm(27, d)),
+            k_norm: c.qk_norm.then(|| norm(28, d)),
             freqs,
         };
         let all: Vec<&Array> = [&layer.input_norm, &layer.post_norm]
             .into_iter()
-            .chain(layer.qkv_bias.iter().flatten())
-            .chain(layer.o_bias.iter())
-            .chain(layer.mlp_bias.iter().flatten())
-            .chain(layer.qk_norm.iter().flatten())
+            .chain(layer.projs().into_iter().filter_map(|p| p.bias.as_ref()))
+            .chain(layer.q_norm.iter())
+            .chain(layer.k_norm.iter())
             .collect();
         mlx_sys::eval(all).unwrap();
         layer
@@ -266,30 +273,32 @@ impl Layer {
         DecoderLayerSpec { offset, cache_in_place: self.in_place, ..self.spec }
     }
 
-    /// The kernel's inputs, in the documented order; takes the caches by
-    /// value so that the caller can give up its references.
-    fn inputs(&self, x: &Array, keys: Array, values: Array) -> Vec<Array> {
-        let mut v = vec![x.clone(), self.input_norm.clone()];
-        for p in [&self.q, &self.k, &self.v, &self.o] {
-            v.extend(p.triple());
-        }
-        v.push(self.post_norm.clone());
-        for p in [&self.gate, &self.up, &self.down] {
-            v.extend(p.triple());
-        }
-        v.push(keys);
-        v.push(values);
-        v.extend(self.qkv_bias.iter().flatten().cloned());
-        v.extend(self.o_bias.iter().cloned());
-        v.extend(self.mlp_bias.iter().flatten().cloned());
-        v.extend(self.qk_norm.iter().flatten().cloned());
-        v.extend(self.freqs.iter().cloned());
-        assert_eq!(v.len(), kernels::decoder_layer_input_count(&self.spec));
-        v
+    fn projs(&self) -> [&Proj; 7] {
+        [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down]
     }
 
+    /// The kernel's weights.
+    fn weights(&self) -> DecoderLayerWeights {
+        DecoderLayerWeights {
+            input_norm: self.input_norm.clone(),
+            q_proj: self.q.projection(),
+            k_proj: self.k.projection(),
+            v_proj: self.v.projection(),
+            o_proj: self.o.projection(),
+            post_attention_norm: self.post_norm.clone(),
+            gate_proj: self.gate.projection(),
+            up_proj: self.up.projection(),
+            down_proj: self.down.projection(),
+            q_norm: self.q_norm.clone(),
+            k_norm: self.k_norm.clone(),
+            rope_freqs: self.freqs.clone(),
+        }
+    }
+
+    /// One kernel step; takes the caches by value so that the caller can
+    /// give up its references (the node then holds the only ones).
     fn run(&self, x: &Array, keys: Array, values: Array, offset: i32) -> mlx_sys::Result<(Array, Array, Array)> {
-        kernels::decoder_layer(&self.inputs(x, keys, values), &self.spec(offset))
+        kernels::decoder_layer(x, &self.weights(), &keys, &values, &self.spec(offset))
     }
 
     /// The block from MLX ops: (out, keys, values), the caches with
@@ -299,12 +308,7 @@ impl Layer {
         let (l, d) = (x.dim(1), s.head_dim);
         let eps = s.norm_eps;
         let n1 = fast::rms_norm(x, Some(&self.input_norm), eps).unwrap();
-        let (mut q, mut k, mut v) = (self.q.apply(&n1, mm), self.k.apply(&n1, mm), self.v.apply(&n1, mm));
-        if let Some([bq, bk, bv]) = &self.qkv_bias {
-            q = q.add(bq).unwrap();
-            k = k.add(bk).unwrap();
-            v = v.add(bv).unwrap();
-        }
+        let (q, k, v) = (self.q.apply(&n1, mm), self.k.apply(&n1, mm), self.v.apply(&n1, mm));
         let heads = |y: Array, n: i32, norm: Option<&Array>| -> Array {
             let y = y.reshape(&[1, l, n, d]).unwrap();
             let y = match norm {
@@ -313,8 +317,8 @@ impl Layer {
             };
             y.transpose(&[0, 2, 1, 3]).unwrap()
         };
-        let q = heads(q, s.heads, self.qk_norm.as_ref().map(|n| &n[0]));
-        let k = heads(k, s.kv_heads, self.qk_norm.as_ref().map(|n| &n[1]));
+        let q = heads(q, s.heads, self.q_norm.as_ref());
+        let k = heads(k, s.kv_heads, self.k_norm.as_ref());
         let v = heads(v, s.kv_heads, None);
         let base = if self.freqs.is_some() { 0.0 } else { s.rope_base };
         let rope = |t: &Array| {
@@ -336,21 +340,10 @@ impl Layer {
         )
         .unwrap();
         let att = att.transpose(&[0, 2, 1, 3]).unwrap().reshape(&[1, l, s.heads * d]).unwrap();
-        let mut o = self.o.apply(&att, mm);
-        if let Some(b) = &self.o_bias {
-            o = o.add(b).unwrap();
-        }
-        let h = x.add(&o).unwrap();
+        let h = x.add(&self.o.apply(&att, mm)).unwrap();
         let n2 = fast::rms_norm(&h, Some(&self.post_norm), eps).unwrap();
-        let (mut g, mut u) = (self.gate.apply(&n2, mm), self.up.apply(&n2, mm));
-        if let Some([bg, bu, _]) = &self.mlp_bias {
-            g = g.add(bg).unwrap();
-            u = u.add(bu).unwrap();
-        }
-        let mut down = self.down.apply(&g.silu().unwrap().multiply(&u).unwrap(), mm);
-        if let Some([_, _, bd]) = &self.mlp_bias {
-            down = down.add(bd).unwrap();
-        }
+        let (g, u) = (self.gate.apply(&n2, mm), self.up.apply(&n2, mm));
+        let down = self.down.apply(&g.silu().unwrap().multiply(&u).unwrap(), mm);
         let out = h.add(&down).unwrap();
         mlx_sys::eval([&out, &keys, &values]).unwrap();
         (out, keys, values)
@@ -481,17 +474,44 @@ fn case(label: &str, seed: u64, c: Config, offset: i32, l: i32, capacity: i32) -
 // ---------------------------------------------------------------------------
 // Numerics.
 
+/// Each optional array is read from its own field: with everything enabled,
+/// dropping any one (a single projection's bias, the q/k norms, the rope
+/// freqs) must match the reference without it, and must change the output.
 #[test]
-fn input_count_follows_the_spec() {
+fn each_option_is_read_from_its_field() {
     let _g = lock();
-    let count = |c: Config| kernels::decoder_layer_input_count(&Layer::new(1, c).spec);
-    assert_eq!(count(LLAMA), 26);
-    assert_eq!(count(Config { qkv_bias: true, ..LLAMA }), 29);
-    assert_eq!(count(Config { qk_norm: true, ..LLAMA }), 28);
-    assert_eq!(
-        count(Config { qkv_bias: true, o_bias: true, mlp_bias: true, qk_norm: true, rope_freqs: true, ..LLAMA }),
-        36
-    );
+    let all = Config { qkv_bias: true, o_bias: true, mlp_bias: true, qk_norm: true, rope_freqs: true, ..LLAMA };
+    let full = Layer::new(120, all);
+    let x = randn(121, &[1, 2, 64], 1.0);
+    let keys = random_cache(122, &full, 8);
+    let values = random_cache(123, &full, 8);
+    let (_, [full_out, _, _]) = check_step("every option", &full, &x, &keys, &values, 5);
+    let without: [(&str, fn(&mut Layer)); 9] = [
+        ("q_proj bias", |l| l.q.bias = None),
+        ("k_proj bias", |l| l.k.bias = None),
+        ("v_proj bias", |l| l.v.bias = None),
+        ("o_proj bias", |l| l.o.bias = None),
+        ("gate_proj bias", |l| l.gate.bias = None),
+        ("up_proj bias", |l| l.up.bias = None),
+        ("down_proj bias", |l| l.down.bias = None),
+        ("q/k norms", |l| (l.q_norm, l.k_norm) = (None, None)),
+        ("rope freqs", |l| l.freqs = None),
+    ];
+    for (name, drop_it) in without {
+        let mut layer = full.clone();
+        drop_it(&mut layer);
+        let (_, [out, _, _]) = check_step(&format!("without {name}"), &layer, &x, &keys, &values, 5);
+        let moved = compare_any(&out, &full_out);
+        eprintln!("without {name}: output moved by {moved:.2e} of max|out|");
+        assert!(moved > 1e-3, "without {name}: the output did not change ({moved:.2e}): the option is not read");
+    }
+}
+
+/// max|a - b| / max|b|.
+fn compare_any(a: &Array, b: &Array) -> f64 {
+    let (a, b) = (to_f32(a), to_f32(b));
+    let scale = b.iter().fold(0f64, |m, &v| m.max((v as f64).abs()));
+    a.iter().zip(&b).fold(0f64, |m, (&p, &q)| m.max((p as f64 - q as f64).abs())) / scale
 }
 
 #[test]
@@ -666,7 +686,7 @@ fn strided_and_lazy_inputs() {
     let big = Proj::new(114, 2 * 64, 64, 32, 4, Dtype::Float16);
     let lazy = |a: &Array| a.slice_axis(0, 64, 128).unwrap().add(&Array::zeros(&[1], a.dtype()).unwrap()).unwrap();
     let mut layer = layer;
-    layer.o = Proj { w: lazy(&big.w), scales: lazy(&big.scales), biases: lazy(&big.biases), group: 32, bits: 4 };
+    layer.o = Proj { w: lazy(&big.w), scales: lazy(&big.scales), biases: lazy(&big.biases), group: 32, bits: 4, bias: None };
     layer.post_norm = layer.post_norm.mul_scalar(1.5).unwrap();
     let x = randn(115, &[1, 1, 64], 1.0);
     check_step("lazy sliced o_proj", &layer, &x, &keys, &values, 5);
@@ -722,9 +742,7 @@ fn run_chain(label: &str, layer: &Layer, keys: Array, values: Array, start: i32,
         let x = randn(seed + step as u64, &[1, l, layer.spec.hidden], 1.0);
         let (prev_keys, prev_values) = (detached_copy(keys.as_ref().unwrap()), detached_copy(values.as_ref().unwrap()));
         // The kernel's node becomes the only holder of the old caches.
-        let inputs = layer.inputs(&x, keys.take().unwrap(), values.take().unwrap());
-        let (out, k, v) = kernels::decoder_layer(&inputs, &layer.spec(offset)).unwrap();
-        drop(inputs);
+        let (out, k, v) = layer.run(&x, keys.take().unwrap(), values.take().unwrap(), offset).unwrap();
         mlx_sys::eval([&out, &k, &v]).unwrap();
         let end = offset + l;
         let tol = tol(layer, end);
@@ -808,9 +826,7 @@ fn lazy_chain_evaluated_once() {
 /// input caches nothing but the kernel's node holds.
 fn step_peak_growth(layer: &Layer, keys: Array, values: Array, offset: i32) -> (usize, [Array; 3]) {
     let x = randn(400 + offset as u64, &[1, 1, layer.spec.hidden], 1.0);
-    let inputs = layer.inputs(&x, keys, values);
-    let (out, k, v) = kernels::decoder_layer(&inputs, &layer.spec(offset)).unwrap();
-    drop(inputs);
+    let (out, k, v) = layer.run(&x, keys, values, offset).unwrap();
     let before = mlx_sys::memory::active_memory();
     mlx_sys::memory::reset_peak_memory();
     mlx_sys::eval([&out, &k, &v]).unwrap();
@@ -1041,115 +1057,106 @@ fn rejects_malformed_inputs() {
     let x = randn(601, &[1, 1, 64], 1.0);
     let keys = random_cache(602, &layer, 8);
     let values = random_cache(603, &layer, 8);
-    let good = || layer.inputs(&x, keys.clone(), values.clone());
-    let run = |inputs: &[Array], spec: &DecoderLayerSpec| kernels::decoder_layer(inputs, spec);
+    let good = layer.weights();
     let spec = layer.spec(5);
-    let with = |at: usize, a: Array| {
-        let mut v = good();
-        v[at] = a;
-        v
+    let run = |w: &DecoderLayerWeights, spec: &DecoderLayerSpec| kernels::decoder_layer(&x, w, &keys, &values, spec);
+    // The good weights with one change.
+    let with = |change: &dyn Fn(&mut DecoderLayerWeights)| {
+        let mut w = good.clone();
+        change(&mut w);
+        w
     };
 
-    // Input count.
-    let mut short = good();
-    short.pop();
-    expect_err("one input short", run(&short, &spec), "expected 32 inputs, got 31");
-    let mut long = good();
-    long.push(x.clone());
-    expect_err("one input too many", run(&long, &spec), "inputs");
-    expect_err("no inputs", run(&[], &spec), "expected 32 inputs, got 0");
-
     // x.
-    expect_err("x float16", run(&with(0, x.astype(Dtype::Float16).unwrap()), &spec), "x must be float32");
-    expect_err("x bfloat16", run(&with(0, x.astype(Dtype::Bfloat16).unwrap()), &spec), "x must be float32");
-    expect_err("x hidden 32", run(&with(0, randn(604, &[1, 1, 32], 1.0)), &spec), "x must be float32 [1, L, 64]");
-    expect_err("x batch 2", run(&with(0, randn(605, &[2, 1, 64], 1.0)), &spec), "x must be");
-    expect_err("x 2-D", run(&with(0, randn(606, &[1, 64], 1.0)), &spec), "x must be");
-    expect_err("x with L=0", run(&with(0, Array::zeros(&[1, 0, 64], Dtype::Float32).unwrap()), &spec), "x must be");
+    let run_x = |x: &Array| kernels::decoder_layer(x, &good, &keys, &values, &spec);
+    expect_err("x float16", run_x(&x.astype(Dtype::Float16).unwrap()), "x must be float32");
+    expect_err("x bfloat16", run_x(&x.astype(Dtype::Bfloat16).unwrap()), "x must be float32");
+    expect_err("x hidden 32", run_x(&randn(604, &[1, 1, 32], 1.0)), "x must be float32 [1, L, 64]");
+    expect_err("x batch 2", run_x(&randn(605, &[2, 1, 64], 1.0)), "x must be");
+    expect_err("x 2-D", run_x(&randn(606, &[1, 64], 1.0)), "x must be");
+    expect_err("x with L=0", run_x(&Array::zeros(&[1, 0, 64], Dtype::Float32).unwrap()), "x must be");
 
     // Norm weights.
-    expect_err("input norm of 32", run(&with(1, randn(607, &[32], 1.0)), &spec), "input_layernorm");
+    expect_err("input norm of 32", run(&with(&|w| w.input_norm = randn(607, &[32], 1.0)), &spec), "input_layernorm");
     expect_err(
         "post norm int32",
-        run(&with(14, Array::from_slice(&[1i32; 64], &[64]).unwrap()), &spec),
+        run(&with(&|w| w.post_attention_norm = Array::from_slice(&[1i32; 64], &[64]).unwrap()), &spec),
         "post_attention_layernorm",
     );
 
     // Projections: wrong rows, dtype, scales.
-    let wrong_rows = Proj::new(608, 80, 64, 32, 4, Dtype::Float32);
-    let mut v = good();
-    v[2..5].clone_from_slice(&wrong_rows.triple());
-    expect_err("q_proj with 80 rows", run(&v, &spec), "q_proj");
-    let mut v = good();
-    v[15..18].clone_from_slice(&Proj::new(609, 95, 64, 32, 4, Dtype::Float32).triple());
-    expect_err("gate_proj with 95 rows", run(&v, &spec), "gate_proj");
-    let mut v = good();
-    v[21..24].clone_from_slice(&Proj::new(610, 64, 64, 32, 4, Dtype::Float32).triple());
-    expect_err("down_proj with 64 input features", run(&v, &spec), "down_proj");
+    let wrong_rows = Proj::new(608, 80, 64, 32, 4, Dtype::Float32).projection();
+    expect_err("q_proj with 80 rows", run(&with(&|w| w.q_proj = QuantizedProjection { bias: w.q_proj.bias.clone(), ..wrong_rows.clone() }), &spec), "q_proj");
+    let gate95 = Proj::new(609, 95, 64, 32, 4, Dtype::Float32).projection();
+    expect_err("gate_proj with 95 rows", run(&with(&|w| w.gate_proj = gate95.clone()), &spec), "gate_proj");
+    let down64 = Proj::new(610, 64, 64, 32, 4, Dtype::Float32).projection();
+    expect_err("down_proj with 64 input features", run(&with(&|w| w.down_proj = down64.clone()), &spec), "down_proj");
     expect_err(
         "k_proj weight int32",
-        run(&with(5, layer.k.w.astype(Dtype::Int32).unwrap()), &spec),
+        run(&with(&|w| w.k_proj.weight = layer.k.w.astype(Dtype::Int32).unwrap()), &spec),
         "k_proj: weight must be uint32",
     );
     // Scales with 3 groups for 64 input features.
-    let mut v = good();
-    v[9] = Array::ones(&[32, 3], Dtype::Float32).unwrap();
-    v[10] = Array::zeros(&[32, 3], Dtype::Float32).unwrap();
-    expect_err("v_proj scales [32, 3]", run(&v, &spec), "v_proj");
+    let three_groups = |w: &mut DecoderLayerWeights| {
+        w.v_proj.scales = Array::ones(&[32, 3], Dtype::Float32).unwrap();
+        w.v_proj.biases = Array::zeros(&[32, 3], Dtype::Float32).unwrap();
+    };
+    expect_err("v_proj scales [32, 3]", run(&with(&three_groups), &spec), "v_proj");
     // Biases of another shape than the scales.
     expect_err(
         "o_proj biases [64, 1]",
-        run(&with(13, layer.o.biases.slice_axis(1, 0, 1).unwrap()), &spec),
+        run(&with(&|w| w.o_proj.biases = layer.o.biases.slice_axis(1, 0, 1).unwrap()), &spec),
         "o_proj: scales and biases",
     );
     // Scales and biases of different dtypes.
     expect_err(
         "up_proj f16 scales, f32 biases",
-        run(&with(19, layer.up.scales.astype(Dtype::Float16).unwrap()), &spec),
+        run(&with(&|w| w.up_proj.scales = layer.up.scales.astype(Dtype::Float16).unwrap()), &spec),
         "up_proj: scales and biases",
     );
     // Scales of another row count.
     expect_err(
         "q_proj scales of 32 rows",
-        run(&with(3, layer.q.scales.slice_axis(0, 0, 32).unwrap()), &spec),
+        run(&with(&|w| w.q_proj.scales = layer.q.scales.slice_axis(0, 0, 32).unwrap()), &spec),
         "q_proj: scales and biases",
     );
     // 7 bits (64 features in 14 words) and 4 bits in groups of 4: shapes MLX
     // cannot produce, which the kernel must refuse.
-    let mut v = good();
-    v[2..5].clone_from_slice(&fake_quantized(64, 14, 2));
-    expect_err("7-bit q_proj", run(&v, &spec), "7-bit weights in groups of 32 are not supported");
-    let mut v = good();
-    v[2..5].clone_from_slice(&fake_quantized(64, 8, 16));
-    expect_err("4-bit groups of 4", run(&v, &spec), "not supported");
+    let fake = |cols: i32, groups: i32| {
+        let [weight, scales, biases] = fake_quantized(64, cols, groups);
+        QuantizedProjection { weight, scales, biases, bias: None }
+    };
+    let seven = fake(14, 2);
+    expect_err("7-bit q_proj", run(&with(&|w| w.q_proj = seven.clone()), &spec), "7-bit weights in groups of 32 are not supported");
+    let groups_of_4 = fake(8, 16);
+    expect_err("4-bit groups of 4", run(&with(&|w| w.q_proj = groups_of_4.clone()), &spec), "not supported");
 
     // Caches.
-    let small = || random_cache(611, &layer, 5);
-    expect_err("keys capacity 5 < 6", run(&with(24, small()), &spec), "keys cache must be float32 [1, 2, >= 6, 16]");
-    expect_err("values capacity 5 < 6", run(&with(25, small()), &spec), "values cache");
-    let mut v = good();
-    v[24] = random_cache(612, &layer, 6);
-    v[25] = random_cache(613, &layer, 6);
-    let r = run(&v, &spec).expect("capacity exactly offset + L is enough");
+    let run_cache = |k: &Array, v: &Array, spec: &DecoderLayerSpec| kernels::decoder_layer(&x, &good, k, v, spec);
+    let small = random_cache(611, &layer, 5);
+    expect_err("keys capacity 5 < 6", run_cache(&small, &values, &spec), "keys cache must be float32 [1, 2, >= 6, 16]");
+    expect_err("values capacity 5 < 6", run_cache(&keys, &small, &spec), "values cache");
+    let r = run_cache(&random_cache(612, &layer, 6), &random_cache(613, &layer, 6), &spec)
+        .expect("capacity exactly offset + L is enough");
     mlx_sys::eval([&r.0, &r.1, &r.2]).unwrap();
     let spec3 = layer.spec(4);
     let x3 = randn(614, &[1, 3, 64], 1.0);
-    let mut v = layer.inputs(&x3, random_cache(615, &layer, 6), random_cache(616, &layer, 6));
-    expect_err("capacity 6 < 4 + 3", run(&v, &spec3), ">= 7");
-    v[24] = random_cache(617, &layer, 7);
-    v[25] = random_cache(618, &layer, 7);
-    let r = run(&v, &spec3).expect("capacity 7 for offset 4 + 3");
+    let (k6, v6) = (random_cache(615, &layer, 6), random_cache(616, &layer, 6));
+    expect_err("capacity 6 < 4 + 3", kernels::decoder_layer(&x3, &good, &k6, &v6, &spec3), ">= 7");
+    let (k7, v7) = (random_cache(617, &layer, 7), random_cache(618, &layer, 7));
+    let r = kernels::decoder_layer(&x3, &good, &k7, &v7, &spec3).expect("capacity 7 for offset 4 + 3");
     mlx_sys::eval([&r.0, &r.1, &r.2]).unwrap();
-    expect_err("keys float16", run(&with(24, keys.astype(Dtype::Float16).unwrap()), &spec), "keys cache");
-    expect_err("values with 4 kv heads", run(&with(25, randn(619, &[1, 4, 8, d], 1.0)), &spec), "values cache");
-    expect_err("keys head_dim 8", run(&with(24, randn(620, &[1, kv, 8, 8], 1.0)), &spec), "keys cache");
-    expect_err("keys 3-D", run(&with(24, randn(621, &[kv, 8, d], 1.0)), &spec), "keys cache");
+    expect_err("keys float16", run_cache(&keys.astype(Dtype::Float16).unwrap(), &values, &spec), "keys cache");
+    expect_err("values with 4 kv heads", run_cache(&keys, &randn(619, &[1, 4, 8, d], 1.0), &spec), "values cache");
+    expect_err("keys head_dim 8", run_cache(&randn(620, &[1, kv, 8, 8], 1.0), &values, &spec), "keys cache");
+    expect_err("keys 3-D", run_cache(&randn(621, &[kv, 8, d], 1.0), &values, &spec), "keys cache");
 
-    // Optional inputs (after the caches: q/k/v biases 26..29, q/k norms
-    // 29..31, freqs 31).
-    expect_err("k bias of 64", run(&with(27, randn(622, &[64], 1.0)), &spec), "k_proj bias");
-    expect_err("k_norm of 32", run(&with(30, randn(623, &[32], 1.0)), &spec), "k_norm weight");
-    expect_err("freqs of 16", run(&with(31, randn(624, &[16], 1.0)), &spec), "rope freqs");
+    // Optional arrays.
+    expect_err("k bias of 64", run(&with(&|w| w.k_proj.bias = Some(randn(622, &[64], 1.0))), &spec), "k_proj bias");
+    expect_err("k_norm of 32", run(&with(&|w| w.k_norm = Some(randn(623, &[32], 1.0))), &spec), "k_norm weight");
+    expect_err("freqs of 16", run(&with(&|w| w.rope_freqs = Some(randn(624, &[16], 1.0))), &spec), "rope freqs");
+    expect_err("q_norm without k_norm", run(&with(&|w| w.k_norm = None), &spec), "q_norm and k_norm");
+    expect_err("k_norm without q_norm", run(&with(&|w| w.q_norm = None), &spec), "q_norm and k_norm");
 
     // The spec itself.
     let bad = |f: fn(&mut DecoderLayerSpec)| {
@@ -1157,24 +1164,21 @@ fn rejects_malformed_inputs() {
         f(&mut s);
         s
     };
-    expect_err("heads 4, kv_heads 3", run(&good(), &bad(|s| s.kv_heads = 3)), "invalid dimensions");
-    expect_err("kv_heads 0", run(&good(), &bad(|s| s.kv_heads = 0)), "invalid dimensions");
-    expect_err("heads 0", run(&good(), &bad(|s| s.heads = 0)), "invalid dimensions");
-    expect_err("hidden -1", run(&good(), &bad(|s| s.hidden = -1)), "invalid dimensions");
-    expect_err("negative offset", run(&good(), &bad(|s| s.offset = -1)), "offset");
-    expect_err("odd rope dims", run(&good(), &bad(|s| s.rope_dims = 7)), "rope dims");
-    expect_err("rope dims > head_dim", run(&good(), &bad(|s| s.rope_dims = 18)), "rope dims");
-    expect_err("rope dims 0", run(&good(), &bad(|s| s.rope_dims = 0)), "rope dims");
+    expect_err("heads 4, kv_heads 3", run(&good, &bad(|s| s.kv_heads = 3)), "invalid dimensions");
+    expect_err("kv_heads 0", run(&good, &bad(|s| s.kv_heads = 0)), "invalid dimensions");
+    expect_err("heads 0", run(&good, &bad(|s| s.heads = 0)), "invalid dimensions");
+    expect_err("hidden -1", run(&good, &bad(|s| s.hidden = -1)), "invalid dimensions");
+    expect_err("negative offset", run(&good, &bad(|s| s.offset = -1)), "offset");
+    expect_err("odd rope dims", run(&good, &bad(|s| s.rope_dims = 7)), "rope dims");
+    expect_err("rope dims > head_dim", run(&good, &bad(|s| s.rope_dims = 18)), "rope dims");
+    expect_err("rope dims 0", run(&good, &bad(|s| s.rope_dims = 0)), "rope dims");
     // With heads 2 of the same head_dim the projections no longer fit.
-    expect_err("heads 2 (q_proj of 4 heads)", run(&good(), &bad(|s| s.heads = 2)), "q_proj");
-    // Without freqs, the base must be positive.
-    let no_freqs = Layer::new(625, LLAMA);
-    let v = no_freqs.inputs(&x, keys.clone(), values.clone());
-    let s = DecoderLayerSpec { rope_base: 0.0, ..no_freqs.spec(5) };
-    expect_err("rope base 0", run(&v, &s), "rope base");
-    // The same inputs under a spec with one more option: wrong count.
-    let s = DecoderLayerSpec { o_bias: true, ..no_freqs.spec(5) };
-    expect_err("o_bias without the array", run(&v, &s), "expected 27 inputs, got 26");
+    expect_err("heads 2 (q_proj of 4 heads)", run(&good, &bad(|s| s.heads = 2)), "q_proj");
+    // Without freqs, the base must be positive; with them it is unused.
+    let no_freqs = with(&|w| w.rope_freqs = None);
+    expect_err("rope base 0", run(&no_freqs, &bad(|s| s.rope_base = 0.0)), "rope base");
+    let r = run(&good, &bad(|s| s.rope_base = 0.0)).expect("rope base 0 with freqs");
+    mlx_sys::eval([&r.0, &r.1, &r.2]).unwrap();
 
     // After all that, the good inputs still run and match.
     check_step("after errors", &layer, &x, &keys, &values, 5);

@@ -1,7 +1,12 @@
 //! The prefill kernels (`quantized_gemm`, `causal_attention`) against MLX's
 //! reference ops and an f64 host reference, on awkward shapes.
 //!
-//! Tolerances. The GEMM's exact f32 loop (`KernelPath::Avx512`) computes the
+//! Every loop this CPU runs is checked (AMX, AVX-512, AVX2, portable: see
+//! `kernels::gemm_loop_name`); attention and the fused SwiGLU follow
+//! `MLXCEL_KERNELS`, so the last test re-runs their tests in child processes
+//! with `MLXCEL_KERNELS=portable` and `avx2`.
+//!
+//! Tolerances. The GEMM's exact f32 loops (all but AMX) compute the
 //! same exact sum as MLX's `x @ dequantize(w).T`, in another order; as in
 //! tests/kernels.rs, errors are measured against mag = Σ_k |x_k · w_k| and
 //! must stay below 1e-5·mag (plus half an ulp of an f16/bf16 output). The AMX
@@ -68,7 +73,9 @@ fn gemm_reference(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f
         let row = &words[o * row_words..(o + 1) * row_words];
         for (j, d) in deq.iter_mut().enumerate() {
             let bit = j * bits;
-            let v = (row[bit / 32] as u64 >> (bit % 32)) & mask;
+            // MLX's little-endian bit stream: 3, 5 and 6 bits straddle words.
+            let pair = row[bit / 32] as u64 | (row.get(bit / 32 + 1).copied().unwrap_or(0) as u64) << 32;
+            let v = (pair >> (bit % 32)) & mask;
             let gi = o * g + j / group;
             *d = s[gi] as f64 * v as f64 + b[gi] as f64;
         }
@@ -116,10 +123,10 @@ fn gemm_case(seed: u64, bits: i32, group: i32, k: i32, n: i32, x: &Array, sdtype
     let label = format!("bits={bits} group={group} K={k} N={n} x={:?} {}/{sdtype}", x.shape(), x.dtype());
     let (exact, mag) = gemm_reference(x, &q, group as usize, bits as usize);
     let mlx = quantized_matmul(x, &q.w, &q.scales, &q.biases, true, group, bits).unwrap();
-    // The default (AMX where available) and the exact f32 loop.
-    for path in [KernelPath::Auto, KernelPath::Avx512] {
+    // The default (AMX where available) and every exact loop this CPU runs.
+    for path in distinct_loops(bits) {
         let ours = kernels::quantized_gemm_with_path(x, &q.w, &q.scales, &q.biases, group, bits, path).unwrap();
-        let label = format!("{label} {path:?}");
+        let label = format!("{label} {}", kernels::gemm_loop_name(path, bits));
         if expect_kernel && x.dtype() == Dtype::Float32 && ours.dtype() == Dtype::Float32 {
             assert!(kernels::is_kernel_node(&ours), "{label}: fell back to another op");
         }
@@ -127,6 +134,20 @@ fn gemm_case(seed: u64, bits: i32, group: i32, k: i32, n: i32, x: &Array, sdtype
         assert_eq!(ours.dtype(), mlx.dtype(), "{label}: dtype");
         check_gemm_tol(&label, &ours, &exact, &mag, gemm_tol(path));
     }
+}
+
+/// One path per distinct loop the GEMM runs here for `bits` (0: dense).
+fn distinct_loops(bits: i32) -> Vec<KernelPath> {
+    let mut seen = Vec::new();
+    let mut paths = Vec::new();
+    for path in [KernelPath::Auto, KernelPath::Avx512, KernelPath::Avx2, KernelPath::Portable] {
+        let name = kernels::gemm_loop_name(path, bits);
+        if !seen.contains(&name) {
+            seen.push(name);
+            paths.push(path);
+        }
+    }
+    paths
 }
 
 fn x_of(seed: u64, shape: &[i32], dtype: Dtype) -> Array {
@@ -139,10 +160,18 @@ fn x_of(seed: u64, shape: &[i32], dtype: Dtype) -> Array {
 fn gemm_reports_support() {
     eprintln!("AMX loop by default: {}", kernels::gemm_uses_amx(KernelPath::Auto));
     assert!(!kernels::gemm_uses_amx(KernelPath::Avx512), "Avx512 is the exact loop");
-    if !kernels::gemm_supports(32, 4) {
-        eprintln!("no AVX-512 here: quantized_gemm hands every call to quantized_matmul");
+    assert_eq!(kernels::gemm_loop_name(KernelPath::Portable, 4), "portable");
+    assert_eq!(kernels::gemm_loop_name(KernelPath::Portable, 0), "portable");
+    assert!(["amx", "avx512", "avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Auto, 4).as_str()));
+    // No AVX-512 loop for dense weights or for widths that straddle words.
+    assert!(["avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Avx512, 3).as_str()));
+    assert!(["avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Auto, 0).as_str()));
+    for (group, bits) in [(32, 2), (32, 4), (32, 8), (64, 4), (128, 8), (32, 3), (64, 5), (128, 6), (16, 8)] {
+        assert!(kernels::gemm_supports(group, bits), "group {group} bits {bits}");
     }
-    assert!(!kernels::gemm_supports(32, 3) && !kernels::gemm_supports(0, 4) && !kernels::gemm_supports(4, 4));
+    for (group, bits) in [(0, 4), (4, 4), (16, 3), (32, 7), (32, 1), (-32, 4)] {
+        assert!(!kernels::gemm_supports(group, bits), "group {group} bits {bits}");
+    }
 }
 
 #[test]
@@ -150,7 +179,7 @@ fn gemm_matches_on_awkward_shapes() {
     let _g = lock();
     let supported = kernels::gemm_supports(32, 4);
     let mut seed = 10;
-    for bits in [2, 4, 8] {
+    for bits in [2, 3, 4, 5, 6, 8] {
         for (group, k) in [(32, 32), (32, 96), (32, 608), (64, 192), (128, 384)] {
             for n in [1, 5, 31, 33, 64, 100, 200] {
                 for m in [16, 17, 33, 129] {
@@ -227,18 +256,101 @@ fn gemm_paths_and_errors() {
     let bad_x = x_of(4001, &[17, 96], Dtype::Float32);
     assert!(kernels::quantized_gemm(&bad_x, &q.w, &q.scales, &q.biases, 64, 4).is_err(), "K mismatch");
     assert!(kernels::quantized_gemm(&x, &q.w, &q.scales, &q.biases, 32, 4).is_err(), "group mismatch");
-    // Unsupported widths still give MLX's answer.
+    // Widths that straddle words read MLX's bit stream: the same answer as MLX's op.
     let key = random::key(4002).unwrap();
     let wf = random::normal(&[19, 192], Dtype::Float32, 0.0, 1.0, &key).unwrap();
-    if let Ok((w, s, b)) = quantize(&wf, 64, 3) {
-        if w.eval().is_ok() {
-            let y = kernels::quantized_gemm(&x, &w, &s, &b, 64, 3).unwrap();
-            let r = quantized_matmul(&x, &w, &s, &b, true, 64, 3).unwrap();
-            for (a, b) in to_f32(&y).iter().zip(to_f32(&r)) {
-                assert!((a - b).abs() <= 1e-3 * (1.0 + b.abs()), "3-bit: {a} vs {b}");
+    for bits in [3, 5, 6] {
+        let (w, s, b) = quantize(&wf, 64, bits).unwrap();
+        let y = kernels::quantized_gemm(&x, &w, &s, &b, 64, bits).unwrap();
+        assert!(kernels::is_kernel_node(&y), "{bits}-bit: our GEMM");
+        let r = quantized_matmul(&x, &w, &s, &b, true, 64, bits).unwrap();
+        for (a, b) in to_f32(&y).iter().zip(to_f32(&r)) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{bits}-bit: {a} vs MLX {b}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Dense GEMM.
+
+/// Exact (f64) `x @ w.T` and mag for contiguous f32 copies.
+fn dense_reference(x: &Array, w: &Array) -> (Vec<f64>, Vec<f64>) {
+    let xs = to_f32(&x.contiguous().unwrap());
+    let ws = to_f32(&w.contiguous().unwrap());
+    let (n, k) = (w.dim(0) as usize, w.dim(1) as usize);
+    let m = if k == 0 { 0 } else { xs.len() / k };
+    let (mut y, mut mag) = (vec![0f64; m * n], vec![0f64; m * n]);
+    for r in 0..m {
+        for o in 0..n {
+            let (mut acc, mut a) = (0f64, 0f64);
+            for j in 0..k {
+                let p = xs[r * k + j] as f64 * ws[o * k + j] as f64;
+                acc += p;
+                a += p.abs();
+            }
+            y[r * n + o] = acc;
+            mag[r * n + o] = a;
+        }
+    }
+    (y, mag)
+}
+
+fn dense_case(seed: u64, x: &Array, w: &Array) {
+    let label = format!("dense x={:?} {} w={:?} {}", x.shape(), x.dtype(), w.shape(), w.dtype());
+    let (exact, mag) = dense_reference(x, w);
+    let mlx = x.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap();
+    for path in distinct_loops(0) {
+        let ours = kernels::dense_matmul_with_path(x, w, path).unwrap();
+        let label = format!("{label} {} (seed {seed})", kernels::gemm_loop_name(path, 0));
+        assert!(kernels::is_kernel_node(&ours) || ours.dtype() != Dtype::Float32, "{label}: fell back");
+        assert_eq!(ours.shape(), mlx.shape(), "{label}: shape");
+        assert_eq!(ours.dtype(), mlx.dtype(), "{label}: dtype");
+        check_gemm_tol(&label, &ours, &exact, &mag, 1e-5);
+    }
+}
+
+#[test]
+fn dense_matches_on_awkward_shapes() {
+    let _g = lock();
+    let mut seed = 11000;
+    for k in [1, 7, 8, 9, 64, 577] {
+        for n in [1, 2, 3, 4, 7, 100] {
+            for m in [1, 2, 3, 5, 17, 130] {
+                seed += 1;
+                dense_case(seed, &x_of(seed, &[m, k], Dtype::Float32), &normal(seed + 7, &[n, k]));
             }
         }
     }
+    // Model shapes with a batch axis, half-precision weights and inputs.
+    dense_case(11900, &x_of(11900, &[2, 37, 576], Dtype::Float32), &normal(11901, &[1536, 576]));
+    for (xdt, wdt) in [(Dtype::Float32, Dtype::Float16), (Dtype::Bfloat16, Dtype::Bfloat16), (Dtype::Float16, Dtype::Float32)] {
+        let w = normal(11910, &[45, 160]).astype(wdt).unwrap();
+        dense_case(11910, &x_of(11910, &[3, 19, 160], xdt), &w);
+    }
+    // A transposed view of x, a broadcast row axis, a transposed (non-contiguous) w.
+    let xt = x_of(11920, &[96, 40], Dtype::Float32).transpose(&[1, 0]).unwrap();
+    dense_case(11920, &xt, &normal(11921, &[50, 96]));
+    let x1 = x_of(11930, &[1, 96], Dtype::Float32).broadcast_to(&[20, 96]).unwrap();
+    dense_case(11930, &x1, &normal(11931, &[33, 96]));
+    let wt = normal(11940, &[96, 70]).transpose(&[1, 0]).unwrap();
+    dense_case(11940, &x_of(11940, &[21, 96], Dtype::Float32), &wt);
+}
+
+#[test]
+fn dense_errors_name_the_shapes() {
+    let _g = lock();
+    let x = x_of(12000, &[4, 96], Dtype::Float32);
+    let w = normal(12001, &[10, 95]);
+    let err = kernels::dense_matmul(&x, &w).and_then(|y| y.eval().map(|_| y)).err().expect("K mismatch");
+    let msg = err.to_string();
+    assert!(msg.contains("96") && msg.contains("95"), "{msg}");
+    let w3 = normal(12002, &[2, 10, 96]);
+    assert!(kernels::dense_matmul(&x, &w3).and_then(|y| y.eval().map(|_| y)).is_err(), "3-D weight");
+    // Zero rows give an empty result of the right shape.
+    let empty = x_of(12003, &[0, 96], Dtype::Float32);
+    let y = kernels::dense_matmul(&empty, &normal(12004, &[10, 96])).unwrap();
+    y.eval().unwrap();
+    assert_eq!(y.shape(), vec![0, 10]);
 }
 
 #[test]
@@ -393,7 +505,7 @@ fn attention_case(seed: u64, b: i32, h: i32, hkv: i32, l: i32, s: i32, d: i32, d
     assert_eq!(ours.shape(), mlx.shape(), "{label}: shape");
     assert_eq!(ours.dtype(), mlx.dtype(), "{label}: dtype");
     let supported = kernels::causal_attention_supports(&q, &k, &v);
-    assert_eq!(supported, kernels::gemm_supports(32, 4) && dtype == Dtype::Float32 && d % 16 == 0, "{label}: support");
+    assert_eq!(supported, dtype == Dtype::Float32 && d % 16 == 0, "{label}: support");
     let exact = attention_reference(&q, &k, &v, scale);
     let vmax = to_f32(&v.contiguous().unwrap()).iter().fold(0f64, |m, x| m.max(x.abs() as f64));
     check_attention(&label, &ours, &exact, vmax);
@@ -447,5 +559,32 @@ fn attention_large_scores_stay_finite() {
     for (i, (&g, &e)) in vals.iter().zip(&exact).enumerate() {
         assert!(g.is_finite(), "element {i} is not finite");
         assert!((g as f64 - e).abs() <= 1e-3 * vmax, "element {i}: {g} vs {e}");
+    }
+}
+
+/// Attention and the fused SwiGLU GEMM follow `MLXCEL_KERNELS` (read once per
+/// process): run their tests again in children capped at the portable and
+/// AVX2 loops.
+#[test]
+fn attention_and_swiglu_on_every_loop() {
+    if std::env::var_os("MLXCEL_KERNELS").is_some() {
+        return; // already a child
+    }
+    for path in ["portable", "avx2"] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "--test-threads=1",
+                "attention_matches_mlx_causal",
+                "attention_batches_long_context_and_fallbacks",
+                "attention_large_scores_stay_finite",
+                "swiglu_matches",
+            ])
+            .env("MLXCEL_KERNELS", path)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("4 passed"), "MLXCEL_KERNELS={path}: expected 4 tests to run:\n{text}");
     }
 }

@@ -74,6 +74,13 @@ impl<T> Registry<T> {
             .ok_or_else(|| self.invalid(handle))
     }
 
+    /// Calls `f` on every live object (under the table's lock: keep it short).
+    pub fn for_each(&self, mut f: impl FnMut(&T)) {
+        if let Some(table) = self.table().as_ref() {
+            table.values().for_each(|v| f(v));
+        }
+    }
+
     /// Unregisters a handle, returning its object; a second call fails.
     pub fn remove(&self, handle: usize) -> CResult<Arc<T>> {
         let id = self.id_of(handle)?;

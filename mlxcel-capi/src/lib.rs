@@ -14,7 +14,9 @@
 #![allow(non_camel_case_types)]
 #![allow(clippy::missing_safety_doc)]
 
+mod abi_version;
 mod handles;
+mod shutdown;
 mod status;
 
 use std::ffi::{c_char, c_void, CStr};
@@ -31,14 +33,7 @@ use handles::Registry;
 use status::*;
 pub use status::{mlxcel_status, mlxcel_status_code};
 
-/// The major version of the ABI this header describes. It changes when a
-/// function's signature or a struct's layout changes incompatibly; a program
-/// must only run against a library with the same major version.
-pub const MLXCEL_ABI_VERSION_MAJOR: u32 = 1;
-/// The minor version of the ABI: it grows when functions or constants are
-/// added; a program built against minor N runs against any library of the
-/// same major version and minor >= N.
-pub const MLXCEL_ABI_VERSION_MINOR: u32 = 0;
+pub use abi_version::{MLXCEL_ABI_VERSION_MAJOR, MLXCEL_ABI_VERSION_MINOR};
 
 /// The values of `mlxcel_generation_result.finish_reason` (an `int32_t`).
 #[repr(i32)]
@@ -162,8 +157,9 @@ pub struct mlxcel_generation_result {
     pub prompt_seconds: f64,
     /// From the first generated token to the last.
     pub decode_seconds: f64,
-    /// MLX's peak memory use during the run.
-    pub peak_memory_bytes: u64,
+    /// Process-wide: MLX's allocator high-water mark when the run ended, over
+    /// every model and generation in the process (not reset by any run).
+    pub process_peak_memory_bytes: u64,
 }
 
 /// A summary of a loaded model. Strings are NUL-terminated (truncated if
@@ -409,7 +405,7 @@ fn empty_result() -> mlxcel_generation_result {
         text_len: 0,
         prompt_seconds: 0.0,
         decode_seconds: 0.0,
-        peak_memory_bytes: 0,
+        process_peak_memory_bytes: 0,
     }
 }
 
@@ -432,7 +428,7 @@ unsafe fn generate_with(
     if !out.is_null() && out_cap > 0 {
         *out = 0;
     }
-    guard(|| {
+    guard(|inside| {
         let ctx = CONTEXTS.get(ctx as usize)?;
         check_buffer(out, out_cap, "out")?;
         let (sampling, prefill_chunk) = sampling_params(params)?;
@@ -462,12 +458,14 @@ unsafe fn generate_with(
             piece_buf.clear();
             piece_buf.extend_from_slice(piece.text.as_bytes());
             piece_buf.push(0);
-            let go_on = cb(
-                piece_buf.as_ptr() as *const c_char,
-                piece.text.len(),
-                piece.token as i32,
-                user_data,
-            );
+            let go_on = shutdown::outside(inside, || {
+                cb(
+                    piece_buf.as_ptr() as *const c_char,
+                    piece.text.len(),
+                    piece.token as i32,
+                    user_data,
+                )
+            });
             stopped_by_callback |= !go_on;
             go_on
         });
@@ -484,7 +482,7 @@ unsafe fn generate_with(
                 res.generated_tokens = stats.generated_tokens;
                 res.prompt_seconds = stats.prompt_time.as_secs_f64();
                 res.decode_seconds = stats.decode_time.as_secs_f64();
-                res.peak_memory_bytes = stats.peak_memory_bytes as u64;
+                res.process_peak_memory_bytes = stats.process_peak_memory_bytes as u64;
                 let (finish, status) = match output.finish_reason {
                     FinishReason::Stop => (MLXCEL_FINISH_STOP, Ok(MLXCEL_OK)),
                     FinishReason::Length => (MLXCEL_FINISH_LENGTH, Ok(MLXCEL_OK)),
@@ -505,8 +503,14 @@ unsafe fn generate_with(
         if !result.is_null() {
             *result = res;
         }
+        shutdown::register_after_first_generation();
         status
     })
+}
+
+/// Cancels every generation in progress (the exit handler's first step).
+pub(crate) fn cancel_all_runs() {
+    CONTEXTS.for_each(|ctx| lock(&ctx.cancel).cancel());
 }
 
 // ---------------------------------------------------------------------------
@@ -568,13 +572,13 @@ pub unsafe extern "C" fn mlxcel_model_load(
     params: mlxcel_model_params,
     out_model: *mut *mut mlxcel_model,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         if out_model.is_null() {
             return Err(CError::null("out_model"));
         }
         *out_model = std::ptr::null_mut();
         let dir = if params.path.is_null() {
-            mlxcel_models::default_model::default_model_dir().map_err(|e| {
+            mlxcel_hub::default_model_dir().map_err(|e| {
                 CError::new(MLXCEL_ERR_MODEL_LOAD, format!("the default model: {e}"))
             })?
         } else {
@@ -583,6 +587,8 @@ pub unsafe extern "C" fn mlxcel_model_load(
         let model =
             Model::load(&dir).map_err(|e| CError::new(MLXCEL_ERR_MODEL_LOAD, e.to_string()))?;
         *out_model = MODELS.insert(Arc::new(model)) as *mut mlxcel_model;
+        // MLX's statics exist now: the exit handler must run before their destructors.
+        shutdown::register_exit_handler();
         Ok(MLXCEL_OK)
     })
 }
@@ -604,13 +610,16 @@ unsafe fn path_from_c(path: *const c_char) -> PathBuf {
 /// until they end. NULL is a no-op returning `MLXCEL_OK`. Thread-safe.
 #[no_mangle]
 pub extern "C" fn mlxcel_model_free(model: *mut mlxcel_model) -> mlxcel_status {
-    guard(|| {
-        if model.is_null() {
-            return Ok(MLXCEL_OK);
+    let free = |leak: bool| {
+        if !model.is_null() {
+            let model = MODELS.remove(model as usize)?;
+            if leak {
+                std::mem::forget(model);
+            }
         }
-        MODELS.remove(model as usize)?;
         Ok(MLXCEL_OK)
-    })
+    };
+    guard_or(|_| free(false), || free(true))
 }
 
 fn fill_c_chars(dst: &mut [c_char], s: &str) {
@@ -644,7 +653,7 @@ pub unsafe extern "C" fn mlxcel_model_get_info(
     model: *const mlxcel_model,
     out_info: *mut mlxcel_model_info,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         let model = MODELS.get(model as usize)?;
         if out_info.is_null() {
             return Err(CError::null("out_info"));
@@ -695,7 +704,7 @@ pub unsafe extern "C" fn mlxcel_model_info_json(
     out_cap: usize,
     needed: *mut usize,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         let model = MODELS.get(model as usize)?;
         check_buffer(out, out_cap, "out")?;
         let info = &model.info;
@@ -762,7 +771,7 @@ pub unsafe extern "C" fn mlxcel_tokenize(
     out_cap: usize,
     n_tokens: *mut usize,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         let model = MODELS.get(model as usize)?;
         let text = c_str(text, "text")?;
         check_buffer(out, out_cap, "out")?;
@@ -793,7 +802,7 @@ pub unsafe extern "C" fn mlxcel_detokenize(
     out_cap: usize,
     needed: *mut usize,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         let model = MODELS.get(model as usize)?;
         check_buffer(out, out_cap, "out")?;
         let ids = token_ids(tokens, n_tokens, model_vocab(&model))?;
@@ -821,7 +830,7 @@ pub unsafe extern "C" fn mlxcel_apply_chat_template(
     out_cap: usize,
     needed: *mut usize,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         let model = MODELS.get(model as usize)?;
         check_buffer(out, out_cap, "out")?;
         let messages = messages(roles, contents, n_messages)?;
@@ -845,7 +854,7 @@ pub unsafe extern "C" fn mlxcel_context_new(
     model: *const mlxcel_model,
     out_ctx: *mut *mut mlxcel_context,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         if out_ctx.is_null() {
             return Err(CError::null("out_ctx"));
         }
@@ -869,14 +878,17 @@ pub unsafe extern "C" fn mlxcel_context_new(
 /// Thread-safe.
 #[no_mangle]
 pub extern "C" fn mlxcel_context_free(ctx: *mut mlxcel_context) -> mlxcel_status {
-    guard(|| {
-        if ctx.is_null() {
-            return Ok(MLXCEL_OK);
+    let free = |leak: bool| {
+        if !ctx.is_null() {
+            let inner = CONTEXTS.remove(ctx as usize)?;
+            lock(&inner.cancel).cancel();
+            if leak {
+                std::mem::forget(inner);
+            }
         }
-        let inner = CONTEXTS.remove(ctx as usize)?;
-        lock(&inner.cancel).cancel();
         Ok(MLXCEL_OK)
-    })
+    };
+    guard_or(|_| free(false), || free(true))
 }
 
 /// The default generation parameters: greedy, 256 tokens, no filters, no
@@ -1026,7 +1038,7 @@ pub unsafe extern "C" fn mlxcel_generate_tokens(
 /// INVALID_HANDLE.
 #[no_mangle]
 pub extern "C" fn mlxcel_cancel(ctx: *mut mlxcel_context) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         let inner = CONTEXTS.get(ctx as usize)?;
         lock(&inner.cancel).cancel();
         Ok(MLXCEL_OK)
@@ -1043,7 +1055,7 @@ pub unsafe extern "C" fn mlxcel_context_text(
     out_cap: usize,
     needed: *mut usize,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         let inner = CONTEXTS.get(ctx as usize)?;
         check_buffer(out, out_cap, "out")?;
         let last = lock(&inner.last);
@@ -1063,7 +1075,7 @@ pub unsafe extern "C" fn mlxcel_context_tokens(
     out_cap: usize,
     n_tokens: *mut usize,
 ) -> mlxcel_status {
-    guard(|| {
+    guard(|_| {
         let inner = CONTEXTS.get(ctx as usize)?;
         check_buffer(out, out_cap, "out")?;
         if n_tokens.is_null() {

@@ -6,6 +6,8 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use crate::shutdown::{self, Inside};
+
 /// The status every fallible function returns: `MLXCEL_OK` (0), a positive
 /// non-error outcome (`MLXCEL_CANCELLED`), or a negative error code. The
 /// values below are part of the ABI and never change meaning.
@@ -50,6 +52,9 @@ pub enum mlxcel_status_code {
     /// A bug in mlxcel (an internal panic was caught). The handles involved stay
     /// valid, but their state is unspecified; freeing them is safe.
     MLXCEL_ERR_INTERNAL = -12,
+    /// The process is exiting (`exit()` was called or `main` returned): no new
+    /// work starts. Freeing handles still succeeds. Since ABI 1.1.
+    MLXCEL_ERR_EXITING = -13,
 }
 
 pub(crate) const MLXCEL_OK: mlxcel_status = mlxcel_status_code::MLXCEL_OK as mlxcel_status;
@@ -79,6 +84,8 @@ pub(crate) const MLXCEL_ERR_BUSY: mlxcel_status =
     mlxcel_status_code::MLXCEL_ERR_BUSY as mlxcel_status;
 pub(crate) const MLXCEL_ERR_INTERNAL: mlxcel_status =
     mlxcel_status_code::MLXCEL_ERR_INTERNAL as mlxcel_status;
+pub(crate) const MLXCEL_ERR_EXITING: mlxcel_status =
+    mlxcel_status_code::MLXCEL_ERR_EXITING as mlxcel_status;
 
 /// An error on its way to the caller: a status and a message for `mlxcel_last_error`.
 #[derive(Debug)]
@@ -136,6 +143,12 @@ impl From<mlxcel_models::Error> for CError {
     }
 }
 
+impl From<mlxcel_tokenizer::Error> for CError {
+    fn from(e: mlxcel_tokenizer::Error) -> Self {
+        mlxcel_models::Error::from(e).into()
+    }
+}
+
 impl From<mlx_sys::Error> for CError {
     fn from(e: mlx_sys::Error) -> Self {
         CError::new(MLXCEL_ERR_MLX, format!("MLX: {e}"))
@@ -169,8 +182,26 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 
 /// Runs an entry point's body: maps its error (recording the message) and
 /// catches panics, so nothing unwinds into C.
-pub(crate) fn guard(body: impl FnOnce() -> CResult<mlxcel_status>) -> mlxcel_status {
-    match catch_unwind(AssertUnwindSafe(body)) {
+pub(crate) fn guard(body: impl FnOnce(&Inside) -> CResult<mlxcel_status>) -> mlxcel_status {
+    guard_or(body, || {
+        Err(CError::new(
+            MLXCEL_ERR_EXITING,
+            "the process is exiting (exit() was called or main returned); no new work starts",
+        ))
+    })
+}
+
+/// Like [`guard`], with `when_exiting` run instead of `body` once the process
+/// has begun exiting (see `shutdown`).
+pub(crate) fn guard_or(
+    body: impl FnOnce(&Inside) -> CResult<mlxcel_status>,
+    when_exiting: impl FnOnce() -> CResult<mlxcel_status>,
+) -> mlxcel_status {
+    let outcome = match shutdown::enter() {
+        Some(inside) => catch_unwind(AssertUnwindSafe(|| body(&inside))),
+        None => catch_unwind(AssertUnwindSafe(when_exiting)),
+    };
+    match outcome {
         Ok(Ok(status)) => status,
         Ok(Err(e)) => {
             set_last_error(&e.message);
@@ -202,6 +233,7 @@ pub(crate) fn status_name(status: mlxcel_status) -> &'static str {
         MLXCEL_ERR_PROMPT_TOO_LONG => "prompt too long\0",
         MLXCEL_ERR_BUSY => "context busy\0",
         MLXCEL_ERR_INTERNAL => "internal error\0",
+        MLXCEL_ERR_EXITING => "process exiting\0",
         _ => "unknown status\0",
     }
 }

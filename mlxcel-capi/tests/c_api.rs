@@ -1,10 +1,15 @@
 //! The C ABI from C and C++: compiles examples/c/generate.c,
-//! examples/cpp/generate.cpp and tests/c/api_test.c against the libmlxcel
-//! that cargo built for this test run (shared and static), runs them on the
-//! default model, and runs the C example under valgrind's leak checker.
+//! examples/cpp/generate.cpp, tests/c/api_test.c and tests/c/exit_test.c
+//! against the libmlxcel that cargo built for this test run (shared and
+//! static), runs them on the default model, and runs the C example under
+//! valgrind's leak checker. Also checks the shared library's SONAME and
+//! installs it with scripts/install-capi into a prefix that a program finds
+//! through pkg-config.
 //!
-//! Needs `cc` and `c++` (and `valgrind` for the leak test) on PATH.
+//! Needs `cc`, `c++`, `readelf` and `ldd` on PATH, `valgrind` for the leak
+//! test, and `pkg-config` and `patchelf` for the install test.
 
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -74,6 +79,7 @@ struct Binaries {
     generate_c_static: PathBuf,
     generate_cpp: PathBuf,
     api_test: PathBuf,
+    exit_test: PathBuf,
 }
 
 /// Builds the C and C++ programs once per test process; the default model is
@@ -81,7 +87,7 @@ struct Binaries {
 fn binaries() -> &'static Binaries {
     static BINARIES: OnceLock<Binaries> = OnceLock::new();
     BINARIES.get_or_init(|| {
-        mlxcel_models::default_model::default_model_dir().expect("prepare the default model");
+        mlxcel_hub::default_model_dir().expect("prepare the default model");
         let lib = lib_dir();
         let out = lib.join("capi-tests");
         std::fs::create_dir_all(&out).unwrap();
@@ -95,6 +101,7 @@ fn binaries() -> &'static Binaries {
             generate_c_static: out.join("generate_static"),
             generate_cpp: out.join("generate_cpp"),
             api_test: out.join("api_test"),
+            exit_test: out.join("exit_test"),
         };
         compile(
             "cc",
@@ -109,6 +116,13 @@ fn binaries() -> &'static Binaries {
             &ws.join("mlxcel-capi/tests/c/api_test.c"),
             &shared,
             &b.api_test,
+        );
+        compile(
+            "cc",
+            &strict_c,
+            &ws.join("mlxcel-capi/tests/c/exit_test.c"),
+            &shared,
+            &b.exit_test,
         );
         let cpp_include = ws.join("examples/cpp").display().to_string();
         let cpp_flags = [
@@ -310,4 +324,158 @@ fn c_example_has_no_leaks_under_valgrind() {
         in_use < 8 << 20,
         "{in_use} bytes still in use at exit: a model or context was not released"
     );
+}
+
+/// The `[value]`s of the `tag` entries in `readelf -d path`.
+fn dynamic_entries(path: &Path, tag: &str) -> Vec<String> {
+    let output = Command::new("readelf")
+        .arg("-d")
+        .arg(path)
+        .output()
+        .unwrap_or_else(|e| panic!("running readelf (binutils): {e}"));
+    check_output(&format!("readelf -d {}", path.display()), &output);
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|l| l.contains(&format!("({tag})")))
+        .filter_map(|l| Some(l.split_once('[')?.1.strip_suffix(']')?.to_string()))
+        .collect()
+}
+
+fn soname() -> String {
+    format!("libmlxcel.so.{}", mlxcel::MLXCEL_ABI_VERSION_MAJOR)
+}
+
+/// The SONAME carries the ABI major version, which the header states too,
+/// and programs linked in the build tree record it and run through the
+/// `libmlxcel.so.<major>` link that build.rs makes.
+#[test]
+fn shared_library_has_the_abi_major_in_its_soname() {
+    let b = binaries();
+    let lib = lib_dir();
+    assert_eq!(
+        dynamic_entries(&lib.join("libmlxcel.so"), "SONAME"),
+        [soname()]
+    );
+    let header = std::fs::read_to_string(workspace_dir().join("include/mlxcel.h")).unwrap();
+    let define = format!(
+        "#define MLXCEL_ABI_VERSION_MAJOR {}\n",
+        mlxcel::MLXCEL_ABI_VERSION_MAJOR
+    );
+    assert!(header.contains(&define), "include/mlxcel.h lacks {define:?}");
+    assert_eq!(
+        std::fs::read_link(lib.join(soname())).ok(),
+        Some(PathBuf::from("libmlxcel.so"))
+    );
+    assert!(dynamic_entries(&b.generate_c, "NEEDED").contains(&soname()));
+}
+
+/// scripts/install-capi into a fresh prefix: the versioned file and its
+/// links, the static library, the header and mlxcel.pc; a program built with
+/// `pkg-config --cflags --libs mlxcel` runs against the installed library,
+/// which finds the installed libmlx through its $ORIGIN runpath.
+#[test]
+fn installed_library_builds_and_runs_through_pkg_config() {
+    binaries();
+    let _serial = serial();
+    let lib = lib_dir();
+    let ws = workspace_dir();
+    let prefix = lib.join("capi-tests/prefix");
+    let _ = std::fs::remove_dir_all(&prefix);
+    let output = Command::new(ws.join("scripts/install-capi"))
+        .args(["--no-build", "--lib-dir"])
+        .arg(&lib)
+        .arg("--prefix")
+        .arg(&prefix)
+        .output()
+        .unwrap();
+    check_output("scripts/install-capi", &output);
+
+    let libdir = prefix.join("lib");
+    let (major, minor) = (mlxcel::MLXCEL_ABI_VERSION_MAJOR, mlxcel::MLXCEL_ABI_VERSION_MINOR);
+    let patch = env!("CARGO_PKG_VERSION").rsplit('.').next().unwrap();
+    let real = format!("libmlxcel.so.{major}.{minor}.{patch}");
+    assert_eq!(std::fs::read_link(libdir.join("libmlxcel.so")).unwrap(), PathBuf::from(soname()));
+    assert_eq!(std::fs::read_link(libdir.join(soname())).unwrap(), PathBuf::from(&real));
+    let installed = libdir.join(&real);
+    assert_eq!(dynamic_entries(&installed, "SONAME"), [soname()]);
+    assert_eq!(dynamic_entries(&installed, "RUNPATH"), ["$ORIGIN/mlxcel/mlx/lib"]);
+    assert!(libdir.join("libmlxcel.a").is_file());
+    assert!(libdir.join("mlxcel/mlx/lib/libmlx.so").is_file());
+    assert_eq!(
+        std::fs::read(prefix.join("include/mlxcel.h")).unwrap(),
+        std::fs::read(ws.join("include/mlxcel.h")).unwrap()
+    );
+
+    let pkg_config = Command::new("pkg-config")
+        .args(["--cflags", "--libs", "mlxcel"])
+        .env("PKG_CONFIG_PATH", libdir.join("pkgconfig"))
+        .output()
+        .unwrap_or_else(|e| panic!("running pkg-config (apt-get install pkg-config): {e}"));
+    check_output("pkg-config --cflags --libs mlxcel", &pkg_config);
+    let flags = String::from_utf8(pkg_config.stdout).unwrap();
+    let flags: Vec<&str> = flags.split_whitespace().collect();
+    let include = format!("-I{}", prefix.join("include").display());
+    let link_dir = format!("-L{}", libdir.display());
+    assert!(flags.contains(&include.as_str()) && flags.contains(&link_dir.as_str()) && flags.contains(&"-lmlxcel"), "{flags:?}");
+
+    let exe = lib.join("capi-tests/generate_installed");
+    let mut cc = Command::new("cc");
+    cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .arg(ws.join("examples/c/generate.c"))
+        .args(&flags)
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .arg("-o")
+        .arg(&exe);
+    check_output(&format!("{cc:?}"), &cc.output().unwrap());
+    let output = run(&exe, &["--max-tokens", "3", "The capital of France is"]);
+    check_output("generate (installed)", &output);
+    assert!(String::from_utf8_lossy(&output.stdout).starts_with(" Paris"));
+
+    // Both libraries come from the prefix, not from the build tree or the cache.
+    let ldd = Command::new("ldd").arg(&exe).output().unwrap();
+    let ldd = String::from_utf8_lossy(&ldd.stdout);
+    for (name, dir) in [(soname(), libdir.clone()), ("libmlx.so".to_string(), libdir.join("mlxcel/mlx/lib"))] {
+        let expected = format!("{name} => {}", dir.join(&name).display());
+        assert!(ldd.contains(&expected), "ldd does not show {expected:?}:\n{ldd}");
+    }
+}
+
+/// `exit_test how phase`: main ends (exit(0) or return) while another thread
+/// generates; the process must exit with status 0, not a signal. Twice, as
+/// the race differs from run to run.
+fn exit_while_generating(how: &str, phase: &str) {
+    let b = binaries();
+    let _serial = serial();
+    for _ in 0..2 {
+        let output = run(&b.exit_test, &[how, phase]);
+        assert_eq!(
+            output.status.signal(),
+            None,
+            "exit_test {how} {phase} was killed by a signal:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        check_output(&format!("exit_test {how} {phase}"), &output);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.contains(&format!("ending main by {how} during {phase}")), "{stdout}");
+    }
+}
+
+#[test]
+fn c_exit_during_the_prompt_of_another_thread() {
+    exit_while_generating("exit", "prefill");
+}
+
+#[test]
+fn c_exit_during_decode_of_another_thread() {
+    exit_while_generating("exit", "decode");
+}
+
+#[test]
+fn c_return_from_main_during_the_prompt_of_another_thread() {
+    exit_while_generating("return", "prefill");
+}
+
+#[test]
+fn c_return_from_main_during_decode_of_another_thread() {
+    exit_while_generating("return", "decode");
 }

@@ -17,3 +17,11 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Tokenizer and chat-template errors stay `Error::Model(mlxcel_models::Error::Tokenizer | ChatTemplate)`,
+/// which the C, Python and Node bindings map to their tokenizer errors.
+impl From<mlxcel_tokenizer::Error> for Error {
+    fn from(e: mlxcel_tokenizer::Error) -> Self {
+        Error::Model(e.into())
+    }
+}

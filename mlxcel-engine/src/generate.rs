@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use mlx_sys::{async_eval, eval, memory, Array, Dtype};
 use mlxcel_models::chat_template::Message;
-use mlxcel_models::{KvCache, Model};
+use mlxcel_models::{runtime, KvCache, Model};
 
 use crate::error::{Error, Result};
 use crate::sampling::{recent_tokens, Sampler, SamplingParams};
@@ -97,8 +97,14 @@ pub struct GenerationStats {
     pub prompt_time: Duration,
     /// From the first token to the last.
     pub decode_time: Duration,
-    /// MLX's peak allocation during the generation.
-    pub peak_memory_bytes: usize,
+    /// Bytes of this run's KV caches when it ended (its own, whatever else
+    /// runs in the process).
+    pub kv_cache_bytes: usize,
+    /// Process-wide: MLX's allocator high-water mark when the run ended,
+    /// over every model and generation in the process since it started (or
+    /// since the owner of the process last called
+    /// `mlx_sys::memory::reset_peak_memory`). Generations never reset it.
+    pub process_peak_memory_bytes: usize,
 }
 
 impl GenerationStats {
@@ -135,14 +141,11 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// On the CPU this also turns MLX's buffer cache off (process-wide):
-    /// malloc serves the same sizes as fast there, and the cache kept up to
-    /// ~30 MiB of freed prefill activations resident for the whole run.
+    /// Process-wide settings (MLX's buffer cache, backend switches) are not
+    /// the engine's: they are fixed once per process by
+    /// [`RuntimeConfig`](crate::RuntimeConfig), from the environment at the
+    /// first model load unless [`runtime::init`](crate::runtime::init) came first.
     pub fn new(model: Arc<Model>) -> Self {
-        if mlx_sys::Device::default_device() == mlx_sys::Device::Cpu {
-            // Only fails for a limit MLX cannot represent; 0 is always valid.
-            let _ = memory::set_cache_limit(0);
-        }
         Engine { model }
     }
 
@@ -172,6 +175,7 @@ impl Engine {
     /// Generates a continuation, calling `on_piece` with each piece of text as
     /// soon as it is complete UTF-8. Returning `false` from it stops early.
     pub fn generate(&self, request: &GenerationRequest, mut on_piece: impl FnMut(Piece<'_>) -> bool) -> Result<GenerationOutput> {
+        runtime::get()?;
         let params = &request.params;
         let mut sampler = Sampler::new(params)?;
         if request.prefill_chunk == 0 {
@@ -190,7 +194,6 @@ impl Engine {
         let network = &self.model.network;
         let tokenizer = &self.model.tokenizer;
         let mut caches = network.new_caches();
-        memory::reset_peak_memory();
         let start = Instant::now();
         let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
         let mut output = GenerationOutput { text: String::new(), tokens: Vec::new(), finish_reason: FinishReason::Length, stats: stats.clone() };
@@ -206,6 +209,8 @@ impl Engine {
         }
         if cancelled() {
             output.finish_reason = FinishReason::Cancelled;
+            stats.kv_cache_bytes = caches.iter().map(|c| c.nbytes()).sum();
+            stats.process_peak_memory_bytes = memory::peak_memory();
             output.stats = stats;
             return Ok(output);
         }
@@ -290,7 +295,8 @@ impl Engine {
         }
         stats.generated_tokens = output.tokens.len();
         stats.decode_time = decode_start.map_or(Duration::ZERO, |t| t.elapsed());
-        stats.peak_memory_bytes = memory::peak_memory();
+        stats.kv_cache_bytes = caches.iter().map(|c| c.nbytes()).sum();
+        stats.process_peak_memory_bytes = memory::peak_memory();
         output.finish_reason = finish;
         output.stats = stats;
         Ok(output)

@@ -20,6 +20,7 @@ mod stream;
 
 pub use error::{Error, Result};
 pub use generate::{CancelFlag, Engine, FinishReason, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt};
-pub use mlxcel_models::chat_template::Message;
+pub use mlxcel_tokenizer::Message;
+pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
 pub use sampling::SamplingParams;
 pub use stream::{GenerationStream, StreamEvent};

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use mlx_sys::Array;
-use mlxcel_models::{default_model, Model};
+use mlxcel_models::Model;
 
 const PROMPT_TEXT: &str = include_str!("../../benches/prompt.txt");
 
@@ -38,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5);
     let dir = match args.get(3) {
         Some(d) => PathBuf::from(d),
-        None => default_model::default_model_dir()?,
+        None => mlxcel_hub::default_model_dir()?,
     };
     // As mlxcel_engine::Engine does on the CPU: MLX's buffer cache off
     // (PREFILL_BENCH_CACHE=1 keeps it).

@@ -45,10 +45,14 @@ pub enum Error {
     Tokenizer(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
-    #[error("model download: {0}")]
-    Download(String),
     #[error("MLX: {0}")]
     Mlx(String),
+    /// An environment variable of the runtime configuration has a value it does not accept.
+    #[error("environment variable {name}={value:?}: {message}")]
+    InvalidEnvVar { name: &'static str, value: String, message: String },
+    /// The process-wide runtime configuration could not be set.
+    #[error("runtime configuration: {0}")]
+    RuntimeConfig(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -59,6 +63,22 @@ impl Error {
     }
     pub fn invalid_file(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
         Error::InvalidFile { path: path.into(), message: message.into() }
+    }
+}
+
+/// Keeps the variants (and so the C and Python error classes) a tokenizer error had when the
+/// tokenizer lived in this crate.
+impl From<mlxcel_tokenizer::Error> for Error {
+    fn from(e: mlxcel_tokenizer::Error) -> Self {
+        use mlxcel_tokenizer::Error as T;
+        match e {
+            T::Io { path, source } => Error::Io { path, source },
+            T::Json { path, source } => Error::Json { path, source },
+            T::InvalidFile { path, message } => Error::InvalidFile { path, message },
+            T::Tokenizer(message) => Error::Tokenizer(message),
+            T::ChatTemplate(message) => Error::ChatTemplate(message),
+            other => Error::Tokenizer(other.to_string()),
+        }
     }
 }
 

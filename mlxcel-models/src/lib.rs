@@ -1,17 +1,19 @@
-//! Architectures, checkpoint loading, tokenizers and chat templates.
+//! Architectures, layers, KV caches and checkpoint loading on MLX.
+//!
+//! The tokenizer and chat templates live in `mlxcel-tokenizer` (re-exported here as
+//! [`tokenizer`] and [`chat_template`]); GGUF conversion and the architecture table in
+//! `mlxcel-gguf`; the cache and the default model in `mlxcel-hub`.
 
 pub mod architectures;
 pub mod cache;
-pub mod chat_template;
 pub mod error;
-pub mod gguf;
-pub mod default_model;
 pub mod model;
 pub mod nn;
 pub mod quantization;
-pub mod tokenizer;
+pub mod runtime;
 pub mod weights;
 
 pub use cache::{KvCache, StandardKvCache};
+pub use mlxcel_tokenizer::{chat_template, tokenizer};
 pub use error::{Error, Result};
 pub use model::{LanguageModel, Model, ModelInfo, ModelShape};

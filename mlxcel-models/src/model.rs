@@ -11,7 +11,7 @@ use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::nn::compute_dtype;
 use crate::quantization::{QuantParams, QuantizationConfig};
-use crate::tokenizer::Tokenizer;
+use mlxcel_tokenizer::Tokenizer;
 use crate::weights::{Scope, Weights};
 
 /// A network that maps token ids to next-token logits over borrowed caches.
@@ -110,6 +110,9 @@ impl Model {
 /// Loads only the network of a checkpoint (no tokenizer needed); the
 /// tokenizer fields of the returned info are left empty.
 pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
+    // The layers read the process's runtime configuration: fix it (from the
+    // environment unless `runtime::init` did) and report invalid values here.
+    crate::runtime::get()?;
     if !dir.is_dir() {
         return Err(Error::invalid_file(dir, "not a checkpoint directory"));
     }

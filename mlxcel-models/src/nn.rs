@@ -2,7 +2,7 @@
 //! embeddings, RMSNorm, RoPE, the gated MLP and grouped-query attention.
 
 use mlx_sys::fast::{self, AttentionMask};
-use mlx_sys::kernels::{self, DecoderLayerSpec};
+use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, QuantizedProjection};
 use mlx_sys::{Array, Dtype};
 
 use crate::cache::{CacheLayout, KvCache};
@@ -13,12 +13,11 @@ use crate::weights::Scope;
 /// From this many rows on, quantized matmuls run as a GEMM (prefill).
 const DENSE_PREFILL_MIN_ROWS: usize = 16;
 
-/// How prefill (many-row) work runs: our kernels (default), or
-/// `MLXCEL_PREFILL=mlx` for the previous path (dequantize + MLX matmul,
-/// MLX's attention), kept for side-by-side comparisons. Read once.
+/// How prefill (many-row) work runs: our kernels (default), or the previous
+/// path (dequantize + MLX matmul, MLX's attention), kept for side-by-side
+/// comparisons: `RuntimeConfig::prefill` (`MLXCEL_PREFILL`).
 fn prefill_uses_mlx() -> bool {
-    static MLX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MLX.get_or_init(|| std::env::var("MLXCEL_PREFILL").is_ok_and(|v| v == "mlx"))
+    crate::runtime::current().prefill == crate::runtime::PrefillBackend::Mlx
 }
 
 /// Affine-quantized weight: packed `weight`, per-group `scales` and `biases`.
@@ -50,13 +49,15 @@ impl QuantizedWeight {
 
     /// `x @ W.T`. Many rows (prefill) run as our quantized GEMM kernel
     /// (`kernels/quantized_gemm.cc`: panels of W dequantized into cache-sized
-    /// f32 buffers, an AVX-512 microkernel); few rows (decode) use our
-    /// quantized matvec kernel, which reads 4-8x fewer bytes than f32.
+    /// f32 buffers, an AMX, AVX-512, AVX2 or portable microkernel); few rows
+    /// (decode) use our quantized matvec kernel, which reads 4-8x fewer bytes
+    /// than f32. Neither calls BLAS.
     fn matmul_t(&self, x: &Array) -> Result<Array> {
         let p = self.params;
         let rows = x.size() / x.dim(-1).max(1) as usize;
         if rows >= DENSE_PREFILL_MIN_ROWS {
-            if !prefill_uses_mlx() && kernels::gemm_supports(p.group_size, p.bits) {
+            if !prefill_uses_mlx() {
+                // Layouts the GEMM does not take fall back to the matvec kernel.
                 return Ok(kernels::quantized_gemm(x, &self.weight, &self.scales, &self.biases, p.group_size, p.bits)?);
             }
             // Dequantize in the activations' dtype, not the scales' (f16 would
@@ -71,8 +72,18 @@ impl QuantizedWeight {
 
 #[derive(Clone)]
 enum LinearWeight {
+    /// `[out_features, in_features]`, as stored.
     Dense(Array),
     Quantized(QuantizedWeight),
+}
+
+/// `x @ w.T` for a dense `w` `[N, K]`: our kernel (no BLAS), or MLX's matmul
+/// under `MLXCEL_PREFILL=mlx` (for comparisons).
+fn dense_matmul_t(x: &Array, w: &Array) -> Result<Array> {
+    if prefill_uses_mlx() {
+        return Ok(x.matmul(&w.transpose(&[1, 0])?)?);
+    }
+    Ok(kernels::dense_matmul(x, w)?)
 }
 
 /// `y = x @ W.T + b`, dense or quantized.
@@ -87,9 +98,9 @@ impl Linear {
         let weight = match scope.quant_params(in_features)? {
             Some(params) => LinearWeight::Quantized(QuantizedWeight::load(scope, out_features, in_features, params)?),
             None => {
-                let w_t = scope.get("weight", &[out_features, in_features])?.transpose(&[1, 0])?;
-                w_t.eval()?;
-                LinearWeight::Dense(w_t)
+                let w = scope.get("weight", &[out_features, in_features])?;
+                w.eval()?;
+                LinearWeight::Dense(w)
             }
         };
         let bias = if bias { Some(scope.get("bias", &[out_features])?) } else { None };
@@ -106,7 +117,7 @@ impl Linear {
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
-            LinearWeight::Dense(w_t) => x.matmul(w_t)?,
+            LinearWeight::Dense(w) => dense_matmul_t(x, w)?,
             LinearWeight::Quantized(q) => q.matmul_t(x)?,
         };
         Ok(match &self.bias {
@@ -150,7 +161,7 @@ impl Embedding {
     /// `x @ E.T`: logits through tied embeddings.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Embedding::Dense(w) => x.matmul(&w.transpose(&[1, 0])?)?,
+            Embedding::Dense(w) => dense_matmul_t(x, w)?,
             Embedding::Quantized(q) => q.matmul_t(x)?,
         })
     }
@@ -350,9 +361,10 @@ impl Attention {
         let q = self.rope.forward(&q, offset)?;
         let k = self.rope.forward(&k, offset)?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let out = if l > 1 && !prefill_uses_mlx() {
-            // Our causal attention kernel (MLX's for what it does not handle);
-            // its result transposes back to [B, L, H, D] without a copy.
+        let out = if !prefill_uses_mlx() {
+            // Our causal attention kernel (MLX's for what it does not handle),
+            // for decode steps too: MLX's CPU attention is a BLAS matmul. Its
+            // result transposes back to [B, L, H, D] without a copy.
             kernels::causal_attention(&q, &k, &v, self.scale)?
         } else {
             let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
@@ -409,10 +421,7 @@ impl DecoderBlock {
 #[derive(Clone)]
 struct FusedBlock {
     spec: DecoderLayerSpec,
-    /// Kernel inputs 1..=23: norms and projections.
-    weights: Vec<Array>,
-    /// Optional inputs after the caches (biases, q/k norms, rope freqs).
-    extras: Vec<Array>,
+    weights: DecoderLayerWeights,
 }
 
 impl FusedBlock {
@@ -425,35 +434,31 @@ impl FusedBlock {
         let eps = block.input_layernorm.eps;
         let norms_agree = block.post_attention_layernorm.eps == eps
             && attn.q_norm.iter().chain(attn.k_norm.iter()).all(|n| n.eps == eps);
-        if !norms_agree || attn.rope.dims != attn.spec.head_dim {
+        if !norms_agree || attn.rope.dims != attn.spec.head_dim || attn.q_norm.is_some() != attn.k_norm.is_some() {
             return None;
         }
-        let projections = [&attn.q_proj, &attn.k_proj, &attn.v_proj, &attn.o_proj, &mlp.gate_proj, &mlp.up_proj, &mlp.down_proj];
-        let mut weights = vec![block.input_layernorm.weight.clone()];
-        for (i, linear) in projections.iter().enumerate() {
+        let projection = |linear: &Linear| -> Option<QuantizedProjection> {
             let LinearWeight::Quantized(q) = &linear.weight else { return None };
-            if !kernels::supports(q.params.group_size, q.params.bits) {
-                return None;
-            }
-            weights.extend([q.weight.clone(), q.scales.clone(), q.biases.clone()]);
-            if i == 3 {
-                weights.push(block.post_attention_layernorm.weight.clone());
-            }
-        }
-        let bias_of = |linears: &[&Linear]| -> Option<Option<Vec<Array>>> {
-            match linears.iter().filter(|l| l.bias.is_some()).count() {
-                0 => Some(None),
-                n if n == linears.len() => Some(Some(linears.iter().filter_map(|l| l.bias.clone()).collect())),
-                _ => None,
-            }
+            kernels::supports(q.params.group_size, q.params.bits).then(|| QuantizedProjection {
+                weight: q.weight.clone(),
+                scales: q.scales.clone(),
+                biases: q.biases.clone(),
+                bias: linear.bias.clone(),
+            })
         };
-        let qkv_bias = bias_of(&[&attn.q_proj, &attn.k_proj, &attn.v_proj])?;
-        let o_bias = bias_of(&[&attn.o_proj])?;
-        let mlp_bias = bias_of(&[&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj])?;
-        let qk_norm = match (&attn.q_norm, &attn.k_norm) {
-            (Some(q), Some(k)) => Some(vec![q.weight.clone(), k.weight.clone()]),
-            (None, None) => None,
-            _ => return None,
+        let weights = DecoderLayerWeights {
+            input_norm: block.input_layernorm.weight.clone(),
+            q_proj: projection(&attn.q_proj)?,
+            k_proj: projection(&attn.k_proj)?,
+            v_proj: projection(&attn.v_proj)?,
+            o_proj: projection(&attn.o_proj)?,
+            post_attention_norm: block.post_attention_layernorm.weight.clone(),
+            gate_proj: projection(&mlp.gate_proj)?,
+            up_proj: projection(&mlp.up_proj)?,
+            down_proj: projection(&mlp.down_proj)?,
+            q_norm: attn.q_norm.as_ref().map(|n| n.weight.clone()),
+            k_norm: attn.k_norm.as_ref().map(|n| n.weight.clone()),
+            rope_freqs: attn.rope.freqs.clone(),
         };
         let spec = DecoderLayerSpec {
             hidden: attn.spec.hidden,
@@ -468,20 +473,10 @@ impl FusedBlock {
             rope_scale: attn.rope.scale,
             rope_traditional: attn.rope.traditional,
             attn_scale: attn.scale,
-            qkv_bias: qkv_bias.is_some(),
-            o_bias: o_bias.is_some(),
-            mlp_bias: mlp_bias.is_some(),
-            qk_norm: qk_norm.is_some(),
-            rope_freqs: attn.rope.freqs.is_some(),
             // KvCache::append_with hands over buffers it owns exclusively.
             cache_in_place: true,
         };
-        let extras: Vec<Array> = [qkv_bias, o_bias, mlp_bias, qk_norm, attn.rope.freqs.clone().map(|f| vec![f])]
-            .into_iter()
-            .flatten()
-            .flatten()
-            .collect();
-        Some(FusedBlock { spec, weights, extras })
+        Some(FusedBlock { spec, weights })
     }
 
     /// The block for `x` ([1, L, hidden]), or None when the cache cannot be
@@ -491,12 +486,7 @@ impl FusedBlock {
         let mut out = None;
         let appended = cache.append_with(x.dim(1) as usize, layout, &mut |keys, values, offset| {
             let spec = DecoderLayerSpec { offset: offset as i32, ..self.spec };
-            let mut inputs = Vec::with_capacity(26 + self.extras.len());
-            inputs.push(x.clone());
-            inputs.extend(self.weights.iter().cloned());
-            inputs.extend([keys.clone(), values.clone()]);
-            inputs.extend(self.extras.iter().cloned());
-            let (h, keys, values) = kernels::decoder_layer(&inputs, &spec)?;
+            let (h, keys, values) = kernels::decoder_layer(x, &self.weights, keys, values, &spec)?;
             out = Some(h);
             Ok((keys, values))
         })?;

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use clap::Args;
 use mlxcel_engine::{Engine, GenerationRequest, Prompt, SamplingParams};
-use mlxcel_models::tokenizer::Tokenizer;
+use mlxcel_tokenizer::Tokenizer;
 use serde_json::json;
 
 use crate::{human_bytes, AnyResult};
@@ -74,8 +74,10 @@ struct Run {
     /// From the first token to the last.
     decode_s: f64,
     decode_tps: f64,
-    /// MLX's peak allocation during the run (weights included).
-    peak_mlx_bytes: usize,
+    /// MLX's process-wide peak allocation (weights included) during the run:
+    /// the bench resets it before each run and is the only thing generating
+    /// in its process.
+    process_peak_mlx_bytes: usize,
 }
 
 impl Run {
@@ -86,7 +88,7 @@ impl Run {
             "ttft_s": self.ttft_s,
             "decode_s": self.decode_s,
             "decode_tps": self.decode_tps,
-            "peak_mlx_bytes": self.peak_mlx_bytes,
+            "process_peak_mlx_bytes": self.process_peak_mlx_bytes,
         })
     }
 }
@@ -121,7 +123,6 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     }
     let ids = prompt_ids(&model.tokenizer, args.prompt_tokens)?;
 
-    mlx_sys::memory::reset_peak_memory();
     eprintln!("warm-up: {} prompt + {WARMUP_GEN_TOKENS} generated tokens (untimed)", ids.len().min(WARMUP_PROMPT_TOKENS));
     run_once(&engine, &ids[..ids.len().min(WARMUP_PROMPT_TOKENS)], WARMUP_GEN_TOKENS, args.prefill_chunk)?;
 
@@ -138,7 +139,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let prompt_tps = median(runs.iter().map(|r| r.prompt_tps));
     let decode_tps = median(runs.iter().map(|r| r.decode_tps));
     let ttft_s = median(runs.iter().map(|r| r.ttft_s));
-    let peak_mlx_bytes = runs.iter().map(|r| r.peak_mlx_bytes).max().unwrap_or(0).max(mlx_sys::memory::peak_memory());
+    let process_peak_mlx_bytes = runs.iter().map(|r| r.process_peak_mlx_bytes).max().unwrap_or(0);
     let peak_rss = peak_rss_bytes();
     let weight_bytes = model.info.weight_bytes;
     // The KV cache of a run holds prompt + generated positions (the last
@@ -147,6 +148,10 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let kv_bytes = (shape.kv_bytes_per_token() * kv_positions) as u64;
     let kernel_threads = mlx_sys::kernels::num_threads();
     let blas_threads = mlx_sys::blas_threads();
+    let blas_library = mlx_sys::blas_library();
+    let cpu = cpu_model();
+    let gemm_loop = mlx_sys::kernels::gemm_loop_name(mlx_sys::kernels::KernelPath::Auto, 4);
+    let matvec_loop = mlx_sys::kernels::path_name(mlx_sys::kernels::KernelPath::Auto);
 
     if args.json {
         let report = json!({
@@ -161,12 +166,16 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "peak_rss_bytes": peak_rss,
             "baseline_rss_bytes": baseline_rss,
             "loaded_rss_bytes": loaded_rss,
-            "peak_mlx_bytes": peak_mlx_bytes,
+            "process_peak_mlx_bytes": process_peak_mlx_bytes,
             "weight_bytes": weight_bytes,
             "kv_bytes": kv_bytes,
             "kernel_threads": kernel_threads,
             "blas": mlx_sys::BLAS_BACKEND,
+            "blas_library": blas_library,
             "blas_threads": blas_threads,
+            "cpu": cpu,
+            "gemm_loop": gemm_loop,
+            "matvec_loop": matvec_loop,
             "mlx_version": mlx_sys::mlx_version(),
             "runs": runs.iter().map(Run::to_json).collect::<Vec<_>>(),
         });
@@ -177,7 +186,9 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let mib = |bytes: u64| format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0));
     let rows = [
         ("model", dir.display().to_string()),
-        ("threads", format!("{kernel_threads} (kernels), {blas_threads} ({} BLAS)", mlx_sys::BLAS_BACKEND)),
+        ("cpu", cpu.clone()),
+        ("kernels", format!("{kernel_threads} threads, {gemm_loop} GEMM (prefill), {matvec_loop} matvec (decode)")),
+        ("BLAS", format!("{} build, {} at run time (models never call it)", mlx_sys::BLAS_BACKEND, if blas_library.is_empty() { "none found".to_string() } else { blas_library.clone() })),
         ("prompt tokens", format!("{} (prefill chunk {})", args.prompt_tokens, args.prefill_chunk)),
         ("gen tokens", format!("{} (greedy, EOS ignored)", args.gen_tokens)),
         ("repeat", format!("{} (+1 warm-up), medians below", args.repeat)),
@@ -187,7 +198,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("peak RSS", peak_rss.map_or_else(|| "n/a".to_string(), mib)),
         ("baseline RSS", baseline_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (before loading the model)", mib(b)))),
         ("loaded RSS", loaded_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (model loaded, before generating)", mib(b)))),
-        ("peak MLX", mib(peak_mlx_bytes as u64)),
+        ("peak MLX", format!("{} (process-wide, highest run)", mib(process_peak_mlx_bytes as u64))),
         ("weights", mib(weight_bytes)),
         ("KV cache", format!("{} ({kv_positions} positions)", human_bytes(kv_bytes))),
     ];
@@ -195,17 +206,17 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         println!("{:<15} {value}", format!("{name}:"));
     }
     println!();
-    println!("{:>3}  {:>10}  {:>12}  {:>8}  {:>10}  {:>12}  {:>12}", "run", "prompt s", "prompt tok/s", "TTFT s", "decode s", "decode tok/s", "peak MLX MiB");
+    println!("{:>3}  {:>10}  {:>12}  {:>8}  {:>10}  {:>12}  {:>16}", "run", "prompt s", "prompt tok/s", "TTFT s", "decode s", "decode tok/s", "process MLX MiB");
     for (i, r) in runs.iter().enumerate() {
         println!(
-            "{:>3}  {:>10.3}  {:>12.1}  {:>8.3}  {:>10.3}  {:>12.1}  {:>12.1}",
+            "{:>3}  {:>10.3}  {:>12.1}  {:>8.3}  {:>10.3}  {:>12.1}  {:>16.1}",
             i + 1,
             r.prompt_s,
             r.prompt_tps,
             r.ttft_s,
             r.decode_s,
             r.decode_tps,
-            r.peak_mlx_bytes as f64 / (1024.0 * 1024.0)
+            r.process_peak_mlx_bytes as f64 / (1024.0 * 1024.0)
         );
     }
     Ok(())
@@ -227,6 +238,9 @@ fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> A
     request.params = SamplingParams { temperature: 0.0, max_tokens: gen, ..SamplingParams::default() };
     request.prefill_chunk = prefill_chunk;
     request.ignore_eos = true;
+    // MLX's peak is process-wide and generations never reset it; the bench
+    // owns its process and runs one generation at a time, so it may.
+    mlx_sys::memory::reset_peak_memory();
     let submitted = Instant::now();
     let output = engine.generate(&request, |_| true)?;
     let total = submitted.elapsed();
@@ -247,7 +261,7 @@ fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> A
         ttft_s: total.saturating_sub(stats.decode_time).as_secs_f64(),
         decode_s: stats.decode_time.as_secs_f64(),
         decode_tps: stats.decode_tokens_per_second(),
-        peak_mlx_bytes: stats.peak_memory_bytes,
+        process_peak_mlx_bytes: stats.process_peak_memory_bytes,
     })
 }
 
@@ -332,4 +346,15 @@ mod tests {
     fn peak_rss_is_measured() {
         assert!(peak_rss_bytes().unwrap() > 0);
     }
+}
+
+/// The CPU's model name, for the record beside every figure.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')).map(|(_, v)| v.trim().to_string()))
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }

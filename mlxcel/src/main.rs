@@ -1,6 +1,7 @@
 //! `mlxcel`: the command-line face of the library.
 
 mod bench;
+mod progress;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -8,10 +9,9 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use mlxcel_engine::{Engine, GenerationRequest, Message, Prompt, SamplingParams};
-use mlxcel_models::default_model::default_model_dir;
-use mlxcel_models::gguf::{convert_gguf, ConvertOptions};
+use mlxcel_gguf::ConvertOptions;
 use mlxcel_models::model::{load_network, read_config, ModelInfo};
-use mlxcel_models::tokenizer::Tokenizer;
+use mlxcel_tokenizer::Tokenizer;
 
 #[derive(Parser)]
 #[command(name = "mlxcel", version, about = "Run MLX checkpoints in-process: generate, convert, inspect, bench")]
@@ -103,8 +103,8 @@ fn run(cli: Cli) -> AnyResult<()> {
     match cli.command {
         Command::Generate(args) => generate(args),
         Command::Convert(args) => {
-            let options = ConvertOptions { q_bits: args.q_bits, q_group_size: args.q_group_size, progress: true };
-            let report = convert_gguf(&args.gguf, &args.out, &options)?;
+            let options = ConvertOptions { q_bits: args.q_bits, q_group_size: args.q_group_size };
+            let report = progress::convert(&args.gguf, &args.out, &options)?;
             eprintln!("wrote {} ({} tensors, {})", args.out.display(), report.tensors, human_bytes(report.bytes_written));
             Ok(())
         }
@@ -120,7 +120,7 @@ fn run(cli: Cli) -> AnyResult<()> {
 fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {
     Ok(match given {
         Some(dir) => dir,
-        None => default_model_dir()?,
+        None => progress::default_model_dir()?,
     })
 }
 
@@ -160,13 +160,14 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
     }
     let s = &output.stats;
     eprintln!(
-        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | time to first token: {:.3} s | peak memory: {} | finish: {}",
+        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | time to first token: {:.3} s | KV cache: {} | process peak memory: {} | finish: {}",
         s.prompt_tokens,
         s.prompt_tokens_per_second(),
         s.generated_tokens,
         s.decode_tokens_per_second(),
         s.time_to_first_token().as_secs_f64(),
-        human_bytes(s.peak_memory_bytes as u64),
+        human_bytes(s.kv_cache_bytes as u64),
+        human_bytes(s.process_peak_memory_bytes as u64),
         output.finish_reason.as_str(),
     );
     Ok(())

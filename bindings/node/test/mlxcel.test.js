@@ -92,6 +92,8 @@ describe('generate', () => {
     assert.equal(last.finishReason, 'length')
     assert.equal(last.text, '')
     assert.equal(last.stats.generatedTokens, 8)
+    assert.ok(last.stats.kvCacheBytes > 0)
+    assert.ok(last.stats.processPeakMemoryBytes >= model.info.weightBytes)
     for (const chunk of chunks.slice(0, -1)) {
       assert.equal(typeof chunk.text, 'string')
       assert.ok(Number.isInteger(chunk.token))

@@ -333,21 +333,15 @@ fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64) -> PyRe
         return Err(invalid(py, "prefill_chunk", format!("must be at least 1, got {prefill_chunk}")));
     }
     let prefill_chunk = prefill_chunk as usize;
-    if path.is_none() {
-        // Fetches the default model's wheel with this interpreter's pip, so a
-        // first load works wherever `python3` on PATH has no pip. Best effort:
-        // on failure the Rust side tries itself and reports what went wrong.
-        let _ = py.import("mlxcel._fetch").and_then(|m| m.call_method0("prefetch_default_model"));
-    }
+    let dir = match path {
+        Some(dir) => dir,
+        None => default_model_dir(py)?,
+    };
     let loaded = py.detach(|| -> Result<CoreModel, ModelError> {
-        let dir = match path {
-            Some(dir) if !dir.is_dir() => {
-                let what = if dir.exists() { "not a directory" } else { "no such model directory" };
-                return Err(ModelError::invalid_file(dir, what));
-            }
-            Some(dir) => dir,
-            None => mlxcel_models::default_model::default_model_dir()?,
-        };
+        if !dir.is_dir() {
+            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
+            return Err(ModelError::invalid_file(dir, what));
+        }
         CoreModel::load(&dir)
     });
     let model = loaded.map_err(|e| load_error(py, e))?;
@@ -690,7 +684,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &GenerationStats) -> PyResult<Bound<'py, 
     d.set_item("time_to_first_token", s.time_to_first_token().as_secs_f64())?;
     d.set_item("prompt_tokens_per_second", s.prompt_tokens_per_second())?;
     d.set_item("decode_tokens_per_second", s.decode_tokens_per_second())?;
-    d.set_item("peak_memory_bytes", s.peak_memory_bytes)?;
+    d.set_item("kv_cache_bytes", s.kv_cache_bytes)?;
+    d.set_item("process_peak_memory_bytes", s.process_peak_memory_bytes)?;
     Ok(d)
 }
 
@@ -874,8 +869,16 @@ fn load(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64) -> PyResult<M
 /// The directory of the default model, fetched and converted on first use.
 #[pyfunction]
 fn default_model_path(py: Python<'_>) -> PyResult<PathBuf> {
-    let _ = py.import("mlxcel._fetch").and_then(|m| m.call_method0("prefetch_default_model"));
-    py.detach(mlxcel_models::default_model::default_model_dir).map_err(|e| load_error(py, e))
+    default_model_dir(py)
+}
+
+/// The default model through `mlxcel_hub`, downloaded (GIL released) with this interpreter's
+/// pip, which `python3` on PATH may lack.
+fn default_model_dir(py: Python<'_>) -> PyResult<PathBuf> {
+    let python = py.import("sys")?.getattr("executable")?.extract::<Option<PathBuf>>()?.filter(|p| !p.as_os_str().is_empty());
+    let options = mlxcel_hub::FetchOptions { python };
+    py.detach(|| mlxcel_hub::fetch_default_model(&options, &mut |_| {}))
+        .map_err(|e| raise(py, "ModelLoadError", (e.to_string(),)))
 }
 
 /// Waits (GIL released) up to `timeout` seconds for cancelled generations
@@ -896,21 +899,6 @@ fn _shutdown(py: Python<'_>, timeout: f64) -> usize {
             std::thread::sleep(Duration::from_millis(10));
         }
     })
-}
-
-/// Where the default model comes from and goes (for `mlxcel._fetch`).
-#[pyfunction]
-fn _default_model_source(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    use mlxcel_models::default_model::{cache_dir, COMPLETE_MARKER, DEFAULT_MODEL};
-    let cache = cache_dir();
-    let d = PyDict::new(py);
-    d.set_item("package", DEFAULT_MODEL.package)?;
-    d.set_item("version", DEFAULT_MODEL.version)?;
-    d.set_item("wheel_file", DEFAULT_MODEL.wheel_file)?;
-    d.set_item("downloads_dir", cache.join("downloads"))?;
-    d.set_item("model_dir", cache.join("models").join(DEFAULT_MODEL.name))?;
-    d.set_item("complete_marker", COMPLETE_MARKER)?;
-    Ok(d)
 }
 
 /// Seconds for one float32 `n`×`n` matmul on MLX's CPU (after a warm-up):
@@ -938,7 +926,7 @@ mod _mlxcel {
     use super::*;
 
     #[pymodule_export]
-    use super::{_default_model_source, _matmul_seconds, _shutdown, default_model_path, load, Chunk, Model, ModelInfo, Stream};
+    use super::{_matmul_seconds, _shutdown, default_model_path, load, Chunk, Model, ModelInfo, Stream};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

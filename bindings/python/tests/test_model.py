@@ -80,6 +80,8 @@ def test_stream_chunks_concatenate_to_generate(model):
     assert stats["generated_tokens"] == len(stream.tokens)
     assert stats["prompt_tokens"] == len(model.tokenize(PROMPT))
     assert stats["time_to_first_token"] > 0
+    assert stats["kv_cache_bytes"] > 0
+    assert stats["process_peak_memory_bytes"] >= model.info.bytes
     assert list(stream) == []  # exhausted
     assert "Chunk(" in repr(last)
 

@@ -328,7 +328,7 @@ static void test_generate(void) {
     CHECK(strncmp(out, " Paris", 6) == 0);
     CHECK(strcmp(out, c.text) == 0 && r.text_len == strlen(out));
     CHECK(r.finish_reason == MLXCEL_FINISH_LENGTH && r.generated_tokens == 6 && r.prompt_tokens == 5);
-    CHECK(r.prompt_seconds > 0 && r.peak_memory_bytes > 0);
+    CHECK(r.prompt_seconds > 0 && r.process_peak_memory_bytes > 0);
     char again[256];
     size_t needed = 0;
     CHECK_STATUS(mlxcel_context_text(ctx, again, sizeof again, &needed), MLXCEL_OK);

@@ -1,4 +1,5 @@
-//! One module per Hugging Face `model_type`, registered in [`REGISTRY`].
+//! One module per architecture of `mlxcel_gguf::Architecture`, the table the GGUF converter
+//! shares; [`constructor`] maps a `model_type` (or alias) to its module.
 
 pub mod decoder;
 pub mod llama;
@@ -6,6 +7,8 @@ pub mod qwen2;
 pub mod qwen3;
 
 use std::path::Path;
+
+pub use mlxcel_gguf::Architecture;
 
 use crate::error::{Error, Result};
 use crate::model::LanguageModel;
@@ -20,19 +23,24 @@ pub struct LoadContext<'a> {
 
 type Constructor = fn(&LoadContext) -> Result<Box<dyn LanguageModel>>;
 
-/// `model_type` → constructor.
-pub const REGISTRY: &[(&str, Constructor)] = &[("llama", llama::load), ("qwen2", qwen2::load), ("qwen3", qwen3::load)];
+/// The constructor of each architecture of the shared table (`mlxcel_gguf::Architecture`,
+/// which also holds the `model_type` aliases). The match is exhaustive, so an architecture
+/// the converter can write cannot lack a loader.
+fn constructor_of(arch: Architecture) -> Constructor {
+    match arch {
+        Architecture::Llama => llama::load,
+        Architecture::Qwen2 => qwen2::load,
+        Architecture::Qwen3 => qwen3::load,
+    }
+}
 
-/// Model types served by another architecture's code.
-pub const ALIASES: &[(&str, &str)] = &[("mistral", "llama"), ("smollm", "llama"), ("smollm2", "llama")];
-
+/// Every loadable `model_type`, aliases included.
 pub fn supported_model_types() -> Vec<&'static str> {
-    REGISTRY.iter().map(|(name, _)| *name).chain(ALIASES.iter().map(|(alias, _)| *alias)).collect()
+    Architecture::model_types()
 }
 
 pub fn constructor(model_type: &str, config_path: &Path) -> Result<Constructor> {
-    let canonical = ALIASES.iter().find(|(alias, _)| *alias == model_type).map_or(model_type, |(_, name)| name);
-    REGISTRY.iter().find(|(name, _)| *name == canonical).map(|(_, c)| *c).ok_or_else(|| Error::UnknownArchitecture {
+    Architecture::from_model_type(model_type).map(constructor_of).ok_or_else(|| Error::UnknownArchitecture {
         path: config_path.into(),
         model_type: model_type.into(),
         supported: supported_model_types().join(", "),

@@ -72,7 +72,9 @@ class Stream(Iterator[Chunk]):
     @property
     def stats(self) -> Optional[dict[str, Union[int, float]]]:
         """prompt_tokens, generated_tokens, time_to_first_token (s),
-        prompt_tokens_per_second, decode_tokens_per_second, peak_memory_bytes;
+        prompt_tokens_per_second, decode_tokens_per_second, kv_cache_bytes
+        (this run's KV cache), process_peak_memory_bytes (process-wide: MLX's
+        high-water mark over every run in the process, never reset by a run);
         None until the stream has ended."""
 
 class ModelInfo:
@@ -202,4 +204,3 @@ def _matmul_seconds(n: int = 1024) -> float: ...
 def _shutdown(timeout: float = 10.0) -> int:
     """Waits for cancelled generations to stop (registered with atexit)."""
 
-def _default_model_source() -> dict[str, Any]: ...

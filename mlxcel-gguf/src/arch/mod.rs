@@ -1,0 +1,379 @@
+//! The architecture table: every architecture mlxcel supports, one module each.
+//!
+//! An architecture module declares its Hugging Face `model_type` (and aliases), its llama.cpp
+//! name, its GGUF tensor names and the `config.json` keys it adds. The converter reads this
+//! table, and `mlxcel-models` loads exactly [`Architecture::ALL`] (its constructor table is an
+//! exhaustive `match` on [`Architecture`]), so every convertible architecture loads.
+
+mod llama;
+mod qwen2;
+mod qwen3;
+
+use serde_json::{json, Map, Value as Json};
+
+use crate::error::{Error, Result};
+use crate::reader::GgufFile;
+
+/// An architecture that mlxcel converts from GGUF and loads.
+///
+/// Deliberately exhaustive: adding a variant is a compile error in the loader until it
+/// can build the architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+/// What one architecture module declares.
+pub(crate) struct ArchSpec {
+    /// `model_type` of `config.json`, as the loader reads it.
+    model_type: &'static str,
+    /// Other `model_type`s with the same checkpoint layout (loaded, never written).
+    aliases: &'static [&'static str],
+    /// `general.architecture` of llama.cpp's GGUF files.
+    gguf_name: &'static str,
+    /// `architectures[0]` of `config.json`.
+    hf_class: &'static str,
+    /// llama.cpp permutes the rows of Q and K (for its RoPE layout); the converter undoes it.
+    permuted_qk: bool,
+    /// The Hugging Face module of a GGUF block module that [`common_block_module`] lacks.
+    block_module: fn(&str) -> Option<&'static str>,
+    /// Adds the architecture's own `config.json` keys.
+    config: fn(&GgufFile, &HParams, &mut Map<String, Json>),
+}
+
+/// `<arch>.rope.scaling.type` values the converter writes as `rope_scaling` (the loader also
+/// reads `llama3`, which GGUF files do not express as a scaling type).
+pub const SUPPORTED_ROPE_SCALING: &[&str] = &["linear"];
+
+impl Architecture {
+    pub const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3];
+
+    fn spec(self) -> &'static ArchSpec {
+        match self {
+            Architecture::Llama => &llama::SPEC,
+            Architecture::Qwen2 => &qwen2::SPEC,
+            Architecture::Qwen3 => &qwen3::SPEC,
+        }
+    }
+
+    /// The `model_type` written to `config.json`.
+    pub fn model_type(self) -> &'static str {
+        self.spec().model_type
+    }
+
+    /// Other `model_type`s loaded as this architecture.
+    pub fn aliases(self) -> &'static [&'static str] {
+        self.spec().aliases
+    }
+
+    /// `general.architecture` in GGUF files.
+    pub fn gguf_name(self) -> &'static str {
+        self.spec().gguf_name
+    }
+
+    /// The Hugging Face class name (`architectures` in `config.json`).
+    pub fn hf_class(self) -> &'static str {
+        self.spec().hf_class
+    }
+
+    /// The architecture of a `config.json` `model_type`, aliases included.
+    pub fn from_model_type(model_type: &str) -> Option<Architecture> {
+        Self::ALL
+            .into_iter()
+            .find(|a| a.model_type() == model_type || a.aliases().contains(&model_type))
+    }
+
+    /// The architecture of a GGUF `general.architecture`.
+    pub fn from_gguf_name(name: &str) -> Option<Architecture> {
+        Self::ALL.into_iter().find(|a| a.gguf_name() == name)
+    }
+
+    /// Every loadable `model_type`: the architectures' own, then the aliases.
+    pub fn model_types() -> Vec<&'static str> {
+        let aliases = Self::ALL.iter().flat_map(|a| a.aliases().iter().copied());
+        Self::ALL.iter().map(|a| a.model_type()).chain(aliases).collect()
+    }
+
+    /// Every convertible `general.architecture` (for error messages).
+    pub fn gguf_names() -> Vec<&'static str> {
+        Self::ALL.iter().map(|a| a.gguf_name()).collect()
+    }
+
+    /// The architecture of a GGUF file; an unsupported one is an error that lists the supported.
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Architecture> {
+        let name = gguf.get_str("general.architecture").ok_or_else(|| {
+            Error::invalid_file(&gguf.path, "missing metadata `general.architecture`")
+        })?;
+        Architecture::from_gguf_name(name).ok_or_else(|| Error::Unsupported {
+            path: gguf.path.clone(),
+            message: format!(
+                "architecture `{name}` (mlxcel converts and loads: {})",
+                Architecture::gguf_names().join(", ")
+            ),
+        })
+    }
+
+    /// llama.cpp permutes the rows of Q and K of this architecture.
+    pub fn permuted_qk(self) -> bool {
+        self.spec().permuted_qk
+    }
+
+    /// The Hugging Face name of a GGUF tensor, `None` for tensors this architecture lacks.
+    pub fn hf_name(self, gguf_name: &str) -> Option<String> {
+        let global = match gguf_name {
+            "token_embd.weight" => Some("model.embed_tokens.weight"),
+            "output_norm.weight" => Some("model.norm.weight"),
+            "output.weight" => Some("lm_head.weight"),
+            _ => None,
+        };
+        if let Some(name) = global {
+            return Some(name.to_string());
+        }
+        let rest = gguf_name.strip_prefix("blk.")?;
+        let (layer, rest) = rest.split_once('.')?;
+        layer.parse::<u32>().ok()?;
+        let (module, param) = rest.rsplit_once('.')?;
+        let hf_module = common_block_module(module).or_else(|| (self.spec().block_module)(module))?;
+        Some(format!("model.layers.{layer}.{hf_module}.{param}"))
+    }
+}
+
+impl std::fmt::Display for Architecture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.model_type())
+    }
+}
+
+/// Block modules every supported architecture has, GGUF name → Hugging Face name.
+fn common_block_module(module: &str) -> Option<&'static str> {
+    Some(match module {
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        _ => return None,
+    })
+}
+
+/// Whether a HF tensor name is a normalization gain.
+pub fn is_norm(hf_name: &str) -> bool {
+    hf_name.ends_with("norm.weight")
+}
+
+/// Whether a HF tensor is a weight mlx-lm would quantize (linear layers and the embedding).
+pub fn is_quantizable(hf_name: &str, ndim: usize) -> bool {
+    ndim == 2
+        && (hf_name.ends_with("_proj.weight")
+            || hf_name == "model.embed_tokens.weight"
+            || hf_name == "lm_head.weight")
+}
+
+/// Model hyper-parameters read from `<arch>.*` metadata.
+#[derive(Debug, Clone)]
+pub struct HParams {
+    pub arch: Architecture,
+    /// `general.architecture`, the prefix of the metadata keys.
+    pub name: String,
+    pub hidden_size: u64,
+    pub intermediate_size: u64,
+    pub num_layers: u64,
+    pub num_heads: u64,
+    pub num_kv_heads: u64,
+    pub head_dim: u64,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: u64,
+    pub vocab_size: u64,
+    pub tied_embeddings: bool,
+    /// `rope_scaling` for `config.json`, one of [`SUPPORTED_ROPE_SCALING`].
+    pub rope_scaling: Option<Json>,
+}
+
+impl HParams {
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let arch = Architecture::from_gguf(gguf)?;
+        let name = arch.gguf_name();
+        let key = |k: &str| format!("{name}.{k}");
+        let req = |k: &str| {
+            gguf.get_u64(&key(k)).ok_or_else(|| {
+                Error::invalid_file(&gguf.path, format!("missing metadata `{}`", key(k)))
+            })
+        };
+        let hidden_size = req("embedding_length")?;
+        let num_heads = req("attention.head_count")?;
+        if num_heads == 0 {
+            return Err(Error::invalid_file(
+                &gguf.path,
+                format!("`{}` is 0", key("attention.head_count")),
+            ));
+        }
+        let vocab_size = match gguf.get_u64(&key("vocab_size")) {
+            Some(v) => v,
+            None => match (
+                gguf.get_array("tokenizer.ggml.tokens"),
+                gguf.tensor("token_embd.weight"),
+            ) {
+                (Some(tokens), _) => tokens.len() as u64,
+                (None, Some(t)) => t.dims.get(1).copied().unwrap_or(0),
+                _ => {
+                    return Err(Error::invalid_file(
+                        &gguf.path,
+                        "cannot tell the vocabulary size",
+                    ))
+                }
+            },
+        };
+        Ok(HParams {
+            arch,
+            hidden_size,
+            intermediate_size: req("feed_forward_length")?,
+            num_layers: req("block_count")?,
+            num_heads,
+            num_kv_heads: gguf
+                .get_u64(&key("attention.head_count_kv"))
+                .unwrap_or(num_heads),
+            head_dim: gguf
+                .get_u64(&key("attention.key_length"))
+                .unwrap_or(hidden_size / num_heads),
+            rms_norm_eps: gguf
+                .get_f64(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-6),
+            rope_theta: gguf.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0),
+            max_position_embeddings: gguf.get_u64(&key("context_length")).unwrap_or(2048),
+            vocab_size,
+            tied_embeddings: gguf.tensor("output.weight").is_none(),
+            rope_scaling: rope_scaling(gguf, name)?,
+            name: name.to_string(),
+        })
+    }
+
+    /// `config.json` in Hugging Face / mlx-lm form (without `quantization`).
+    pub fn config_json(&self, gguf: &GgufFile, bos: Option<u64>, eos: &[u64]) -> Json {
+        let mut c = json!({
+            "model_type": self.arch.model_type(),
+            "architectures": [self.arch.hf_class()],
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": f32_json(self.rms_norm_eps),
+            "rope_theta": f32_json(self.rope_theta),
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tied_embeddings,
+            "torch_dtype": "float16",
+        });
+        let obj = c.as_object_mut().expect("object literal");
+        if let Some(bos) = bos {
+            obj.insert("bos_token_id".into(), bos.into());
+        }
+        if let Some(eos_json) = ids_json(eos) {
+            obj.insert("eos_token_id".into(), eos_json);
+        }
+        (self.arch.spec().config)(gguf, self, obj);
+        if let Some(scaling) = &self.rope_scaling {
+            obj.insert("rope_scaling".into(), scaling.clone());
+        }
+        c
+    }
+}
+
+/// `rope_scaling` from `<arch>.rope.scaling.*`; a kind the loader cannot run is an error.
+fn rope_scaling(gguf: &GgufFile, arch: &str) -> Result<Option<Json>> {
+    let type_key = format!("{arch}.rope.scaling.type");
+    let Some(kind) = gguf.get_str(&type_key) else {
+        return Ok(None);
+    };
+    let factor = gguf.get_f64(&format!("{arch}.rope.scaling.factor"));
+    if kind == "none" || factor == Some(1.0) {
+        return Ok(None);
+    }
+    if !SUPPORTED_ROPE_SCALING.contains(&kind) {
+        return Err(Error::Unsupported {
+            path: gguf.path.clone(),
+            message: format!(
+                "RoPE scaling `{kind}` (`{type_key}`; mlxcel converts and loads: {})",
+                SUPPORTED_ROPE_SCALING.join(", ")
+            ),
+        });
+    }
+    let factor = factor.ok_or_else(|| {
+        Error::invalid_file(
+            &gguf.path,
+            format!("`{type_key}` is `{kind}` but `{arch}.rope.scaling.factor` is missing"),
+        )
+    })?;
+    let mut m = Map::new();
+    // `rope_type` only: mlx-lm reads either name, and the loader refuses both at once.
+    m.insert("rope_type".into(), kind.into());
+    m.insert("factor".into(), f32_json(factor));
+    if let Some(orig) = gguf.get_u64(&format!("{arch}.rope.scaling.original_context_length")) {
+        m.insert("original_max_position_embeddings".into(), orig.into());
+    }
+    Ok(Some(Json::Object(m)))
+}
+
+/// Whether any tensor's name ends with `suffix` (e.g. `attn_q.bias`).
+fn has_tensor(gguf: &GgufFile, suffix: &str) -> bool {
+    gguf.tensors.iter().any(|t| t.name.ends_with(suffix))
+}
+
+/// One id as a number, several as a list (Hugging Face's convention).
+pub fn ids_json(ids: &[u64]) -> Option<Json> {
+    match ids {
+        [] => None,
+        [one] => Some((*one).into()),
+        many => Some(many.into()),
+    }
+}
+
+/// GGUF stores these as `f32`: print the shortest decimal that round-trips to the same `f32`
+/// (`1e-5`, not `9.999999747378752e-06`).
+fn f32_json(v: f64) -> Json {
+    let short: f64 = (v as f32).to_string().parse().unwrap_or(v);
+    Json::from(short)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for arch in Architecture::ALL {
+            assert_eq!(Architecture::from_model_type(arch.model_type()), Some(arch));
+            assert_eq!(Architecture::from_gguf_name(arch.gguf_name()), Some(arch));
+            for name in std::iter::once(arch.model_type()).chain(arch.aliases().iter().copied()) {
+                assert!(seen.insert(name), "model_type `{name}` is claimed twice");
+            }
+        }
+        assert_eq!(Architecture::from_model_type("mistral"), Some(Architecture::Llama));
+        assert_eq!(Architecture::from_gguf_name("gemma3"), None);
+    }
+
+    #[test]
+    fn block_names_follow_each_architecture() {
+        let q_norm = "blk.3.attn_q_norm.weight";
+        assert_eq!(
+            Architecture::Qwen3.hf_name(q_norm).as_deref(),
+            Some("model.layers.3.self_attn.q_norm.weight")
+        );
+        assert_eq!(Architecture::Llama.hf_name(q_norm), None);
+        assert_eq!(Architecture::Qwen2.hf_name(q_norm), None);
+        assert_eq!(
+            Architecture::Qwen2.hf_name("blk.0.attn_k.bias").as_deref(),
+            Some("model.layers.0.self_attn.k_proj.bias")
+        );
+        assert_eq!(Architecture::Llama.hf_name("blk.x.attn_q.weight"), None);
+    }
+}

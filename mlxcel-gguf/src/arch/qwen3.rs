@@ -1,0 +1,29 @@
+//! Qwen3: llama with a per-head RMSNorm on queries and keys, no Q/K permutation in GGUF.
+
+use serde_json::{Map, Value as Json};
+
+use super::{has_tensor, ArchSpec, HParams};
+use crate::reader::GgufFile;
+
+pub(super) const SPEC: ArchSpec = ArchSpec {
+    model_type: "qwen3",
+    aliases: &[],
+    gguf_name: "qwen3",
+    hf_class: "Qwen3ForCausalLM",
+    permuted_qk: false,
+    block_module,
+    config,
+};
+
+fn block_module(module: &str) -> Option<&'static str> {
+    match module {
+        "attn_q_norm" => Some("self_attn.q_norm"),
+        "attn_k_norm" => Some("self_attn.k_norm"),
+        _ => None,
+    }
+}
+
+fn config(gguf: &GgufFile, _: &HParams, c: &mut Map<String, Json>) {
+    c.insert("hidden_act".into(), "silu".into());
+    c.insert("attention_bias".into(), has_tensor(gguf, "attn_q.bias").into());
+}
