@@ -12,6 +12,12 @@
  *   handles give MLXCEL_ERR_INVALID_HANDLE / MLXCEL_ERR_NULL_POINTER.
  * - All functions may be called from any thread; a context runs one
  *   generation at a time.
+ * - The program may call exit() or return from main while other threads are
+ *   inside mlxcel: exit cancels running generations (they return
+ *   MLXCEL_CANCELLED), waits for each to reach its next prefill chunk or
+ *   decode step, and the process exits cleanly. Later calls return
+ *   MLXCEL_ERR_EXITING; frees succeed.
+ * - The shared library's SONAME is libmlxcel.so.<MLXCEL_ABI_VERSION_MAJOR>.
  */
 
 #ifndef MLXCEL_H

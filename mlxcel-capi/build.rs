@@ -30,8 +30,16 @@ fn main() {
     // OUT_DIR is <profile dir>/build/mlxcel-capi-<hash>/out; cargo puts the
     // cdylib in <profile dir>.
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap());
-    let Some(profile_dir) = out_dir.ancestors().nth(3).filter(|_| out_dir.ancestors().nth(2).is_some_and(|b| b.ends_with("build"))) else {
-        println!("cargo:warning=unexpected OUT_DIR layout {}; no {soname} link made", out_dir.display());
+    let Some(profile_dir) = out_dir.ancestors().nth(3).filter(|_| {
+        out_dir
+            .ancestors()
+            .nth(2)
+            .is_some_and(|b| b.ends_with("build"))
+    }) else {
+        println!(
+            "cargo:warning=unexpected OUT_DIR layout {}; no {soname} link made",
+            out_dir.display()
+        );
         return;
     };
     let link = profile_dir.join(&soname);
@@ -40,6 +48,9 @@ fn main() {
     }
     let _ = std::fs::remove_file(&link);
     if let Err(e) = std::os::unix::fs::symlink("libmlxcel.so", &link) {
-        println!("cargo:warning=could not link {} -> libmlxcel.so: {e}", link.display());
+        println!(
+            "cargo:warning=could not link {} -> libmlxcel.so: {e}",
+            link.display()
+        );
     }
 }

@@ -134,11 +134,21 @@ export declare class Model {
   chatStream(messages: Message[], options?: GenerateOptions): GenerationStream
 }
 
+/** Options of loadModel(). */
+export interface LoadOptions {
+  /**
+   * Report the default model's first download and conversion on stderr (default true):
+   * a line per step, the conversion as a percentage (rewritten in place on a terminal).
+   */
+  progress?: boolean
+}
+
 /**
  * Loads a model directory (MLX / Hugging Face layout: config.json, safetensors,
  * tokenizer.json), off the event loop. Without a path, loads the default model
  * (SmolLM2-135M-Instruct), downloading and converting it into the cache
  * directory ($MLXCEL_CACHE_DIR or ~/.cache/mlxcel) on first use.
- * Rejects with code MODEL_LOAD on failure.
+ * Rejects with code MODEL_LOAD on failure (INVALID_ARGUMENT for bad arguments).
  */
-export declare function loadModel(path?: string): Promise<Model>
+export declare function loadModel(path?: string | null, options?: LoadOptions): Promise<Model>
+export declare function loadModel(options: LoadOptions): Promise<Model>

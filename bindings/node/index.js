@@ -391,18 +391,28 @@ class Model {
   }
 }
 
+const isPlainObject = (v) => v !== null && typeof v === 'object' && !Array.isArray(v)
+
 /**
  * Loads a model directory (MLX / Hugging Face layout). Without a path, loads
  * the default model (SmolLM2-135M-Instruct), downloading and converting it
- * into the cache directory on first use. Runs off the event loop.
+ * into the cache directory on first use, with progress on stderr unless
+ * `{ progress: false }`. Runs off the event loop.
  */
-async function loadModel(modelPath) {
+async function loadModel(modelPath, opts) {
+  if (opts === undefined && isPlainObject(modelPath)) [modelPath, opts] = [undefined, modelPath]
   if (modelPath !== undefined && modelPath !== null && typeof modelPath !== 'string') {
     throw argumentError('the model path must be a string (or undefined for the default model)')
   }
+  if (opts === undefined || opts === null) opts = {}
+  if (!isPlainObject(opts)) throw argumentError('loadModel options must be an object')
+  for (const [key, value] of Object.entries(opts)) {
+    if (key !== 'progress') throw argumentError(`unknown loadModel option \`${key}\` (known: progress)`)
+    if (value !== undefined && typeof value !== 'boolean') throw argumentError('option `progress` must be a boolean')
+  }
   let nativeModel
   try {
-    nativeModel = await native.loadModel(modelPath == null ? undefined : modelPath)
+    nativeModel = await native.loadModel(modelPath == null ? undefined : modelPath, opts.progress)
   } catch (error) {
     throw codedError('MODEL_LOAD', error && error.message ? error.message : String(error))
   }

@@ -428,7 +428,7 @@ unsafe fn generate_with(
     if !out.is_null() && out_cap > 0 {
         *out = 0;
     }
-    guard(|inside| {
+    guard(|_| {
         let ctx = CONTEXTS.get(ctx as usize)?;
         check_buffer(out, out_cap, "out")?;
         let (sampling, prefill_chunk) = sampling_params(params)?;
@@ -458,14 +458,12 @@ unsafe fn generate_with(
             piece_buf.clear();
             piece_buf.extend_from_slice(piece.text.as_bytes());
             piece_buf.push(0);
-            let go_on = shutdown::outside(inside, || {
-                cb(
-                    piece_buf.as_ptr() as *const c_char,
-                    piece.text.len(),
-                    piece.token as i32,
-                    user_data,
-                )
-            });
+            let go_on = cb(
+                piece_buf.as_ptr() as *const c_char,
+                piece.text.len(),
+                piece.token as i32,
+                user_data,
+            );
             stopped_by_callback |= !go_on;
             go_on
         });

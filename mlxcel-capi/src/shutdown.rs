@@ -6,25 +6,33 @@
 //! gate, and an exit handler, registered after MLX's statics exist (at each
 //! model load and after the first generation), runs before their
 //! destructors: it closes the gate, cancels every running generation, and
-//! waits until no thread is inside the library, except threads in a user
-//! callback. After that no thread touches MLX again: new calls fail with
-//! `MLXCEL_ERR_EXITING` (frees succeed and leak), and a callback that returns
-//! parks its thread until the process is gone.
+//! waits until no other thread is inside the library (running calls return
+//! at their next cancellation point; callbacks in progress return first).
+//! After that no thread touches MLX again: new calls fail with
+//! `MLXCEL_ERR_EXITING`, and frees succeed and leak.
 
+use std::cell::Cell;
 use std::ffi::c_int;
 use std::sync::{Condvar, Mutex, MutexGuard, Once};
 
 struct Gate {
     exiting: bool,
-    /// Calls inside the library, not counting those in a user callback.
+    /// Calls inside the library, on all threads (callbacks in progress included).
     active: usize,
 }
 
-static GATE: Mutex<Gate> = Mutex::new(Gate { exiting: false, active: 0 });
-/// Signalled when `active` drops to 0.
+static GATE: Mutex<Gate> = Mutex::new(Gate {
+    exiting: false,
+    active: 0,
+});
+/// Signalled when `active` drops once exiting.
 static DRAINED: Condvar = Condvar::new();
-/// Never signalled: threads that must not run on after exit began wait on it.
-static PARKED: Condvar = Condvar::new();
+
+thread_local! {
+    /// This thread's calls inside the library: more than 0 when `exit()` is
+    /// called from a callback, and the exit handler must not wait for itself.
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+}
 
 fn gate() -> MutexGuard<'static, Gate> {
     GATE.lock().unwrap_or_else(|e| e.into_inner())
@@ -35,14 +43,12 @@ pub(crate) struct Inside(());
 
 impl Drop for Inside {
     fn drop(&mut self) {
-        leave(&mut gate());
-    }
-}
-
-fn leave(g: &mut Gate) {
-    g.active -= 1;
-    if g.active == 0 && g.exiting {
-        DRAINED.notify_all();
+        DEPTH.with(|d| d.set(d.get() - 1));
+        let mut g = gate();
+        g.active -= 1;
+        if g.exiting {
+            DRAINED.notify_all();
+        }
     }
 }
 
@@ -53,21 +59,8 @@ pub(crate) fn enter() -> Option<Inside> {
         return None;
     }
     g.active += 1;
+    DEPTH.with(|d| d.set(d.get() + 1));
     Some(Inside(()))
-}
-
-/// Runs user code (a callback) from inside the library without holding up
-/// exit. If the process began exiting meanwhile, the thread never returns
-/// to the library: it waits here until the process is gone.
-pub(crate) fn outside<R>(_inside: &Inside, f: impl FnOnce() -> R) -> R {
-    leave(&mut gate());
-    let result = f();
-    let mut g = gate();
-    while g.exiting {
-        g = PARKED.wait(g).unwrap_or_else(|e| e.into_inner());
-    }
-    g.active += 1;
-    result
 }
 
 /// Registers the exit handler (again): it runs before the static destructors
@@ -100,8 +93,9 @@ extern "C" fn on_exit() {
             g.exiting = true;
         }
         crate::cancel_all_runs();
+        let own = DEPTH.with(Cell::get);
         let mut g = gate();
-        while g.active > 0 {
+        while g.active > own {
             g = DRAINED.wait(g).unwrap_or_else(|e| e.into_inner());
         }
     });

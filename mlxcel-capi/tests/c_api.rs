@@ -13,7 +13,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The folder cargo put libmlxcel.{so,a} in: the parent of this test's `deps/`.
 fn lib_dir() -> PathBuf {
@@ -145,18 +145,15 @@ fn binaries() -> &'static Binaries {
         let mlx = mlx_lib_dir();
         let archive = lib.join("libmlxcel.a").display().to_string();
         let mlx_rpath = format!("-Wl,-rpath,{mlx}");
-        let static_link = [
-            archive.as_str(),
-            "-L",
-            mlx,
-            "-lmlx",
-            "-lopenblas",
-            "-lstdc++",
-            "-lpthread",
-            "-ldl",
-            "-lm",
-            &mlx_rpath,
-        ];
+        // OpenBLAS only when mlx-sys found and linked it.
+        let openblas = dynamic_entries(&lib.join("libmlxcel.so"), "NEEDED")
+            .iter()
+            .any(|n| n.starts_with("libopenblas"));
+        let mut static_link = vec![archive.as_str(), "-L", mlx, "-lmlx"];
+        if openblas {
+            static_link.push("-lopenblas");
+        }
+        static_link.extend(["-lstdc++", "-lpthread", "-ldl", "-lm", &mlx_rpath]);
         compile(
             "cc",
             &strict_c,
@@ -178,6 +175,37 @@ fn run(program: &Path, args: &[&str]) -> Output {
         start.elapsed().as_secs_f64()
     );
     eprintln!("{}", String::from_utf8_lossy(&output.stdout));
+    eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+    output
+}
+
+/// Like [`run`], failing when the program runs past `limit` (a hang at exit).
+fn run_with_timeout(program: &Path, args: &[&str], limit: Duration) -> Output {
+    let start = Instant::now();
+    let mut child = Command::new(program)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "{} {args:?} still ran after {limit:?}:\n{}",
+                program.display(),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    eprintln!(
+        "{} {args:?}: {:.1} s",
+        program.display(),
+        start.elapsed().as_secs_f64()
+    );
     eprintln!("{}", String::from_utf8_lossy(&output.stderr));
     output
 }
@@ -361,7 +389,10 @@ fn shared_library_has_the_abi_major_in_its_soname() {
         "#define MLXCEL_ABI_VERSION_MAJOR {}\n",
         mlxcel::MLXCEL_ABI_VERSION_MAJOR
     );
-    assert!(header.contains(&define), "include/mlxcel.h lacks {define:?}");
+    assert!(
+        header.contains(&define),
+        "include/mlxcel.h lacks {define:?}"
+    );
     assert_eq!(
         std::fs::read_link(lib.join(soname())).ok(),
         Some(PathBuf::from("libmlxcel.so"))
@@ -391,14 +422,26 @@ fn installed_library_builds_and_runs_through_pkg_config() {
     check_output("scripts/install-capi", &output);
 
     let libdir = prefix.join("lib");
-    let (major, minor) = (mlxcel::MLXCEL_ABI_VERSION_MAJOR, mlxcel::MLXCEL_ABI_VERSION_MINOR);
+    let (major, minor) = (
+        mlxcel::MLXCEL_ABI_VERSION_MAJOR,
+        mlxcel::MLXCEL_ABI_VERSION_MINOR,
+    );
     let patch = env!("CARGO_PKG_VERSION").rsplit('.').next().unwrap();
     let real = format!("libmlxcel.so.{major}.{minor}.{patch}");
-    assert_eq!(std::fs::read_link(libdir.join("libmlxcel.so")).unwrap(), PathBuf::from(soname()));
-    assert_eq!(std::fs::read_link(libdir.join(soname())).unwrap(), PathBuf::from(&real));
+    assert_eq!(
+        std::fs::read_link(libdir.join("libmlxcel.so")).unwrap(),
+        PathBuf::from(soname())
+    );
+    assert_eq!(
+        std::fs::read_link(libdir.join(soname())).unwrap(),
+        PathBuf::from(&real)
+    );
     let installed = libdir.join(&real);
     assert_eq!(dynamic_entries(&installed, "SONAME"), [soname()]);
-    assert_eq!(dynamic_entries(&installed, "RUNPATH"), ["$ORIGIN/mlxcel/mlx/lib"]);
+    assert_eq!(
+        dynamic_entries(&installed, "RUNPATH"),
+        ["$ORIGIN/mlxcel/mlx/lib"]
+    );
     assert!(libdir.join("libmlxcel.a").is_file());
     assert!(libdir.join("mlxcel/mlx/lib/libmlx.so").is_file());
     assert_eq!(
@@ -416,7 +459,12 @@ fn installed_library_builds_and_runs_through_pkg_config() {
     let flags: Vec<&str> = flags.split_whitespace().collect();
     let include = format!("-I{}", prefix.join("include").display());
     let link_dir = format!("-L{}", libdir.display());
-    assert!(flags.contains(&include.as_str()) && flags.contains(&link_dir.as_str()) && flags.contains(&"-lmlxcel"), "{flags:?}");
+    assert!(
+        flags.contains(&include.as_str())
+            && flags.contains(&link_dir.as_str())
+            && flags.contains(&"-lmlxcel"),
+        "{flags:?}"
+    );
 
     let exe = lib.join("capi-tests/generate_installed");
     let mut cc = Command::new("cc");
@@ -427,16 +475,32 @@ fn installed_library_builds_and_runs_through_pkg_config() {
         .arg("-o")
         .arg(&exe);
     check_output(&format!("{cc:?}"), &cc.output().unwrap());
-    let output = run(&exe, &["--max-tokens", "3", "The capital of France is"]);
+    // cargo test puts the build tree on LD_LIBRARY_PATH, which would win over
+    // the runpaths under test.
+    let output = Command::new(&exe)
+        .args(["--max-tokens", "3", "The capital of France is"])
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
     check_output("generate (installed)", &output);
     assert!(String::from_utf8_lossy(&output.stdout).starts_with(" Paris"));
 
     // Both libraries come from the prefix, not from the build tree or the cache.
-    let ldd = Command::new("ldd").arg(&exe).output().unwrap();
+    let ldd = Command::new("ldd")
+        .arg(&exe)
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
     let ldd = String::from_utf8_lossy(&ldd.stdout);
-    for (name, dir) in [(soname(), libdir.clone()), ("libmlx.so".to_string(), libdir.join("mlxcel/mlx/lib"))] {
+    for (name, dir) in [
+        (soname(), libdir.clone()),
+        ("libmlx.so".to_string(), libdir.join("mlxcel/mlx/lib")),
+    ] {
         let expected = format!("{name} => {}", dir.join(&name).display());
-        assert!(ldd.contains(&expected), "ldd does not show {expected:?}:\n{ldd}");
+        assert!(
+            ldd.contains(&expected),
+            "ldd does not show {expected:?}:\n{ldd}"
+        );
     }
 }
 
@@ -447,7 +511,7 @@ fn exit_while_generating(how: &str, phase: &str) {
     let b = binaries();
     let _serial = serial();
     for _ in 0..2 {
-        let output = run(&b.exit_test, &[how, phase]);
+        let output = run_with_timeout(&b.exit_test, &[how, phase], Duration::from_secs(120));
         assert_eq!(
             output.status.signal(),
             None,
@@ -456,7 +520,10 @@ fn exit_while_generating(how: &str, phase: &str) {
         );
         check_output(&format!("exit_test {how} {phase}"), &output);
         let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(stdout.contains(&format!("ending main by {how} during {phase}")), "{stdout}");
+        assert!(
+            stdout.contains(&format!("ending main by {how} during {phase}")),
+            "{stdout}"
+        );
     }
 }
 

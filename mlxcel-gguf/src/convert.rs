@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use serde_json::{json, Map, Value as Json};
 
 use crate::affine::{AffineMatrix, SUPPORTED_BITS};
-use crate::arch::{is_norm, is_quantizable, HParams};
+use crate::arch::{is_norm, is_quantizable, HParams, ROPE_FREQS};
 use crate::dequant::{can_dequantize, dequantize};
 use crate::ggml_type::GgmlType;
 use crate::hf_tokenizer;
@@ -345,11 +345,13 @@ fn plan<'a>(
     let mut skipped = Vec::new();
     for info in &gguf.tensors {
         let Some(hf_name) = hp.arch.hf_name(&info.name) else {
-            if info.name == "rope_freqs.weight" {
-                skipped.push(format!(
-                    "{}: llama.cpp's precomputed RoPE frequency factors",
-                    info.name
-                ));
+            if info.name == ROPE_FREQS {
+                // `HParams::from_gguf` turned it into `rope_scaling` or refused it.
+                let how = match &hp.rope_scaling {
+                    Some(_) => "written as the llama3 `rope_scaling`",
+                    None => "all 1, no scaling",
+                };
+                skipped.push(format!("{}: llama.cpp's RoPE frequency factors, {how}", info.name));
                 continue;
             }
             return Err(Error::Unsupported {
@@ -360,6 +362,7 @@ fn plan<'a>(
                 ),
             });
         };
+        hp.arch.check_bias(gguf, &info.name)?;
         let ty = info.ggml_type;
         let (_, cols) = info.rows_cols();
         let quantizable = is_quantizable(&hf_name, info.dims.len());

@@ -13,6 +13,7 @@ pub mod error;
 pub mod ggml_type;
 pub mod hf_tokenizer;
 pub mod reader;
+pub mod rope;
 mod safetensors_out;
 
 pub use arch::Architecture;

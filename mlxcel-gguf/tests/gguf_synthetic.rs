@@ -508,3 +508,110 @@ fn refuses_what_mlxcel_cannot_load() {
         }
     }
 }
+
+/// llama.cpp keeps Llama 3's RoPE scaling only as `rope_freqs.weight`: the converter writes the
+/// `llama3` `rope_scaling` that reproduces it, and refuses factors no such scaling gives.
+#[test]
+fn llama3_rope_freqs_become_rope_scaling() {
+    let tmp = TempDir::new("rope-freqs");
+    let convert = |name: &str, g: &GgufBuilder| {
+        let path = write(&tmp.0, &format!("{name}.gguf"), &g.build().0);
+        let out = tmp.0.join(name);
+        let result = convert_gguf(&path, &out, &ConvertOptions::default());
+        (result, out)
+    };
+    let config_of = |out: &std::path::Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap()
+    };
+
+    for factor in [8.0, 32.0] {
+        let (report, out) = convert(&format!("llama3-{factor}"), &tiny_llama3(&mut Rng(7), factor));
+        let report = report.unwrap();
+        assert_eq!(
+            config_of(&out)["rope_scaling"],
+            serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            })
+        );
+        assert!(report.skipped.iter().any(|s| s.starts_with("rope_freqs.weight")), "{:?}", report.skipped);
+        assert!(!read_safetensors(&out.join("model.safetensors")).keys().any(|k| k.contains("rope")));
+    }
+
+    // All ones: no scaling at all.
+    let mut ones = tiny_model(&mut Rng(7), "llama");
+    ones.tensor("rope_freqs.weight", &[HEAD_DIM as u64 / 2], 0, 1f32.to_le_bytes().repeat(HEAD_DIM / 2));
+    let (report, out) = convert("ones", &ones);
+    report.unwrap();
+    assert!(config_of(&out).get("rope_scaling").is_none());
+
+    // Refused: factors off the llama3 schedule, a wrong length, and two scalings at once.
+    let mut bent = tiny_llama3(&mut Rng(7), 8.0);
+    let freqs = &mut bent.tensors.last_mut().unwrap().3;
+    let pair = (0..HEAD_DIM / 2).find(|&i| as_f32(&freqs[i * 4..i * 4 + 4])[0] > 1.5).unwrap();
+    let bent_value = as_f32(&freqs[pair * 4..pair * 4 + 4])[0] * 1.001;
+    freqs[pair * 4..pair * 4 + 4].copy_from_slice(&bent_value.to_le_bytes());
+    let mut short = tiny_llama3(&mut Rng(7), 8.0);
+    let last = short.tensors.last_mut().unwrap();
+    last.1 = vec![HEAD_DIM as u64 / 4];
+    last.3.truncate(HEAD_DIM / 4 * 4);
+    let mut both = tiny_llama3(&mut Rng(7), 8.0);
+    both.meta("llama.rope.scaling.type", s("linear")).meta("llama.rope.scaling.factor", Value::F32(2.0));
+    for (name, g, expected) in [
+        ("bent", &bent, "no llama3 RoPE scaling reproduces"),
+        ("short", &short, "[32] floats are expected"),
+        ("both", &both, "both `llama.rope.scaling.type` and `rope_freqs.weight`"),
+    ] {
+        let (result, out) = convert(name, g);
+        let err = result.unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, Error::Unsupported { .. }), "{name}: {msg}");
+        assert!(msg.contains(expected) && msg.contains("rope_freqs.weight"), "{name}: {msg}");
+        assert!(!out.exists(), "{name}");
+    }
+}
+
+/// A bias the loader would not read is refused, naming it; the biases it reads convert.
+#[test]
+fn biases_the_loader_would_drop_are_refused() {
+    let tmp = TempDir::new("biases");
+    let bias = |g: &mut GgufBuilder, name: &str, n: usize| {
+        g.tensor(name, &[n as u64], GgmlType::F32.id(), 0.25f32.to_le_bytes().repeat(n));
+    };
+    let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let mut qwen3 = tiny_model(&mut Rng(9), "qwen3");
+    for (name, n) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", HIDDEN)] {
+        bias(&mut qwen3, &format!("blk.0.{name}.bias"), n);
+    }
+    let mut qwen2 = tiny_model(&mut Rng(9), "qwen2");
+    bias(&mut qwen2, "blk.0.attn_output.bias", HIDDEN);
+    let mut llama = tiny_model(&mut Rng(9), "llama");
+    bias(&mut llama, "blk.0.ffn_up.bias", FFN);
+    for (name, g, expected) in [
+        ("qwen3", &qwen3, "tensor `blk.0.attn_q.bias`: qwen3 has no bias on `attn_q` (biases it has: none)"),
+        ("qwen2", &qwen2, "tensor `blk.0.attn_output.bias`: qwen2 has no bias on `attn_output` (biases it has: attn_q, attn_k, attn_v)"),
+        ("llama", &llama, "tensor `blk.0.ffn_up.bias`: llama has no bias on `ffn_up`"),
+    ] {
+        let path = write(&tmp.0, &format!("{name}.gguf"), &g.build().0);
+        let out = tmp.0.join(name);
+        let err = convert_gguf(&path, &out, &ConvertOptions::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, Error::Unsupported { .. }) && msg.contains(expected), "{name}: {msg}");
+        assert!(!out.exists(), "{name}");
+    }
+
+    // Llama's attention biases are read (`attention_bias`).
+    let mut biased = tiny_model(&mut Rng(9), "llama");
+    for (name, n) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", HIDDEN)] {
+        bias(&mut biased, &format!("blk.0.{name}.bias"), n);
+    }
+    let path = write(&tmp.0, "biased.gguf", &biased.build().0);
+    convert_gguf(&path, &tmp.0.join("biased"), &ConvertOptions::default()).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tmp.0.join("biased/config.json")).unwrap()).unwrap();
+    assert_eq!(config["attention_bias"], true);
+    assert!(read_safetensors(&tmp.0.join("biased/model.safetensors")).contains_key("model.layers.0.self_attn.o_proj.bias"));
+}

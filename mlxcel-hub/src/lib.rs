@@ -79,11 +79,6 @@ pub fn cache_dir() -> PathBuf {
     PathBuf::from(home).join(".cache").join("mlxcel")
 }
 
-/// Where the default model is (or will be) converted.
-pub fn default_model_path() -> PathBuf {
-    cache_dir().join("models").join(DEFAULT_MODEL.name)
-}
-
 /// The converted default model's directory, downloading and converting it on first use
 /// (silently; see [`fetch_default_model`] for progress).
 pub fn default_model_dir() -> Result<PathBuf> {

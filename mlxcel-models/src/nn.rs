@@ -4,6 +4,7 @@
 use mlx_sys::fast::{self, AttentionMask};
 use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, QuantizedProjection};
 use mlx_sys::{Array, Dtype};
+use mlxcel_gguf::rope::Llama3Scaling;
 
 use crate::cache::{CacheLayout, KvCache};
 use crate::error::{Error, Result};
@@ -224,26 +225,12 @@ impl Rope {
     }
 }
 
-/// Llama 3's frequency schedule, as mlx-lm computes it (periods, not rates).
+/// Llama 3's frequency schedule, as mlx-lm computes it (periods, not rates); shared with the
+/// converter, which checks GGUF `rope_freqs` against it.
 fn llama3_freqs(dims: i32, base: f32, s: &RopeScaling) -> std::result::Result<Array, String> {
     let factor = s.factor.ok_or("llama3 rope_scaling needs `factor`")?;
-    let low = s.low_freq_factor.unwrap_or(1.0);
-    let high = s.high_freq_factor.unwrap_or(4.0);
-    let old_context = s.original_max_position_embeddings.unwrap_or(8192.0);
-    let (low_wavelen, high_wavelen) = (old_context / low, old_context / high);
-    let freqs: Vec<f32> = (0..dims / 2)
-        .map(|i| {
-            let period = base.powf((2 * i) as f32 / dims as f32);
-            let wavelen = 2.0 * std::f32::consts::PI * period;
-            let scaled = if wavelen > low_wavelen { period * factor } else { period };
-            if wavelen > high_wavelen && wavelen < low_wavelen {
-                let smooth = (old_context / wavelen - low) / (high - low);
-                scaled / ((1.0 - smooth) / factor + smooth)
-            } else {
-                scaled
-            }
-        })
-        .collect();
+    let scaling = Llama3Scaling::new(factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings);
+    let freqs = scaling.periods(dims.max(0) as usize, base);
     let freqs = Array::from_slice(&freqs, &[dims / 2]).map_err(|e| e.to_string())?;
     freqs.eval().map_err(|e| e.to_string())?;
     Ok(freqs)
@@ -417,7 +404,8 @@ impl DecoderBlock {
 
 /// A decoder block as one CPU kernel node (`kernels::decoder_layer`): used
 /// for decode when every projection is affine-quantized in a layout the
-/// kernels support. `MLXCEL_FUSED=0` turns it off (for comparisons).
+/// kernels support. `RuntimeConfig::fused_decode` (`MLXCEL_FUSED=0`) turns
+/// it off (for comparisons).
 #[derive(Clone)]
 struct FusedBlock {
     spec: DecoderLayerSpec,
@@ -426,7 +414,7 @@ struct FusedBlock {
 
 impl FusedBlock {
     fn new(block: &DecoderBlock) -> Option<Self> {
-        if std::env::var("MLXCEL_FUSED").is_ok_and(|v| v == "0") || mlx_sys::Device::default_device() != mlx_sys::Device::Cpu {
+        if !crate::runtime::current().fused_decode_active() {
             return None;
         }
         let attn = &block.self_attn;

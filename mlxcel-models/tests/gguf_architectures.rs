@@ -1,7 +1,8 @@
 //! Every architecture the GGUF converter accepts loads and runs: a tiny GGUF of each
 //! `mlxcel_gguf::Architecture` (and a llama with linear RoPE scaling) is converted, loaded
 //! with its rebuilt tokenizer, and a forward pass gives finite logits of the right shape,
-//! with the KV cache agreeing with the full-sequence pass on the last position.
+//! with the KV cache agreeing with the full-sequence pass on the last position. Llama 3's
+//! `rope_freqs` reach the model; Qwen3 attention biases are refused.
 
 #[path = "../../mlxcel-gguf/tests/gguf_common/mod.rs"]
 mod gguf_common;
@@ -58,4 +59,44 @@ fn every_convertible_architecture_loads_and_runs() {
         .meta("llama.rope.scaling.type", s("linear"))
         .meta("llama.rope.scaling.factor", Value::F32(2.0));
     convert_load_and_run(&tmp, "llama_rope_linear", &scaled, "llama");
+    convert_load_and_run(&tmp, "llama3_rope_freqs", &tiny_llama3(&mut Rng(13), 32.0), "llama");
+}
+
+fn convert_and_load(tmp: &TempDir, name: &str, gguf: &GgufBuilder) -> Model {
+    let path = tmp.0.join(format!("{name}.gguf"));
+    std::fs::write(&path, gguf.build().0).unwrap();
+    convert_gguf(&path, &tmp.0.join(name), &ConvertOptions::default()).unwrap_or_else(|e| panic!("{name}: convert: {e}"));
+    Model::load(&tmp.0.join(name)).unwrap_or_else(|e| panic!("{name}: load: {e}"))
+}
+
+/// Llama 3's `rope_freqs.weight` reaches the loaded model: the same weights without it give
+/// other logits (the scaled pairs turn `factor` times slower).
+#[test]
+fn llama3_rope_freqs_change_the_logits() {
+    let tmp = TempDir::new("load-llama3");
+    let llama3 = tiny_llama3(&mut Rng(14), 32.0);
+    let mut plain = tiny_llama3(&mut Rng(14), 32.0);
+    plain.tensors.retain(|t| t.0 != "rope_freqs.weight");
+    let tokens: Vec<i32> = (0..64).map(|i| (i * 37 % 256) as i32).collect();
+    let run = |model: &Model| logits(model, &tokens, &mut model.network.new_caches()).1;
+    let (scaled, unscaled) = (run(&convert_and_load(&tmp, "llama3", &llama3)), run(&convert_and_load(&tmp, "plain", &plain)));
+    let last = |v: &[f32]| v[v.len() - vocab().len()..].to_vec();
+    let (scaled, unscaled) = (last(&scaled), last(&unscaled));
+    let scale = unscaled.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = scaled.iter().zip(&unscaled).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(diff > 1e-3 * scale, "llama3 scaling had no effect: {diff} (scale {scale})");
+}
+
+/// mlx-lm's qwen3 has no attention biases: a config asking for them is refused, not ignored.
+#[test]
+fn qwen3_attention_bias_is_refused() {
+    let tmp = TempDir::new("load-qwen3-bias");
+    convert_and_load(&tmp, "qwen3", &tiny_model(&mut Rng(15), "qwen3"));
+    let config_path = tmp.0.join("qwen3/config.json");
+    let mut config: serde_json::Value = serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+    assert_eq!(config["attention_bias"], false);
+    config["attention_bias"] = true.into();
+    std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();
+    let msg = Model::load(&tmp.0.join("qwen3")).err().expect("attention_bias: true loads").to_string();
+    assert!(msg.contains("config.json") && msg.contains("attention_bias"), "{msg}");
 }

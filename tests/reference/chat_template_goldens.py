@@ -1,8 +1,8 @@
 """Golden chat-template renderings, produced the way `transformers` renders templates.
 
 Usage: python tests/reference/chat_template_goldens.py
-Needs jinja2. Reads mlxcel-models/tests/data/*.jinja and writes
-mlxcel-models/tests/data/chat_template_goldens.json.
+Needs jinja2. Reads mlxcel-tokenizer/tests/data/*.jinja and writes
+mlxcel-tokenizer/tests/data/chat_template_goldens.json.
 """
 
 import json
@@ -13,7 +13,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-DATA = Path(__file__).resolve().parents[2] / "mlxcel-models" / "tests" / "data"
+DATA = Path(__file__).resolve().parents[2] / "mlxcel-tokenizer" / "tests" / "data"
 
 
 def compile_template(source):

@@ -1,15 +1,15 @@
-"""Golden data for mlxcel's GGUF converter (mlxcel-models/tests/gguf_*.rs).
+"""Golden data for mlxcel's GGUF converter (mlxcel-gguf/tests/gguf_*.rs, mlxcel-hub/tests/default_model.rs).
 
     python3 -m venv .venv-gguf && .venv-gguf/bin/pip install gguf==0.19.0 numpy==2.4.6 \
         tokenizers==0.23.3 transformers==5.24.0
     .venv-gguf/bin/python tests/reference/gguf_dequant_reference.py blocks \
         --gguf SmolLM2-135M-Instruct.Q4_1.gguf --gguf gemma-3-270m-q4_k_m.gguf \
-        --out mlxcel-models/tests/data/gguf/dequant_blocks.json
+        --out mlxcel-gguf/tests/data/gguf/dequant_blocks.json
     .venv-gguf/bin/python tests/reference/gguf_dequant_reference.py smollm2 \
-        --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out mlxcel-models/tests/data/gguf/smollm2.json
+        --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out mlxcel-hub/tests/data/smollm2.json
     # MLX's own affine quantization (needs mlx: tests/reference/run.sh uses tests/reference/.venv)
     tests/reference/run.sh tests/reference/gguf_dequant_reference.py mlx-quantize \
-        --out mlxcel-models/tests/data/gguf/mlx_quantize.json
+        --out mlxcel-gguf/tests/data/gguf/mlx_quantize.json
 
 `blocks`: raw GGML blocks (random ones for every supported type, and real ones sampled from
 the given files) with gguf-py's numpy dequantization of each.

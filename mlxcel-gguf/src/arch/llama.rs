@@ -12,6 +12,8 @@ pub(super) const SPEC: ArchSpec = ArchSpec {
     hf_class: "LlamaForCausalLM",
     permuted_qk: true,
     block_module: |_| None,
+    // `attention_bias`; `mlp_bias` is written false, so no FFN biases.
+    bias_modules: &["attn_q", "attn_k", "attn_v", "attn_output"],
     config,
 };
 

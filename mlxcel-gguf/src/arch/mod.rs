@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value as Json};
 
 use crate::error::{Error, Result};
 use crate::reader::GgufFile;
+use crate::rope::Llama3Scaling;
 
 /// An architecture that mlxcel converts from GGUF and loads.
 ///
@@ -39,13 +40,19 @@ pub(crate) struct ArchSpec {
     permuted_qk: bool,
     /// The Hugging Face module of a GGUF block module that [`common_block_module`] lacks.
     block_module: fn(&str) -> Option<&'static str>,
+    /// GGUF block modules whose `.bias` the loader reads; any other bias is refused, since
+    /// the loader would drop it.
+    bias_modules: &'static [&'static str],
     /// Adds the architecture's own `config.json` keys.
     config: fn(&GgufFile, &HParams, &mut Map<String, Json>),
 }
 
-/// `<arch>.rope.scaling.type` values the converter writes as `rope_scaling` (the loader also
-/// reads `llama3`, which GGUF files do not express as a scaling type).
+/// `<arch>.rope.scaling.type` values the converter writes as `rope_scaling`. Llama 3's
+/// scaling has no type in GGUF: llama.cpp stores its per-pair factors as [`ROPE_FREQS`].
 pub const SUPPORTED_ROPE_SCALING: &[&str] = &["linear"];
+
+/// llama.cpp's tensor of RoPE frequency factors (Llama 3), written as a `llama3` `rope_scaling`.
+pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
 impl Architecture {
     pub const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3];
@@ -120,6 +127,34 @@ impl Architecture {
         self.spec().permuted_qk
     }
 
+    /// GGUF block modules (`attn_q`, ...) that may carry a `.bias` in this architecture.
+    pub fn bias_modules(self) -> &'static [&'static str] {
+        self.spec().bias_modules
+    }
+
+    /// A GGUF block bias (`blk.N.<module>.bias`) the loader would not read: an error naming
+    /// the tensor and the biases this architecture has.
+    pub fn check_bias(self, gguf: &GgufFile, gguf_name: &str) -> Result<()> {
+        let module = gguf_name
+            .strip_prefix("blk.")
+            .and_then(|rest| rest.split_once('.'))
+            .and_then(|(_, rest)| rest.strip_suffix(".bias"));
+        match module {
+            Some(module) if !self.bias_modules().contains(&module) => Err(Error::Unsupported {
+                path: gguf.path.clone(),
+                message: format!(
+                    "tensor `{gguf_name}`: {} has no bias on `{module}` (biases it has: {})",
+                    self.gguf_name(),
+                    match self.bias_modules() {
+                        [] => "none".to_string(),
+                        some => some.join(", "),
+                    }
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The Hugging Face name of a GGUF tensor, `None` for tensors this architecture lacks.
     pub fn hf_name(self, gguf_name: &str) -> Option<String> {
         let global = match gguf_name {
@@ -192,7 +227,8 @@ pub struct HParams {
     pub max_position_embeddings: u64,
     pub vocab_size: u64,
     pub tied_embeddings: bool,
-    /// `rope_scaling` for `config.json`, one of [`SUPPORTED_ROPE_SCALING`].
+    /// `rope_scaling` for `config.json`: one of [`SUPPORTED_ROPE_SCALING`], or `llama3`
+    /// recovered from [`ROPE_FREQS`].
     pub rope_scaling: Option<Json>,
 }
 
@@ -230,6 +266,24 @@ impl HParams {
                 }
             },
         };
+        let head_dim = gguf
+            .get_u64(&key("attention.key_length"))
+            .unwrap_or(hidden_size / num_heads);
+        let rope_theta = gguf.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0);
+        let rope_scaling = match rope_scaling(gguf, name)? {
+            Some(scaling) => {
+                if gguf.tensor(ROPE_FREQS).is_some() {
+                    return Err(Error::Unsupported {
+                        path: gguf.path.clone(),
+                        message: format!(
+                            "both `{name}.rope.scaling.type` and `{ROPE_FREQS}` (mlxcel runs one RoPE scaling at a time)"
+                        ),
+                    });
+                }
+                Some(scaling)
+            }
+            None => llama3_rope_scaling(gguf, head_dim, rope_theta)?,
+        };
         Ok(HParams {
             arch,
             hidden_size,
@@ -239,17 +293,15 @@ impl HParams {
             num_kv_heads: gguf
                 .get_u64(&key("attention.head_count_kv"))
                 .unwrap_or(num_heads),
-            head_dim: gguf
-                .get_u64(&key("attention.key_length"))
-                .unwrap_or(hidden_size / num_heads),
+            head_dim,
             rms_norm_eps: gguf
                 .get_f64(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-6),
-            rope_theta: gguf.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0),
+            rope_theta,
             max_position_embeddings: gguf.get_u64(&key("context_length")).unwrap_or(2048),
             vocab_size,
             tied_embeddings: gguf.tensor("output.weight").is_none(),
-            rope_scaling: rope_scaling(gguf, name)?,
+            rope_scaling,
             name: name.to_string(),
         })
     }
@@ -320,6 +372,45 @@ fn rope_scaling(gguf: &GgufFile, arch: &str) -> Result<Option<Json>> {
         m.insert("original_max_position_embeddings".into(), orig.into());
     }
     Ok(Some(Json::Object(m)))
+}
+
+/// A `llama3` `rope_scaling` whose per-pair factors (computed as the loader computes them)
+/// equal llama.cpp's [`ROPE_FREQS`] tensor; none without the tensor or when it is all ones.
+/// Factors no llama3 schedule reproduces are refused: the model would run with the wrong RoPE.
+fn llama3_rope_scaling(gguf: &GgufFile, head_dim: u64, rope_theta: f64) -> Result<Option<Json>> {
+    let Some(info) = gguf.tensor(ROPE_FREQS) else {
+        return Ok(None);
+    };
+    let pairs = head_dim as usize / 2;
+    let refuse = |why: String| Error::Unsupported {
+        path: gguf.path.clone(),
+        message: format!(
+            "tensor `{ROPE_FREQS}` {why} (mlxcel converts RoPE frequency factors only when they are \
+             a llama3 schedule: `rope_scaling` {{factor, low_freq_factor, high_freq_factor, \
+             original_max_position_embeddings}} for head_dim {head_dim}, rope_theta {rope_theta})"
+        ),
+    };
+    if info.dims != [pairs as u64] || !crate::dequant::can_dequantize(info.ggml_type) {
+        return Err(refuse(format!(
+            "has shape {:?} and type {} where [{pairs}] floats are expected",
+            info.dims, info.ggml_type
+        )));
+    }
+    let mut factors = vec![0f32; pairs];
+    crate::dequant::dequantize(info.ggml_type, gguf.tensor_data(info), &mut factors)
+        .ok_or_else(|| Error::invalid_file(&gguf.path, format!("tensor `{ROPE_FREQS}`: cannot decode its data")))?;
+    if factors.iter().all(|&f| f == 1.0) {
+        return Ok(None);
+    }
+    let s = Llama3Scaling::from_factors(&factors, head_dim as usize, rope_theta as f32)
+        .ok_or_else(|| refuse("holds factors that no llama3 RoPE scaling reproduces".into()))?;
+    Ok(Some(json!({
+        "rope_type": "llama3",
+        "factor": f32_json(s.factor as f64),
+        "low_freq_factor": f32_json(s.low_freq_factor as f64),
+        "high_freq_factor": f32_json(s.high_freq_factor as f64),
+        "original_max_position_embeddings": s.original_max_position_embeddings as u64,
+    })))
 }
 
 /// Whether any tensor's name ends with `suffix` (e.g. `attn_q.bias`).

@@ -12,6 +12,7 @@ pub(super) const SPEC: ArchSpec = ArchSpec {
     hf_class: "Qwen2ForCausalLM",
     permuted_qk: false,
     block_module: |_| None,
+    bias_modules: &["attn_q", "attn_k", "attn_v"],
     config,
 };
 

@@ -2,7 +2,7 @@
 
 use serde_json::{Map, Value as Json};
 
-use super::{has_tensor, ArchSpec, HParams};
+use super::{ArchSpec, HParams};
 use crate::reader::GgufFile;
 
 pub(super) const SPEC: ArchSpec = ArchSpec {
@@ -12,6 +12,8 @@ pub(super) const SPEC: ArchSpec = ArchSpec {
     hf_class: "Qwen3ForCausalLM",
     permuted_qk: false,
     block_module,
+    // Qwen3 has no attention biases (mlx-lm's qwen3 and llama.cpp's read none).
+    bias_modules: &[],
     config,
 };
 
@@ -23,7 +25,8 @@ fn block_module(module: &str) -> Option<&'static str> {
     }
 }
 
-fn config(gguf: &GgufFile, _: &HParams, c: &mut Map<String, Json>) {
+fn config(_: &GgufFile, _: &HParams, c: &mut Map<String, Json>) {
     c.insert("hidden_act".into(), "silu".into());
-    c.insert("attention_bias".into(), has_tensor(gguf, "attn_q.bias").into());
+    // Bias tensors are refused (`bias_modules`), so there are none.
+    c.insert("attention_bias".into(), false.into());
 }

@@ -492,3 +492,39 @@ pub fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     path
 }
 
+
+/// llama.cpp's `rope_freqs.weight` for a llama3 `rope_scaling` (convert_hf_to_gguf.py: f32
+/// rates, the rest in f64), as F32 bytes.
+pub fn llama_cpp_rope_freqs(dims: usize, base: f32, factor: f64, low: f64, high: f64, old: f64) -> Vec<u8> {
+    (0..dims / 2)
+        .flat_map(|i| {
+            let rate = 1.0 / base.powf((2 * i) as f32 / dims as f32);
+            let wavelen = 2.0 * std::f64::consts::PI / rate as f64;
+            let f = if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            (f as f32).to_le_bytes()
+        })
+        .collect()
+}
+
+/// Replaces metadata `key` (which must exist).
+pub fn set_meta(g: &mut GgufBuilder, key: &str, v: Value) {
+    let entry = g.metadata.iter_mut().find(|(k, _)| k == key).unwrap_or_else(|| panic!("no `{key}`"));
+    entry.1 = v;
+}
+
+/// A tiny llama with Llama 3's RoPE: base 500000 and llama.cpp's `rope_freqs.weight` for
+/// `factor`, low/high frequency factors 1 and 4, original context 8192.
+pub fn tiny_llama3(rng: &mut Rng, factor: f64) -> GgufBuilder {
+    let mut g = tiny_model(rng, "llama");
+    set_meta(&mut g, "llama.rope.freq_base", Value::F32(500_000.0));
+    let freqs = llama_cpp_rope_freqs(HEAD_DIM, 500_000.0, factor, 1.0, 4.0, 8192.0);
+    g.tensor("rope_freqs.weight", &[HEAD_DIM as u64 / 2], GgmlType::F32.id(), freqs);
+    g
+}

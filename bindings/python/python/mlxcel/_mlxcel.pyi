@@ -16,19 +16,23 @@ Message = Mapping[str, Any]
 PromptLike = Union[str, Sequence[int]]
 Stop = Union[str, Sequence[str], None]
 
-def load(path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: int = 64) -> Model:
+def load(
+    path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: int = 64, progress: bool = True
+) -> Model:
     """Loads a model directory (MLX / Hugging Face layout).
 
     ``None`` loads the default model, SmolLM2-135M-Instruct, fetched and
-    converted into ``~/.cache/mlxcel`` on first use. ``prefill_chunk`` is the
-    number of prompt tokens per forward pass: small values let Ctrl-C and
+    converted into ``~/.cache/mlxcel`` on first use; that first fetch reports
+    its steps on ``sys.stderr`` unless ``progress=False``. ``prefill_chunk`` is
+    the number of prompt tokens per forward pass: small values let Ctrl-C and
     ``Stream.close()`` take effect sooner during a long prompt.
 
     Raises ModelLoadError.
     """
 
-def default_model_path() -> pathlib.Path:
-    """The default model's directory, fetched and converted on first use."""
+def default_model_path(*, progress: bool = True) -> pathlib.Path:
+    """The default model's directory, fetched and converted on first use
+    (reporting on ``sys.stderr`` unless ``progress=False``)."""
 
 class Chunk:
     """One piece of streamed text.
@@ -115,7 +119,9 @@ class Model:
     """A loaded model. One Model may be used from several threads at once;
     every call releases the GIL while MLX works."""
 
-    def __init__(self, path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: int = 64) -> None:
+    def __init__(
+        self, path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: int = 64, progress: bool = True
+    ) -> None:
         """Same as ``mlxcel.load(path)``."""
     def generate(
         self,
