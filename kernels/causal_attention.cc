@@ -241,24 +241,14 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
 
 #ifdef MLXCEL_X86
 namespace avx2 {
-#define MLXCEL_TGT __attribute__((target("avx2,fma,f16c")))
-#define MLXCEL_FMA8(a, b, c) ((vf8)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#define MLXCEL_VEC8_AVX2
 #include "attention_generic.inc"
-#undef MLXCEL_FMA8
-#undef MLXCEL_TGT
+#undef MLXCEL_VEC8_AVX2
 }  // namespace avx2
 #endif
 
 namespace portable {
-#if defined(__GNUC__) && !defined(__clang__)
-#define MLXCEL_TGT __attribute__((optimize("fp-contract=fast")))
-#else
-#define MLXCEL_TGT
-#endif
-#define MLXCEL_FMA8(a, b, c) ((a) * (b) + (c))
 #include "attention_generic.inc"
-#undef MLXCEL_FMA8
-#undef MLXCEL_TGT
 }  // namespace portable
 
 void attend_task(void* ctx, int t) {

