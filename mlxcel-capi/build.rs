@@ -1,8 +1,9 @@
 //! Links libmlxcel.so as a versioned system library would be:
 //! - SONAME `libmlxcel.so.<ABI major>` (the major from src/abi_version.rs),
 //!   and a `libmlxcel.so.<major> -> libmlxcel.so` link beside the built
-//!   library, so programs linked in the build tree (`-L target/release
-//!   -lmlxcel`) find it at run time; `scripts/install-capi` installs the
+//!   library (`target/release` and, for `cargo test`, its `deps/`), so
+//!   programs linked in the build tree (`-L target/release -lmlxcel`) find it
+//!   at run time; `scripts/install-capi` installs the
 //!   usual chain of links instead;
 //! - an rpath to the folder mlx-sys linked libmlx from, so nothing else is
 //!   needed on the building machine (the installed copy's is rewritten to
@@ -42,15 +43,17 @@ fn main() {
         );
         return;
     };
-    let link = profile_dir.join(&soname);
-    if std::fs::read_link(&link).is_ok_and(|t| t == std::path::Path::new("libmlxcel.so")) {
-        return;
-    }
-    let _ = std::fs::remove_file(&link);
-    if let Err(e) = std::os::unix::fs::symlink("libmlxcel.so", &link) {
-        println!(
-            "cargo:warning=could not link {} -> libmlxcel.so: {e}",
-            link.display()
-        );
+    // `cargo build` puts the cdylib in <profile dir>, `cargo test` in
+    // <profile dir>/deps (where the C tests then link it from): link both.
+    for dir in [profile_dir.to_path_buf(), profile_dir.join("deps")] {
+        let link = dir.join(&soname);
+        if std::fs::read_link(&link).is_ok_and(|t| t == std::path::Path::new("libmlxcel.so")) {
+            continue;
+        }
+        let _ = std::fs::create_dir_all(&dir);
+        let _ = std::fs::remove_file(&link);
+        if let Err(e) = std::os::unix::fs::symlink("libmlxcel.so", &link) {
+            println!("cargo:warning=could not link {} -> libmlxcel.so: {e}", link.display());
+        }
     }
 }
