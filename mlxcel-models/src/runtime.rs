@@ -5,7 +5,7 @@
 //!
 //! | field | env var | default | what it does |
 //! | --- | --- | --- | --- |
-//! | [`prefill`](RuntimeConfig::prefill) | `MLXCEL_PREFILL` = `kernels` \| `mlx` | `kernels` | how prompt (many-row) matmuls and attention run: mlxcel's kernels, or dequantize + MLX's ops (for comparisons) |
+//! | [`prefill`](RuntimeConfig::prefill) | `MLXCEL_PREFILL` = `kernels` \| `mlx` | `kernels` | how the matmuls outside the fused decode block (prompt rows, dense weights) and attention run: mlxcel's kernels, which never call BLAS, or dequantize + MLX's matmul and attention, which do (for comparisons) |
 //! | [`fused_decode`](RuntimeConfig::fused_decode) | `MLXCEL_FUSED` = `1` \| `0` | `1` on the CPU | decode runs each quantized decoder block as one fused kernel node; `0` uses MLX's ops per layer (for comparisons). Never on a GPU |
 //! | [`mlx_cache_limit`](RuntimeConfig::mlx_cache_limit) | `MLXCEL_MLX_CACHE_LIMIT` = bytes \| `default` | `0` on the CPU, MLX's own on a GPU | MLX's buffer cache of freed allocations. On the CPU malloc serves the same sizes as fast, and the cache kept freed prefill activations resident for the whole run |
 //!
