@@ -130,6 +130,10 @@ QuantLayout check_projection(const QuantizedProjection& p, int n, int k, const s
 // Small vector helpers for attention: AVX-512 or AVX2 + FMA when the kernels'
 // path allows (MLXCEL_KERNELS), else portable.
 
+inline void axpy_portable(float alpha, const float* x, float* y, int n) {
+  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
 #ifdef MLXCEL_X86
 __attribute__((target("avx512f,avx512dq"))) float dot_avx512(const float* a, const float* b, int n) {
   __m512 acc = _mm512_setzero_ps();
@@ -152,35 +156,17 @@ __attribute__((target("avx512f"))) void axpy_avx512(float alpha, const float* x,
   }
 }
 
+// The portable loops (detail::dot, axpy_portable) compiled for AVX2: GCC
+// inlines and vectorizes them 8 floats wide, with the same summation order.
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int n) {
-  // Two accumulators hide the FMA latency; the tail is scalar.
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  const __m256 acc = _mm256_add_ps(acc0, acc1);
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  float sum = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+  return detail::dot(a, b, n);
 }
 
 __attribute__((target("avx2,fma"))) void axpy_avx2(float alpha, const float* x, float* y, int n) {
-  const __m256 a = _mm256_set1_ps(alpha);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
+  axpy_portable(alpha, x, y, n);
 }
 
 #endif  // MLXCEL_X86
-
-void axpy_portable(float alpha, const float* x, float* y, int n) {
-  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
 
 struct VectorOps {
   float (*dot)(const float*, const float*, int);
