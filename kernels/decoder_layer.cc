@@ -178,7 +178,7 @@ VectorOps vector_ops() {
 #ifdef MLXCEL_X86
     const Path path = resolve_path(Path::Auto);
     if (path == Path::Avx512 || path == Path::Avx512Vnni) return VectorOps{dot_avx512, axpy_avx512};
-    if (path == Path::Avx2) return VectorOps{dot_avx2, axpy_avx2};
+    if (path == Path::Avx2 || path == Path::Avx2Int8) return VectorOps{dot_avx2, axpy_avx2};
 #endif
     return VectorOps{detail::dot, axpy_portable};
   }();

@@ -195,10 +195,21 @@ void convert_row_avx2(const void* p, Ty ty, size_t i, int n, float* dst) {
 // off x86-64).
 Path best_supported(Path want) {
   const cpu::Features& f = cpu::features();
-  if (want == Path::Avx512Vnni && f.avx512_vnni) return Path::Avx512Vnni;
-  if ((want == Path::Avx512Vnni || want == Path::Avx512) && f.avx512) return Path::Avx512;
-  if ((want == Path::Avx512Vnni || want == Path::Avx512 || want == Path::Avx2) && f.avx2) return Path::Avx2;
-  return Path::Portable;
+  switch (want) {
+    case Path::Avx512Vnni:
+      if (f.avx512_vnni) return Path::Avx512Vnni;
+      if (f.avx512) return Path::Avx512;
+      return f.avx2 ? Path::Avx2Int8 : Path::Portable;
+    case Path::Avx512:
+      if (f.avx512) return Path::Avx512;
+      return f.avx2 ? Path::Avx2 : Path::Portable;
+    case Path::Avx2Int8:
+      return f.avx2 ? Path::Avx2Int8 : Path::Portable;
+    case Path::Avx2:
+      return f.avx2 ? Path::Avx2 : Path::Portable;
+    default:
+      return Path::Portable;
+  }
 }
 
 Path env_path();
@@ -210,6 +221,7 @@ Path env_path() {
     std::string v = env ? env : "";
     if (v == "portable") return Path::Portable;
     if (v == "avx2") return best_supported(Path::Avx2);
+    if (v == "avx2-int8") return best_supported(Path::Avx2Int8);
     if (v == "avx512") return best_supported(Path::Avx512);
     return best_supported(Path::Avx512Vnni);
   }();
@@ -590,6 +602,27 @@ __attribute__((target("avx2,fma"), always_inline)) inline float hsum256(__m256 v
   return _mm_cvtss_f32(s);
 }
 
+// The end of an AVX2 tile: the bias term, sum_g bias[g] * xsum[m, g], joins
+// each vector sum, which is reduced and stored.
+template <int MT, int NR>
+__attribute__((target("avx2,fma"), always_inline)) inline void
+finish_tile_avx2(const Job& j, __m256 (&y)[NR][MT], const float* bf, size_t gs, int m0, int n) {
+  const int G = j.G;
+  for (int m = 0; m < MT; ++m) {
+    const float* xs = j.xsum + (size_t)(m0 + m) * G;
+    int g = 0;
+    for (; g + 8 <= G; g += 8) {
+      const __m256 xsv = _mm256_loadu_ps(xs + g);
+      for (int r = 0; r < NR; ++r) y[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(bf + r * gs + g), xsv, y[r][m]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      float b = 0.0f;
+      for (int gg = g; gg < G; ++gg) b += bf[r * gs + gg] * xs[gg];
+      j.y[(size_t)(m0 + m) * j.N + n + r] = hsum256(y[r][m]) + b;
+    }
+  }
+}
+
 template <int BITS, int MT, int NR>
 __attribute__((target("avx2,fma"), always_inline)) inline void
 tile_avx2(const Job& j, const uint32_t* wr, const float* sf, const float* bf, size_t gs, int m0, int n) {
@@ -642,20 +675,7 @@ tile_avx2(const Job& j, const uint32_t* wr, const float* sf, const float* bf, si
       for (int m = 0; m < MT; ++m) y[r][m] = _mm256_fmadd_ps(acc[r][m], scale, y[r][m]);
     }
   }
-  const int G = j.G;
-  for (int m = 0; m < MT; ++m) {
-    const float* xs = j.xsum + (size_t)(m0 + m) * G;
-    int g = 0;
-    for (; g + 8 <= G; g += 8) {
-      const __m256 xsv = _mm256_loadu_ps(xs + g);
-      for (int r = 0; r < NR; ++r) y[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(bf + r * gs + g), xsv, y[r][m]);
-    }
-    for (int r = 0; r < NR; ++r) {
-      float b = 0.0f;
-      for (int gg = g; gg < G; ++gg) b += bf[r * gs + gg] * xs[gg];
-      j.y[(size_t)(m0 + m) * j.N + n + r] = hsum256(y[r][m]) + b;
-    }
-  }
+  finish_tile_avx2<MT, NR>(j, y, bf, gs, m0, n);
 }
 
 template <int BITS>
@@ -680,6 +700,106 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Job& j, int n0, in
     int m = 0;
     for (; m + 2 <= j.M; m += 2) tile_avx2<BITS, 2, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
     if (m < j.M) tile_avx2<BITS, 1, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// AVX2 integer loop (bits 2, 4, 8): the AVX2 counterpart of the VNNI loop,
+// with vpmaddwd (16-bit products summed in pairs into 32 bits). Each group of
+// activations is quantized to int16, x ~ s * x16 with s = max|x| / 32512,
+// so the error per activation is at most max|x| / 65024, as on VNNI. A chunk
+// is 8 words of a row (lane l holds word c*8 + l). A word's low 16 bits hold
+// its values 0 .. EPW/2-1 and its high 16 bits the rest, so for
+// p < EPW/2, (v >> BITS*p) & (QM | QM << 16) puts value p in the low half
+// and value EPW/2 + p in the high half of each dword, and vpmaddwd against
+// activation plane p, which holds the matching pair (x[p], x[EPW/2 + p]) per
+// word, adds both products into the word's lane. Per chunk the int32 sum is
+// exact (at most EPW * QM * 32512: 3.9e6 for bits 4, below 2^24, so its f32
+// conversion is exact too; 3.3e7 for bits 8, rounded once to f32).
+
+template <int BITS, int MT, int NR>
+__attribute__((target("avx2,fma"), always_inline)) inline void
+tile_avx2_int8(const Job& j, const uint32_t* wr, const float* sf, const float* bf, size_t gs, int m0, int n) {
+  constexpr int EPW = 32 / BITS;
+  constexpr int PLANES = EPW / 2;
+  constexpr uint32_t QM = (1u << BITS) - 1;
+  const int chunks = j.chunks;
+  const int tail_words = j.wpr - (chunks - 1) * 8;
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_words), lane);
+  const int wpg = j.wpg;
+  const size_t rw = j.wpr;
+  const __m256i gidx = wpg < 8 ? _mm256_srli_epi32(lane, __builtin_ctz(wpg)) : _mm256_setzero_si256();
+  const __m256i mask = _mm256_set1_epi32((int)(QM | (QM << 16)));
+
+  const int16_t* xq[MT];
+  const float* xs[MT];
+  for (int m = 0; m < MT; ++m) {
+    xq[m] = reinterpret_cast<const int16_t*>(j.xq + (size_t)(m0 + m) * j.xq_stride);
+    xs[m] = j.xscale + (size_t)(m0 + m) * j.G;
+  }
+  __m256 y[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) y[r][m] = _mm256_setzero_ps();
+
+  for (int c = 0; c < chunks; ++c) {
+    const int g0 = (c * 8) / wpg;
+    __m256 xscale[MT];
+    for (int m = 0; m < MT; ++m) {
+      xscale[m] = wpg < 8 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs[m] + g0), gidx) : _mm256_set1_ps(xs[m][g0]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint32_t* p = wr + r * rw + c * 8;
+      _mm_prefetch(reinterpret_cast<const char*>(p + j.prefetch_rows * rw), _MM_HINT_T0);
+      const __m256i v = c == chunks - 1 ? _mm256_maskload_epi32(reinterpret_cast<const int*>(p), tail)
+                                        : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const float* srow = sf + r * gs;
+      const __m256 wscale = wpg < 8 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(srow + g0), gidx)
+                                    : _mm256_set1_ps(srow[g0]);
+      __m256i acc[MT];
+#pragma GCC unroll 8
+      for (int s = 0; s < PLANES; ++s) {
+        const __m256i q = _mm256_and_si256(s == 0 ? v : _mm256_srli_epi32(v, BITS * s), mask);
+        for (int m = 0; m < MT; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + ((size_t)c * PLANES + s) * 16));
+          const __m256i d = _mm256_madd_epi16(q, xv);
+          acc[m] = s == 0 ? d : _mm256_add_epi32(acc[m], d);
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        y[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(wscale, xscale[m]), y[r][m]);
+      }
+    }
+  }
+  finish_tile_avx2<MT, NR>(j, y, bf, gs, m0, n);
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2_int8(const Job& j, int n0, int n1) {
+  const size_t gs = (size_t)j.G;
+  RowScratch& sc = tl_scratch;
+  sc.ensure(4 * j.G, 16);
+  int n = n0;
+  auto block = [&](int rows) __attribute__((always_inline)) {
+    convert_row_avx2(j.scales, j.sty, (size_t)n * gs, rows * j.G, sc.s.data());
+    convert_row_avx2(j.biases, j.sty, (size_t)n * gs, rows * j.G, sc.b.data());
+    return reinterpret_cast<const uint32_t*>(j.w + (size_t)n * j.row_bytes);
+  };
+  if (j.M == 1) {
+    for (; n + 4 <= n1; n += 4) tile_avx2_int8<BITS, 1, 4>(j, block(4), sc.s.data(), sc.b.data(), gs, 0, n);
+  } else if (j.M == 2) {
+    for (; n + 2 <= n1; n += 2) tile_avx2_int8<BITS, 2, 2>(j, block(2), sc.s.data(), sc.b.data(), gs, 0, n);
+  }
+  for (; n < n1; ++n) {
+    const uint32_t* wr = block(1);
+    int m = 0;
+    for (; m + 4 <= j.M; m += 4) tile_avx2_int8<BITS, 4, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+    switch (j.M - m) {
+      case 3: tile_avx2_int8<BITS, 3, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+      case 2: tile_avx2_int8<BITS, 2, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+      case 1: tile_avx2_int8<BITS, 1, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+      default: break;
+    }
   }
 }
 
@@ -849,6 +969,37 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prepare_vnni(
 }
 #endif  // MLXCEL_X86
 
+// Lays out the int16 activation planes tile_avx2_int8 reads: per group,
+// s = max|x| / 32512 and x16 = round(x / s) (to nearest even, |x16| <= 32512);
+// per chunk of 8 words, plane p holds (x[w*EPW + p], x[w*EPW + EPW/2 + p]) for
+// each word w of the chunk.
+void prepare_int16(Job& j, const float* xf, std::vector<int8_t>& xq, std::vector<float>& xscale) {
+  const int M = j.M, K = j.K, G = j.G, group = j.group, epw = j.epw, planes = j.epw / 2;
+  constexpr int L = 8;
+  j.xq_stride = (size_t)j.chunks * planes * L * 2 * sizeof(int16_t);
+  xq.assign((size_t)M * j.xq_stride, 0);
+  // The tile reads 8 scales from a chunk's first group (see prepare_vnni).
+  xscale.assign((size_t)M * G + 16, 0.0f);
+  for (int m = 0; m < M; ++m) {
+    const float* x = xf + (size_t)m * K;
+    int16_t* q = reinterpret_cast<int16_t*>(xq.data() + (size_t)m * j.xq_stride);
+    for (int g = 0; g < G; ++g) {
+      const float* xg = x + (size_t)g * group;
+      float amax = 0.0f;
+      for (int k = 0; k < group; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      const float inv = amax > 0.0f ? 32512.0f / amax : 0.0f;
+      xscale[(size_t)m * G + g] = amax / 32512.0f;
+      for (int k = g * group; k < (g + 1) * group; ++k) {
+        const int w = k / epw, e = k % epw, half = e >= planes ? 1 : 0, p = e - half * planes;
+        const size_t at = (((size_t)(w / L) * planes + p) * L + w % L) * 2 + half;
+        q[at] = (int16_t)std::nearbyint(x[k] * inv);
+      }
+    }
+  }
+  j.xq = xq.data();
+  j.xscale = xscale.data();
+}
+
 // ---------------------------------------------------------------------------
 // Driver.
 
@@ -866,6 +1017,13 @@ void run_rows(const Job& j, int n0, int n1) {
         case 2: return rows_avx512<2>(j, n0, n1);
         case 4: return rows_avx512<4>(j, n0, n1);
         case 8: return rows_avx512<8>(j, n0, n1);
+      }
+      break;
+    case Path::Avx2Int8:
+      switch (j.bits) {
+        case 2: return rows_avx2_int8<2>(j, n0, n1);
+        case 4: return rows_avx2_int8<4>(j, n0, n1);
+        case 8: return rows_avx2_int8<8>(j, n0, n1);
       }
       break;
     case Path::Avx2:
@@ -924,7 +1082,7 @@ void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offset
     if (x_step == 1) {
 #ifdef MLXCEL_X86
       if (j.path == Path::Avx512 || j.path == Path::Avx512Vnni) convert_row_avx512(x, xty, off, K, dst);
-      else if (j.path == Path::Avx2) convert_row_avx2(x, xty, off, K, dst);
+      else if (j.path == Path::Avx2 || j.path == Path::Avx2Int8) convert_row_avx2(x, xty, off, K, dst);
       else
 #endif
         convert_row_portable(x, xty, off, K, dst);
@@ -946,7 +1104,9 @@ void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offset
     prepare_vnni(j, cs.xf.data(), cs.xq, cs.xscale);
   } else
 #endif
-  if (j.lanes > 0) {
+  if (j.path == Path::Avx2Int8) {
+    prepare_int16(j, cs.xf.data(), cs.xq, cs.xscale);
+  } else if (j.lanes > 0) {
     const int L = j.lanes, EPW = j.epw;
     j.xp_stride = (size_t)j.chunks * EPW * L;
     cs.xp.assign((size_t)M * j.xp_stride, 0.0f);
@@ -1012,7 +1172,7 @@ int lanes_for(Path path, int bits, int group) {
   if (bits != 2 && bits != 4 && bits != 8) return 0;
   int epw = 32 / bits;
   int wpg = group / epw;
-  int L = path == Path::Avx512 || path == Path::Avx512Vnni ? 16 : path == Path::Avx2 ? 8 : 0;
+  int L = path == Path::Avx512 || path == Path::Avx512Vnni ? 16 : path == Path::Avx2 || path == Path::Avx2Int8 ? 8 : 0;
   if (L == 0) return 0;
   bool pow2 = (wpg & (wpg - 1)) == 0;
   if ((wpg < L && pow2) || wpg % L == 0) return L;
@@ -1212,6 +1372,7 @@ const char* path_name(Path path) {
   switch (path) {
     case Path::Avx512Vnni: return "avx512-vnni";
     case Path::Avx512: return "avx512";
+    case Path::Avx2Int8: return "avx2-int8";
     case Path::Avx2: return "avx2";
     case Path::Portable: return "portable";
     default: return "auto";

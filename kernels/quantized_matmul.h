@@ -16,18 +16,21 @@
 
 namespace mlxcel::kernels {
 
-// Which inner loop evaluates the kernel. `Auto` takes the best the CPU runs,
-// unless the environment variable MLXCEL_KERNELS (read once) names one of
-// `portable`, `avx2`, `avx512`, `avx512-vnni`; a path the CPU cannot run falls
-// back to the best one below it.
+// Which inner loop evaluates the kernel. `Auto` takes the best the CPU runs
+// (AVX-512 VNNI, else AVX-512, else AVX2 integer, else portable), unless the
+// environment variable MLXCEL_KERNELS (read once) names one of `portable`,
+// `avx2`, `avx2-int8`, `avx512`, `avx512-vnni`; a path the CPU cannot run
+// falls back to the best one below it (`avx512` and `avx2` to exact loops).
 //
 // Portable, Avx2 and Avx512 are exact f32 (weights unpacked to f32, f32
-// FMAs). Avx512Vnni (bits 4 and 8; other widths take Avx512) quantizes each
-// group of activations to 16 bits, as two int8 halves x ~ s * (a + b / 256)
-// with s = max|x| / 127, and runs integer dot products (vpdpbusd): the
-// error per activation is at most max|x of its group| / 65024, far below the
-// f16 rounding GPUs apply to activations. The bias term uses exact f32 sums.
-enum class Path : int { Auto = -1, Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3 };
+// FMAs). The integer paths quantize each group of activations to 16 bits and
+// run integer dot products: Avx512Vnni (bits 4 and 8; other widths take
+// Avx512) as two int8 halves x ~ s * (a + b / 256) with s = max|x| / 127
+// (vpdpbusd), Avx2Int8 (bits 2, 4, 8) as int16 x ~ s * x16 with
+// s = max|x| / 32512 (vpmaddwd). Either way the error per activation is at
+// most max|x of its group| / 65024, far below the f16 rounding GPUs apply to
+// activations. The bias term uses exact f32 sums.
+enum class Path : int { Auto = -1, Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4 };
 
 // The path `Auto` resolves to in this process.
 Path auto_path();

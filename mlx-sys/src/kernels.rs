@@ -12,7 +12,7 @@
 //! stream, or for a layout it does not handle, it returns MLX's own op.
 //!
 //! Environment (read once per process):
-//! - `MLXCEL_KERNELS=portable|avx2|avx512|avx512-vnni` caps the inner loop that
+//! - `MLXCEL_KERNELS=portable|avx2|avx2-int8|avx512|avx512-vnni` caps the inner loop that
 //!   [`KernelPath::Auto`] picks (default: the best the CPU runs). An explicit
 //!   path ignores it.
 //! - `MLXCEL_NUM_THREADS=n` sets the thread count (default: the hardware's).
@@ -36,6 +36,10 @@ pub enum KernelPath {
     /// `Avx512`), with activations quantized per group to 16 bits (two int8
     /// halves): error at most `max|x| / 65024` per activation of a group.
     Avx512Vnni = 3,
+    /// AVX2 integer dot products (vpmaddwd; bits 2, 4, 8, others run
+    /// `Avx2`), with activations quantized per group to int16: the same
+    /// bound as `Avx512Vnni`, `max|x| / 65024` per activation.
+    Avx2Int8 = 4,
 }
 
 /// `x @ dequantize(w, scales, biases).T` over the last axis of `x` (MLX's

@@ -12,8 +12,8 @@
 //! by ~1e-2·mag or more). f16/bf16 outputs add their own final rounding, half
 //! an ulp of |y|: 2^-11·|y| and 2^-8·|y|.
 //!
-//! The AVX-512 VNNI path (bits 4 and 8) also quantizes each group of
-//! activations to 16 bits: every x_k moves by at most max|x_g| / 65024, so
+//! The integer paths (AVX-512 VNNI for bits 4 and 8, AVX2 for bits 2, 4 and
+//! 8) also quantize each group of activations to 16 bits: every x_k moves by at most max|x_g| / 65024, so
 //! its bound adds Σ_g max|x_g| / 65024 · Σ_{k in g} |s_g q_k| (the bias term
 //! uses exact sums of x).
 
@@ -105,19 +105,36 @@ fn reference(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, 
     (y, mag)
 }
 
-/// Whether `path` runs the VNNI loop for this layout on this CPU.
+/// Whether `path` runs an integer loop (activations quantized to 16 bits)
+/// for this layout on this CPU: VNNI for bits 4 and 8 with groups of 16k,
+/// AVX2 for bits 2, 4 and 8 when a group spans a power of two below 8 words
+/// or a multiple of 8.
 fn uses_vnni(path: KernelPath, bits: usize, group: usize) -> bool {
-    (bits == 4 || bits == 8) && group % 16 == 0 && kernels::path_name(path) == "avx512-vnni"
+    match kernels::path_name(path).as_str() {
+        "avx512-vnni" => (bits == 4 || bits == 8) && group % 16 == 0,
+        "avx2-int8" => {
+            let words_per_group = group * bits / 32;
+            matches!(bits, 2 | 4 | 8)
+                && ((words_per_group < 8 && words_per_group.is_power_of_two()) || words_per_group % 8 == 0)
+        }
+        _ => false,
+    }
 }
 
 /// [`reference`] with `mag` widened by the activation-quantization bound
 /// when `path` runs the VNNI loop (see the module docs), expressed in units
 /// of the 1e-5 relative tolerance.
 fn reference_for(path: KernelPath, x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, Vec<f64>) {
-    let (exact, mut mag) = reference(x, q, group, bits);
-    if !uses_vnni(path, bits, group) {
-        return (exact, mag);
+    if uses_vnni(path, bits, group) {
+        reference_quantized_x(x, q, group, bits)
+    } else {
+        reference(x, q, group, bits)
     }
+}
+
+/// [`reference`] with `mag` widened by the activation-quantization bound.
+fn reference_quantized_x(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, Vec<f64>) {
+    let (exact, mut mag) = reference(x, q, group, bits);
     let xs = to_f32(x);
     let words = q.w.to_vec::<u32>().unwrap();
     let s = to_f32(&q.scales);
@@ -178,7 +195,7 @@ fn run_case(
     shape.push(k);
     let x = make_x(seed, &shape, xdtype);
     let (exact, mag) = reference(&x, &q, group as usize, bits as usize);
-    let (_, vnni_mag) = reference_for(KernelPath::Avx512Vnni, &x, &q, group as usize, bits as usize);
+    let (_, vnni_mag) = reference_quantized_x(&x, &q, group as usize, bits as usize);
     let mlx = quantized_matmul(&x, &q.w, &q.scales, &q.biases, true, group, bits).unwrap();
     for &path in paths {
         let label = format!("bits={bits} group={group} K={k} N={n} x={shape:?} {xdtype}/{sdtype} path={path:?}");
@@ -195,13 +212,19 @@ fn run_case(
     }
 }
 
-const ALL_PATHS: [KernelPath; 5] =
-    [KernelPath::Auto, KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512, KernelPath::Avx512Vnni];
+const ALL_PATHS: [KernelPath; 6] = [
+    KernelPath::Auto,
+    KernelPath::Portable,
+    KernelPath::Avx2,
+    KernelPath::Avx2Int8,
+    KernelPath::Avx512,
+    KernelPath::Avx512Vnni,
+];
 
 #[test]
 fn reports_its_path_and_threads() {
     let auto = kernels::path_name(KernelPath::Auto);
-    assert!(["avx512-vnni", "avx512", "avx2", "portable"].contains(&auto.as_str()), "{auto}");
+    assert!(["avx512-vnni", "avx512", "avx2-int8", "portable"].contains(&auto.as_str()), "{auto}");
     assert_eq!(kernels::path_name(KernelPath::Portable), "portable");
     assert!(kernels::num_threads() >= 1);
     assert!(kernels::supports(32, 4) && kernels::supports(64, 8) && kernels::supports(128, 2));
@@ -242,7 +265,7 @@ fn large_odd_row_count() {
     let _g = lock();
     // More rows than the lm_head (49152) and not a multiple of anything.
     run_case(7, 4, 32, 576, 49155, &[1, 1], Dtype::Float32, Dtype::Float32, &[KernelPath::Auto]);
-    run_case(8, 8, 64, 128, 49157, &[2], Dtype::Float32, Dtype::Float32, &[KernelPath::Auto, KernelPath::Avx2]);
+    run_case(8, 8, 64, 128, 49157, &[2], Dtype::Float32, Dtype::Float32, &[KernelPath::Auto, KernelPath::Avx2, KernelPath::Avx2Int8]);
 }
 
 #[test]

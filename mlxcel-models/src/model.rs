@@ -77,6 +77,19 @@ pub struct ModelInfo {
     pub tokenizer_vocab_size: usize,
 }
 
+impl ModelInfo {
+    /// The bit width of the largest quantized module group (0 when the
+    /// linear layers are not quantized): what the kernel report describes.
+    pub fn main_weight_bits(&self) -> i32 {
+        self.groups
+            .iter()
+            .filter(|g| g.name != "embed_tokens")
+            .max_by_key(|g| g.parameters)
+            .and_then(|g| g.quantization)
+            .map_or(0, |q| q.bits)
+    }
+}
+
 /// A loaded checkpoint: the network, its tokenizer and a summary.
 ///
 /// `Model` is `Send + Sync`: share it behind an `Arc` and run one generation

@@ -149,9 +149,9 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let kernel_threads = mlx_sys::kernels::num_threads();
     let blas_threads = mlx_sys::blas_threads();
     let blas_library = mlx_sys::blas_library();
-    let cpu = cpu_model();
-    let gemm_loop = mlx_sys::kernels::gemm_loop_name(mlx_sys::kernels::KernelPath::Auto, 4);
-    let matvec_loop = mlx_sys::kernels::path_name(mlx_sys::kernels::KernelPath::Auto);
+    let cpu = crate::machine::cpu_model();
+    let loops = crate::machine::KernelLoops::for_bits(model.info.main_weight_bits());
+    let (gemm_loop, matvec_loop) = (loops.gemm, loops.matvec);
 
     if args.json {
         let report = json!({
@@ -348,13 +348,3 @@ mod tests {
     }
 }
 
-/// The CPU's model name, for the record beside every figure.
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|info| {
-            info.lines()
-                .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')).map(|(_, v)| v.trim().to_string()))
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}

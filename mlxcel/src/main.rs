@@ -1,6 +1,7 @@
 //! `mlxcel`: the command-line face of the library.
 
 mod bench;
+mod machine;
 mod progress;
 
 use std::io::Write;
@@ -197,6 +198,12 @@ fn print_info(dir: &Path, info: &ModelInfo, config: &serde_json::Value, tokenize
         println!("context:         {context} tokens");
     }
     println!("tokenizer:       {}, vocab {}", tokenizer.kind(), tokenizer.vocab_size());
+    let loops = machine::KernelLoops::for_bits(info.main_weight_bits());
+    println!("cpu:             {}", machine::cpu_model());
+    println!(
+        "kernels:         {} threads, {} matvec (decode), {} GEMM (prefill); MLXCEL_KERNELS and MLXCEL_NUM_THREADS change them",
+        loops.threads, loops.matvec, loops.gemm
+    );
     println!("quantization per module group:");
     for group in &info.groups {
         let quant = match group.quantization {
