@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: the Rust workspace (unit tests, tiny-model parity against
 # mlx-lm goldens, the real SmolLM2 model, the command line, the C ABI with its
-# C/C++ examples), the aarch64 cross-compile check, then the Python and Node
-# bindings.
+# C/C++ examples), the aarch64 cross-compile check (which also runs the
+# kernels under qemu-user), then the Python and Node bindings.
 set -euo pipefail
 cd "$(dirname "$0")"
 command -v dpkg-query >/dev/null && scripts/install-system-deps

@@ -45,8 +45,19 @@ struct Slots {
   bool operator==(const Slots&) const = default;
 };
 
-// The primitive's inputs; the projections as dense rows.
-std::vector<mx::array> pack(const DecoderLayerInputs& in, mx::Stream stream, Slots& slots) {
+}  // namespace
+
+struct PreparedDecoderLayer {
+  DecoderLayerSpec spec;  // the dimensions the weights were checked against
+  std::vector<mx::array> arrays;  // the weights as `pack` lays them out, evaluated
+  Slots slots;  // where each weight sits in `arrays`
+};
+
+namespace {
+
+// The primitive's inputs; the projections as dense rows. Without
+// `activations`, only the weights (for a PreparedDecoderLayer).
+std::vector<mx::array> pack(const DecoderLayerInputs& in, mx::Stream stream, Slots& slots, bool activations = true) {
   std::vector<mx::array> list;
   auto put = [&](const mx::array& a, int& slot) {
     slot = (int)list.size();
@@ -61,7 +72,7 @@ std::vector<mx::array> pack(const DecoderLayerInputs& in, mx::Stream stream, Slo
     put(detail::row_contiguous(p.biases, stream), at.biases);
     put_optional(p.bias, at.bias);
   };
-  put(in.x, slots.x);
+  if (activations) put(in.x, slots.x);
   put(in.input_norm, slots.input_norm);
   put_projection(in.q_proj, slots.q);
   put_projection(in.k_proj, slots.k);
@@ -71,8 +82,10 @@ std::vector<mx::array> pack(const DecoderLayerInputs& in, mx::Stream stream, Slo
   put_projection(in.gate_proj, slots.gate);
   put_projection(in.up_proj, slots.up);
   put_projection(in.down_proj, slots.down);
-  put(in.keys, slots.keys);
-  put(in.values, slots.values);
+  if (activations) {
+    put(in.keys, slots.keys);
+    put(in.values, slots.values);
+  }
   put_optional(in.q_norm, slots.q_norm);
   put_optional(in.k_norm, slots.k_norm);
   put_optional(in.rope_freqs, slots.freqs);
@@ -476,13 +489,54 @@ void run_layer(const Pointers& p) {
   for (size_t i = 0; i < (size_t)L * H; ++i) p.out[i] = sc.h[i] + sc.o[i];
 }
 
+// Points p's weight fields at `arrays` (laid out by `pack`, evaluated).
+void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots& at, const DecoderLayerSpec& spec) {
+  auto vec = [&](int slot) {
+    VectorRef r;
+    if (slot < 0) return r;
+    const mx::array& a = arrays[slot];
+    r.data = a.data<void>();
+    r.type = detail::scalar_of(a.dtype(), "a norm weight or bias");
+    r.stride = a.strides()[0];
+    return r;
+  };
+  p.input_norm = vec(at.input_norm);
+  p.post_norm = vec(at.post_norm);
+  p.q_norm = vec(at.q_norm);
+  p.k_norm = vec(at.k_norm);
+  p.freqs = vec(at.freqs);
+  const int H = spec.hidden, D = spec.head_dim;
+  auto proj = [&](const ProjectionSlots& ps, int n, int k) {
+    Projection pr;
+    const mx::array &w = arrays[ps.weight], &sc = arrays[ps.scales];
+    pr.view.weight = w.data<uint8_t>();
+    pr.view.scales = sc.data<void>();
+    pr.view.biases = arrays[ps.biases].data<void>();
+    pr.view.scale_type = detail::scalar_of(sc.dtype(), "scales");
+    pr.view.n = n;
+    pr.view.k = k;
+    pr.view.group = k / sc.shape(1);
+    pr.view.bits = (int)((int64_t)w.shape(1) * 32 / k);
+    pr.bias = vec(ps.bias);
+    return pr;
+  };
+  p.q = proj(at.q, spec.heads * D, H);
+  p.k = proj(at.k, spec.kv_heads * D, H);
+  p.v = proj(at.v, spec.kv_heads * D, H);
+  p.o = proj(at.o, H, spec.heads * D);
+  p.gate = proj(at.gate, spec.intermediate, H);
+  p.up = proj(at.up, spec.intermediate, H);
+  p.down = proj(at.down, H, spec.intermediate);
+}
+
 // ---------------------------------------------------------------------------
 // The MLX primitive.
 
 class DecoderLayer : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream stream, DecoderLayerSpec spec, Slots slots)
-      : mx::Primitive(stream), spec_(spec), slots_(slots) {}
+  DecoderLayer(mx::Stream stream, DecoderLayerSpec spec, Slots slots,
+               std::shared_ptr<const PreparedDecoderLayer> prepared = nullptr)
+      : mx::Primitive(stream), spec_(spec), slots_(slots), prepared_(std::move(prepared)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Slots& at = slots_;
@@ -518,49 +572,19 @@ class DecoderLayer : public mx::Primitive {
 
     p.x = x.data<float>();
     for (int d = 0; d < 3; ++d) p.x_strides[d] = x.strides()[d];
-    auto vec = [&](int slot) {
-      VectorRef r;
-      if (slot < 0) return r;
-      const mx::array& a = inputs[slot];
-      r.data = a.data<void>();
-      r.type = detail::scalar_of(a.dtype(), "a norm weight or bias");
-      r.stride = a.strides()[0];
-      return r;
-    };
-    p.input_norm = vec(at.input_norm);
-    p.post_norm = vec(at.post_norm);
-    p.q_norm = vec(at.q_norm);
-    p.k_norm = vec(at.k_norm);
-    p.freqs = vec(at.freqs);
-    const int H = spec_.hidden, D = spec_.head_dim;
-    auto proj = [&](const ProjectionSlots& ps, int n, int k) {
-      Projection pr;
-      const mx::array &w = inputs[ps.weight], &sc = inputs[ps.scales];
-      pr.view.weight = w.data<uint8_t>();
-      pr.view.scales = sc.data<void>();
-      pr.view.biases = inputs[ps.biases].data<void>();
-      pr.view.scale_type = detail::scalar_of(sc.dtype(), "scales");
-      pr.view.n = n;
-      pr.view.k = k;
-      pr.view.group = k / sc.shape(1);
-      pr.view.bits = (int)((int64_t)w.shape(1) * 32 / k);
-      pr.bias = vec(ps.bias);
-      return pr;
-    };
-    p.q = proj(at.q, spec_.heads * D, H);
-    p.k = proj(at.k, spec_.kv_heads * D, H);
-    p.v = proj(at.v, spec_.kv_heads * D, H);
-    p.o = proj(at.o, H, spec_.heads * D);
-    p.gate = proj(at.gate, spec_.intermediate, H);
-    p.up = proj(at.up, spec_.intermediate, H);
-    p.down = proj(at.down, H, spec_.intermediate);
+    if (prepared_) {
+      bind_weights(p, prepared_->arrays, prepared_->slots, spec_);
+    } else {
+      bind_weights(p, inputs, at, spec_);
+    }
     p.keys_in = inputs[at.keys].data<float>();
     p.values_in = inputs[at.values].data<float>();
     p.keys = outputs[1].data<float>();
     p.values = outputs[2].data<float>();
     p.out = out.data<float>();
-    // MLX's cpu::eval keeps the inputs' buffers alive until this task has run.
-    enc.dispatch([p]() { run_layer(p); });
+    // MLX's cpu::eval keeps the inputs' buffers alive until this task has
+    // run; the task holds the prepared weights.
+    enc.dispatch([p, keep = prepared_]() { run_layer(p); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -577,7 +601,7 @@ class DecoderLayer : public mx::Primitive {
            a.intermediate == b.intermediate && a.offset == b.offset && a.norm_eps == b.norm_eps &&
            a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
            a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale &&
-           a.cache_in_place == b.cache_in_place && slots_ == o->slots_;
+           a.cache_in_place == b.cache_in_place && slots_ == o->slots_ && prepared_ == o->prepared_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -587,14 +611,16 @@ class DecoderLayer : public mx::Primitive {
  private:
   DecoderLayerSpec spec_;
   Slots slots_;
+  // The weights, when they are not graph inputs (the inputs are then x,
+  // keys and values only).
+  std::shared_ptr<const PreparedDecoderLayer> prepared_;
 };
 
 }  // namespace
 
-std::vector<mx::array> decoder_layer(const DecoderLayerInputs& in, const DecoderLayerSpec& spec,
-                                     mx::StreamOrDevice s) {
-  mx::Stream stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) fail("runs on the CPU only; GPUs use MLX's ops");
+namespace {
+
+void check_spec(const DecoderLayerSpec& spec, bool has_rope_freqs) {
   const int H = spec.hidden, D = spec.head_dim, I = spec.intermediate;
   if (H <= 0 || D <= 0 || I <= 0 || spec.heads <= 0 || spec.kv_heads <= 0 || spec.heads % spec.kv_heads != 0) {
     fail("invalid dimensions");
@@ -603,12 +629,11 @@ std::vector<mx::array> decoder_layer(const DecoderLayerInputs& in, const Decoder
   if (spec.rope_dims <= 0 || spec.rope_dims % 2 != 0 || spec.rope_dims > D) {
     fail("rope dims must be even and at most head_dim, got " + std::to_string(spec.rope_dims));
   }
-  if (!in.rope_freqs && !(spec.rope_base > 0.0f)) fail("rope base must be positive");
-  const mx::array& x = in.x;
-  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) < 1 || x.shape(2) != H) {
-    fail("x must be float32 [1, L, " + std::to_string(H) + "], got shape " + shape_str(x));
-  }
-  const int L = x.shape(1);
+  if (!has_rope_freqs && !(spec.rope_base > 0.0f)) fail("rope base must be positive");
+}
+
+void check_weights(const DecoderLayerInputs& in, const DecoderLayerSpec& spec) {
+  const int H = spec.hidden, D = spec.head_dim, I = spec.intermediate;
   check_vector(in.input_norm, H, "input_layernorm weight");
   check_vector(in.post_attention_norm, H, "post_attention_layernorm weight");
   check_projection(in.q_proj, spec.heads * D, H, "q_proj");
@@ -618,25 +643,83 @@ std::vector<mx::array> decoder_layer(const DecoderLayerInputs& in, const Decoder
   check_projection(in.gate_proj, I, H, "gate_proj");
   check_projection(in.up_proj, I, H, "up_proj");
   check_projection(in.down_proj, H, I, "down_proj");
-  for (const auto& [a, name] : {std::pair{&in.keys, "keys"}, std::pair{&in.values, "values"}}) {
-    if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != 1 || a->shape(1) != spec.kv_heads ||
-        a->shape(3) != D || a->shape(2) < spec.offset + L) {
-      fail(std::string(name) + " cache must be float32 [1, " + std::to_string(spec.kv_heads) + ", >= " +
-           std::to_string(spec.offset + L) + ", " + std::to_string(D) + "], got shape " + shape_str(*a));
-    }
-  }
   if (in.q_norm.has_value() != in.k_norm.has_value()) fail("q_norm and k_norm weights come together");
   if (in.q_norm) {
     check_vector(*in.q_norm, D, "q_norm weight");
     check_vector(*in.k_norm, D, "k_norm weight");
   }
   if (in.rope_freqs) check_vector(*in.rope_freqs, spec.rope_dims / 2, "rope freqs");
+}
 
+void check_activations(const mx::array& x, const mx::array& keys, const mx::array& values,
+                       const DecoderLayerSpec& spec) {
+  const int H = spec.hidden, D = spec.head_dim;
+  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) < 1 || x.shape(2) != H) {
+    fail("x must be float32 [1, L, " + std::to_string(H) + "], got shape " + shape_str(x));
+  }
+  const int L = x.shape(1);
+  for (const auto& [a, name] : {std::pair{&keys, "keys"}, std::pair{&values, "values"}}) {
+    if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != 1 || a->shape(1) != spec.kv_heads ||
+        a->shape(3) != D || a->shape(2) < spec.offset + L) {
+      fail(std::string(name) + " cache must be float32 [1, " + std::to_string(spec.kv_heads) + ", >= " +
+           std::to_string(spec.offset + L) + ", " + std::to_string(D) + "], got shape " + shape_str(*a));
+    }
+  }
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) fail("runs on the CPU only; GPUs use MLX's ops");
+  return stream;
+}
+
+}  // namespace
+
+std::vector<mx::array> decoder_layer(const DecoderLayerInputs& in, const DecoderLayerSpec& spec,
+                                     mx::StreamOrDevice s) {
+  mx::Stream stream = cpu_stream(s);
+  check_spec(spec, in.rope_freqs.has_value());
+  check_activations(in.x, in.keys, in.values, spec);
+  check_weights(in, spec);
   Slots slots;
   std::vector<mx::array> args = pack(in, stream, slots);
-  return mx::array::make_arrays({x.shape(), in.keys.shape(), in.values.shape()},
+  return mx::array::make_arrays({in.x.shape(), in.keys.shape(), in.values.shape()},
                                 {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<DecoderLayer>(stream, spec, slots), args);
+}
+
+std::shared_ptr<const PreparedDecoderLayer> prepare_decoder_layer(const DecoderLayerInputs& in,
+                                                                  const DecoderLayerSpec& spec,
+                                                                  mx::StreamOrDevice s) {
+  mx::Stream stream = cpu_stream(s);
+  check_spec(spec, in.rope_freqs.has_value());
+  check_weights(in, spec);
+  auto prepared = std::make_shared<PreparedDecoderLayer>();
+  prepared->spec = spec;
+  prepared->arrays = pack(in, stream, prepared->slots, /*activations=*/false);
+  mx::eval(prepared->arrays);
+  for (mx::array& a : prepared->arrays) a.detach();
+  return prepared;
+}
+
+std::vector<mx::array> decoder_layer(const std::shared_ptr<const PreparedDecoderLayer>& weights, const mx::array& x,
+                                     const mx::array& keys, const mx::array& values, const DecoderLayerSpec& spec,
+                                     mx::StreamOrDevice s) {
+  if (!weights) fail("no prepared weights");
+  mx::Stream stream = cpu_stream(s);
+  const DecoderLayerSpec& w = weights->spec;
+  if (spec.hidden != w.hidden || spec.heads != w.heads || spec.kv_heads != w.kv_heads || spec.head_dim != w.head_dim ||
+      spec.intermediate != w.intermediate || spec.rope_dims != w.rope_dims) {
+    fail("the spec's dimensions differ from those the weights were prepared for");
+  }
+  check_spec(spec, weights->slots.freqs >= 0);
+  check_activations(x, keys, values, spec);
+  Slots slots;
+  slots.x = 0;
+  slots.keys = 1;
+  slots.values = 2;
+  return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<DecoderLayer>(stream, spec, slots, weights), {x, keys, values});
 }
 
 }  // namespace mlxcel::kernels

@@ -19,6 +19,7 @@
 // operation order, exact f32 dequantization.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -82,6 +83,32 @@ struct DecoderLayerInputs {
 // on any mismatch, and on a non-CPU stream (GPUs use MLX's ops).
 std::vector<mlx::core::array> decoder_layer(
     const DecoderLayerInputs& inputs,
+    const DecoderLayerSpec& spec,
+    mlx::core::StreamOrDevice s = {});
+
+// A block's weights, checked, laid out and evaluated once: the node that
+// `decoder_layer(prepared, ...)` builds has x and the caches as its only graph
+// inputs, where the node above has ~25. Decode builds one node per layer and
+// step, and MLX's graph work grows with the inputs (building, traversal,
+// scheduling on the evaluating thread), so decode keeps its blocks prepared.
+// Immutable after construction: share it between threads and nodes.
+struct PreparedDecoderLayer;
+
+// Checks the weights of `inputs` (x, keys and values are not read) against
+// `spec`'s dimensions and evaluates them. Throws like `decoder_layer`.
+std::shared_ptr<const PreparedDecoderLayer> prepare_decoder_layer(
+    const DecoderLayerInputs& inputs,
+    const DecoderLayerSpec& spec,
+    mlx::core::StreamOrDevice s = {});
+
+// The same block as `decoder_layer(inputs, spec)` on prepared weights.
+// `spec` may differ from the prepared one in offset, rope and attention
+// options and cache_in_place, not in dimensions.
+std::vector<mlx::core::array> decoder_layer(
+    const std::shared_ptr<const PreparedDecoderLayer>& weights,
+    const mlx::core::array& x,
+    const mlx::core::array& keys,
+    const mlx::core::array& values,
     const DecoderLayerSpec& spec,
     mlx::core::StreamOrDevice s = {});
 

@@ -28,6 +28,9 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -191,11 +194,13 @@ void convert_row_avx2(const void* p, Ty ty, size_t i, int n, float* dst) {
 // ---------------------------------------------------------------------------
 // CPU features and path selection.
 
-// The best path at or below `want` that this CPU runs (always Portable
-// off x86-64).
+// The best path at or below `want` that this CPU runs: NeonInt8 (asked for)
+// or Portable on aarch64, Portable on any CPU but x86-64 and aarch64.
 Path best_supported(Path want) {
   const cpu::Features& f = cpu::features();
   switch (want) {
+    case Path::NeonInt8:
+      return f.neon ? Path::NeonInt8 : Path::Portable;
     case Path::Avx512Vnni:
       if (f.avx512_vnni) return Path::Avx512Vnni;
       if (f.avx512) return Path::Avx512;
@@ -223,7 +228,8 @@ Path env_path() {
     if (v == "avx2") return best_supported(Path::Avx2);
     if (v == "avx2-int8") return best_supported(Path::Avx2Int8);
     if (v == "avx512") return best_supported(Path::Avx512);
-    return best_supported(Path::Avx512Vnni);
+    if (v == "neon-int8") return best_supported(Path::NeonInt8);
+    return cpu::features().neon ? best_supported(Path::NeonInt8) : best_supported(Path::Avx512Vnni);
   }();
   return path;
 }
@@ -321,11 +327,13 @@ class Pool {
 
   const int threads_;
   std::mutex run_mu_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<uint64_t> claim_{0};
-  std::atomic<int> done_{0};
-  std::atomic<int> sleepers_{0};
-  Fn fn_ = nullptr;
+  // Each atomic on its own cache line: the claims and completions of a job
+  // must not invalidate the line the idle workers spin on.
+  alignas(64) std::atomic<uint64_t> gen_{0};
+  alignas(64) std::atomic<uint64_t> claim_{0};
+  alignas(64) std::atomic<int> done_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
+  alignas(64) Fn fn_ = nullptr;
   void* ctx_ = nullptr;
 };
 
@@ -1000,6 +1008,12 @@ void prepare_int16(Job& j, const float* xf, std::vector<int8_t>& xq, std::vector
   j.xscale = xscale.data();
 }
 
+#if defined(__aarch64__)
+// ---------------------------------------------------------------------------
+// NEON integer loop (bits 2, 4, 8) on prepare_int16's planes.
+#include "matvec_neon.inc"
+#endif
+
 // ---------------------------------------------------------------------------
 // Driver.
 
@@ -1034,6 +1048,15 @@ void run_rows(const Job& j, int n0, int n1) {
       }
       break;
     default: break;
+  }
+#endif
+#if defined(__aarch64__)
+  if (j.path == Path::NeonInt8) {
+    switch (j.bits) {
+      case 2: return rows_neon_int8<2>(j, n0, n1);
+      case 4: return rows_neon_int8<4>(j, n0, n1);
+      case 8: return rows_neon_int8<8>(j, n0, n1);
+    }
   }
 #endif
   rows_portable(j, n0, n1);
@@ -1104,7 +1127,7 @@ void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offset
     prepare_vnni(j, cs.xf.data(), cs.xq, cs.xscale);
   } else
 #endif
-  if (j.path == Path::Avx2Int8) {
+  if (j.path == Path::Avx2Int8 || j.path == Path::NeonInt8) {
     prepare_int16(j, cs.xf.data(), cs.xq, cs.xscale);
   } else if (j.lanes > 0) {
     const int L = j.lanes, EPW = j.epw;
@@ -1128,13 +1151,17 @@ void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offset
   j.xsum = cs.xsum.data();
 }
 
-// Splits j's output rows into tasks: a few per thread for balance on a
-// loaded machine, but never below ~32K weights per task. Returns the count.
+// Splits j's output rows into tasks, never below ~32K weights per task: one
+// per thread for the small products of a decode step (each claim moves a
+// cache line between cores, about as costly as 10K weights of work), four per
+// thread from 4M weights on, for balance on a loaded machine. Returns the
+// count.
 int plan_tasks(Job& j, int threads) {
   const double work = (double)j.N * j.K * std::max(1, j.M);
   int tasks = 1;
   if (threads > 1 && work >= 64.0 * 1024) {
-    tasks = std::min<int>(threads * 4, (int)std::max(1.0, work / (32.0 * 1024)));
+    const int per_thread = work >= 4.0 * 1024 * 1024 ? 4 : 1;
+    tasks = std::min<int>(threads * per_thread, (int)std::max(1.0, work / (32.0 * 1024)));
     tasks = std::max(1, std::min(tasks, j.N));
   }
   j.rows_per_task = (j.N + tasks - 1) / tasks;
@@ -1173,6 +1200,7 @@ int lanes_for(Path path, int bits, int group) {
   int epw = 32 / bits;
   int wpg = group / epw;
   int L = path == Path::Avx512 || path == Path::Avx512Vnni ? 16 : path == Path::Avx2 || path == Path::Avx2Int8 ? 8 : 0;
+  if (path == Path::NeonInt8) L = 8;
   if (L == 0) return 0;
   bool pow2 = (wpg & (wpg - 1)) == 0;
   if ((wpg < L && pow2) || wpg % L == 0) return L;
@@ -1374,6 +1402,7 @@ const char* path_name(Path path) {
     case Path::Avx512: return "avx512";
     case Path::Avx2Int8: return "avx2-int8";
     case Path::Avx2: return "avx2";
+    case Path::NeonInt8: return "neon-int8";
     case Path::Portable: return "portable";
     default: return "auto";
   }

@@ -5,8 +5,8 @@
 // whole cost of a forward pass. `quantized_matmul` below builds an MLX graph
 // node whose CPU evaluation is ours: f32-exact math (weights unpacked to f32,
 // f32 FMAs, f32 accumulation), split over output rows across a small
-// persistent thread pool, with an AVX-512, AVX2 or portable inner loop chosen
-// at run time. On any other device, or for a layout the kernel does not
+// persistent thread pool, with an AVX-512, AVX2, NEON integer or portable
+// inner loop chosen at run time. On any other device, or for a layout the kernel does not
 // handle, it returns MLX's own `quantized_matmul` node unchanged.
 #pragma once
 
@@ -17,20 +17,24 @@
 namespace mlxcel::kernels {
 
 // Which inner loop evaluates the kernel. `Auto` takes the best the CPU runs
-// (AVX-512 VNNI, else AVX-512, else AVX2 integer, else portable), unless the
-// environment variable MLXCEL_KERNELS (read once) names one of `portable`,
-// `avx2`, `avx2-int8`, `avx512`, `avx512-vnni`; a path the CPU cannot run
-// falls back to the best one below it (`avx512` and `avx2` to exact loops).
+// (x86-64: AVX-512 VNNI, else AVX-512, else AVX2 integer, else portable;
+// aarch64: NEON integer), unless the environment variable MLXCEL_KERNELS
+// (read once) names one of `portable`, `avx2`, `avx2-int8`, `avx512`,
+// `avx512-vnni`, `neon-int8`; a path the CPU cannot run falls back to the
+// best one below it (`avx512` and `avx2` to exact loops; the x86 paths on
+// aarch64 and `neon-int8` elsewhere to portable).
 //
 // Portable, Avx2 and Avx512 are exact f32 (weights unpacked to f32, f32
 // FMAs). The integer paths quantize each group of activations to 16 bits and
 // run integer dot products: Avx512Vnni (bits 4 and 8; other widths take
 // Avx512) as two int8 halves x ~ s * (a + b / 256) with s = max|x| / 127
 // (vpdpbusd), Avx2Int8 (bits 2, 4, 8) as int16 x ~ s * x16 with
-// s = max|x| / 32512 (vpmaddwd). Either way the error per activation is at
+// s = max|x| / 32512 (vpmaddwd), and NeonInt8 (aarch64, baseline ARMv8-A
+// Advanced SIMD; bits 2, 4, 8, other widths take Portable) with the same
+// int16 activations (vmlal_s16). Either way the error per activation is at
 // most max|x of its group| / 65024, far below the f16 rounding GPUs apply to
 // activations. The bias term uses exact f32 sums.
-enum class Path : int { Auto = -1, Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4 };
+enum class Path : int { Auto = -1, Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4, NeonInt8 = 5 };
 
 // The path `Auto` resolves to in this process.
 Path auto_path();

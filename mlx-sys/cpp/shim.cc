@@ -465,10 +465,9 @@ std::optional<array> optional_array(const array* a) {
 kernels::QuantizedProjection to_kernel_projection(const DecoderProjection& p) {
   return {.weight = p.weight, .scales = p.scales, .biases = p.biases, .bias = optional_array(p.bias)};
 }
-}  // namespace
 
-std::unique_ptr<ArrayList> kernels_decoder_layer(const DecoderLayerArrays& a, const DecoderLayerSpec& spec) {
-  const kernels::DecoderLayerInputs inputs{
+kernels::DecoderLayerInputs to_kernel_inputs(const DecoderLayerArrays& a) {
+  return kernels::DecoderLayerInputs{
       .x = a.x,
       .input_norm = a.input_norm,
       .q_proj = to_kernel_projection(a.q_proj),
@@ -485,8 +484,24 @@ std::unique_ptr<ArrayList> kernels_decoder_layer(const DecoderLayerArrays& a, co
       .k_norm = optional_array(a.k_norm),
       .rope_freqs = optional_array(a.rope_freqs),
   };
+}
+}  // namespace
+
+std::unique_ptr<ArrayList> kernels_decoder_layer(const DecoderLayerArrays& a, const DecoderLayerSpec& spec) {
   auto list = std::make_unique<ArrayList>();
-  list->items = kernels::decoder_layer(inputs, to_kernel_spec(spec));
+  list->items = kernels::decoder_layer(to_kernel_inputs(a), to_kernel_spec(spec));
+  return list;
+}
+
+std::unique_ptr<PreparedLayer> kernels_prepare_decoder_layer(const DecoderLayerArrays& a, const DecoderLayerSpec& spec) {
+  auto prepared = std::make_unique<PreparedLayer>();
+  prepared->weights = kernels::prepare_decoder_layer(to_kernel_inputs(a), to_kernel_spec(spec));
+  return prepared;
+}
+
+std::unique_ptr<ArrayList> kernels_decoder_layer_prepared(const PreparedLayer& weights, const array& x, const array& keys, const array& values, const DecoderLayerSpec& spec) {
+  auto list = std::make_unique<ArrayList>();
+  list->items = kernels::decoder_layer(weights.weights, x, keys, values, to_kernel_spec(spec));
   return list;
 }
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype) {
@@ -495,4 +510,5 @@ ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const arr
 rust::String array_primitive_name(const array& a) {
   return rust::String(a.has_primitive() ? a.primitive().name() : "");
 }
+size_t array_input_count(const array& a) { return a.inputs().size(); }
 }  // namespace mlxcel

@@ -10,6 +10,10 @@
 #include "mlx/mlx.h"
 #include "rust/cxx.h"
 
+namespace mlxcel::kernels {
+struct PreparedDecoderLayer;
+}
+
 namespace mlxcel {
 
 using mlx::core::array;
@@ -18,6 +22,11 @@ using ArrayPtr = std::unique_ptr<array>;
 struct StreamId;
 struct DecoderLayerSpec;
 struct DecoderLayerArrays;
+
+// A fused decoder block's prepared weights (kernels/decoder_layer.h).
+struct PreparedLayer {
+  std::shared_ptr<const kernels::PreparedDecoderLayer> weights;
+};
 
 // An owned list of arrays, for the calls that take or return several.
 struct ArrayList {
@@ -206,8 +215,14 @@ ArrayPtr kernels_causal_attention(const array& q, const array& k, const array& v
 bool kernels_causal_attention_supports(const array& q, const array& k, const array& v);
 // One fused decoder block on the CPU (kernels/decoder_layer.h): {out, keys, values}.
 std::unique_ptr<ArrayList> kernels_decoder_layer(const DecoderLayerArrays& arrays, const DecoderLayerSpec& spec);
+// The block's weights prepared once (x, keys and values of `arrays` are not read),
+// and a block on them: {out, keys, values}.
+std::unique_ptr<PreparedLayer> kernels_prepare_decoder_layer(const DecoderLayerArrays& arrays, const DecoderLayerSpec& spec);
+std::unique_ptr<ArrayList> kernels_decoder_layer_prepared(const PreparedLayer& weights, const array& x, const array& keys, const array& values, const DecoderLayerSpec& spec);
 // Dequantized rows of a quantized embedding table (kernels/quantized_embedding.h).
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype);
 // The name of the op that computes an unevaluated array ("" for a leaf).
 rust::String array_primitive_name(const array& a);
+// The number of graph inputs of an unevaluated array (0 for a leaf).
+size_t array_input_count(const array& a);
 }  // namespace mlxcel

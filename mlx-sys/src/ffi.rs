@@ -66,6 +66,7 @@ mod bridge {
         include!("mlx-sys/cpp/shim.h");
         type ArrayList;
         type TensorFile;
+        type PreparedLayer;
 
         fn mlx_version() -> String;
         fn blas_threads() -> i32;
@@ -206,9 +207,12 @@ mod bridge {
         fn kernels_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, scale: f32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_causal_attention_supports(q: &MlxArray, k: &MlxArray, v: &MlxArray) -> bool;
         fn kernels_decoder_layer(arrays: &DecoderLayerArrays, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
+        fn kernels_prepare_decoder_layer(arrays: &DecoderLayerArrays, spec: &DecoderLayerSpec) -> Result<UniquePtr<PreparedLayer>>;
+        fn kernels_decoder_layer_prepared(weights: &PreparedLayer, x: &MlxArray, keys: &MlxArray, values: &MlxArray, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         #[allow(clippy::too_many_arguments)]
         fn kernels_quantized_embedding(ids: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_primitive_name(a: &MlxArray) -> String;
+        fn array_input_count(a: &MlxArray) -> usize;
     }
 }
 pub(crate) use bridge::*;

@@ -103,6 +103,11 @@ pub fn is_kernel_node(a: &Array) -> bool {
     ffi::array_primitive_name(&a.raw).starts_with("Mlxcel")
 }
 
+/// The number of graph inputs of an unevaluated node (0 for a leaf). For tests.
+pub fn array_inputs(a: &Array) -> usize {
+    ffi::array_input_count(&a.raw)
+}
+
 /// Shape and options of a fused decoder block; see [`decoder_layer`].
 pub use crate::ffi::DecoderLayerSpec;
 
@@ -161,6 +166,55 @@ pub fn decoder_layer(
     values: &Array,
     spec: &DecoderLayerSpec,
 ) -> Result<(Array, Array, Array)> {
+    let list = ffi::kernels_decoder_layer(&layer_arrays(x, weights, keys, values), spec)?;
+    three_arrays(&list)
+}
+
+/// A block's weights checked, laid out and evaluated once, for
+/// [`PreparedDecoderLayer::forward`]: the same block as [`decoder_layer`] as a
+/// node whose only graph inputs are `x` and the caches (~25 fewer), which
+/// keeps MLX's per-step graph work (building, traversal, scheduling) small.
+/// Decode builds one such node per layer and step.
+///
+/// Immutable; `Send + Sync`, cheap to clone (shared).
+#[derive(Clone)]
+pub struct PreparedDecoderLayer {
+    inner: std::sync::Arc<cxx::UniquePtr<ffi::PreparedLayer>>,
+}
+
+// SAFETY: the C++ object is immutable after construction, and its arrays are
+// evaluated and detached; MLX reads them from any thread.
+unsafe impl Send for PreparedDecoderLayer {}
+unsafe impl Sync for PreparedDecoderLayer {}
+
+impl PreparedDecoderLayer {
+    /// Checks `weights` against `spec`'s dimensions (errors name the weight,
+    /// as [`decoder_layer`]'s do) and evaluates them.
+    pub fn new(weights: &DecoderLayerWeights, spec: &DecoderLayerSpec) -> Result<PreparedDecoderLayer> {
+        // x, keys and values are not read by the preparation.
+        let unused = &weights.input_norm;
+        let prepared = ffi::kernels_prepare_decoder_layer(&layer_arrays(unused, weights, unused, unused), spec)?;
+        Ok(PreparedDecoderLayer { inner: std::sync::Arc::new(prepared) })
+    }
+
+    /// [`decoder_layer`] on these weights. `spec` may differ from the
+    /// prepared one in offset, RoPE and attention options and
+    /// `cache_in_place`, not in dimensions.
+    pub fn forward(&self, x: &Array, keys: &Array, values: &Array, spec: &DecoderLayerSpec) -> Result<(Array, Array, Array)> {
+        let list = ffi::kernels_decoder_layer_prepared(&self.inner, &x.raw, &keys.raw, &values.raw, spec)?;
+        three_arrays(&list)
+    }
+}
+
+fn three_arrays(list: &ffi::ArrayList) -> Result<(Array, Array, Array)> {
+    let mut out = from_array_list(list)?.into_iter();
+    match (out.next(), out.next(), out.next()) {
+        (Some(h), Some(k), Some(v)) => Ok((h, k, v)),
+        _ => unreachable!("decoder_layer returns three arrays"),
+    }
+}
+
+fn layer_arrays<'a>(x: &'a Array, weights: &'a DecoderLayerWeights, keys: &'a Array, values: &'a Array) -> ffi::DecoderLayerArrays<'a> {
     fn optional(a: &Option<Array>) -> *const ffi::MlxArray {
         a.as_ref().map_or(std::ptr::null(), |a| &*a.raw as *const ffi::MlxArray)
     }
@@ -168,7 +222,7 @@ pub fn decoder_layer(
         ffi::DecoderProjection { weight: &p.weight.raw, scales: &p.scales.raw, biases: &p.biases.raw, bias: optional(&p.bias) }
     }
     let w = weights;
-    let arrays = ffi::DecoderLayerArrays {
+    ffi::DecoderLayerArrays {
         x: &*x.raw,
         input_norm: &*w.input_norm.raw,
         q_proj: projection(&w.q_proj),
@@ -184,12 +238,6 @@ pub fn decoder_layer(
         q_norm: optional(&w.q_norm),
         k_norm: optional(&w.k_norm),
         rope_freqs: optional(&w.rope_freqs),
-    };
-    let list = ffi::kernels_decoder_layer(&arrays, spec)?;
-    let mut out = from_array_list(&list)?.into_iter();
-    match (out.next(), out.next(), out.next()) {
-        (Some(h), Some(k), Some(v)) => Ok((h, k, v)),
-        _ => unreachable!("decoder_layer returns three arrays"),
     }
 }
 

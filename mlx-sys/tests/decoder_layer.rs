@@ -45,9 +45,14 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Whether the kernels' default path quantizes activations for `bits`.
+/// Whether the kernels' default path quantizes activations for `bits` (the
+/// integer loops: AVX-512 VNNI for bits 4 and 8, AVX2 for 2, 4 and 8).
 fn activations_quantized(bits: i32) -> bool {
-    kernels::path_name(KernelPath::Auto) == "avx512-vnni" && (bits == 4 || bits == 8)
+    match kernels::path_name(KernelPath::Auto).as_str() {
+        "avx512-vnni" => bits == 4 || bits == 8,
+        "avx2-int8" => matches!(bits, 2 | 4 | 8),
+        _ => false,
+    }
 }
 
 /// Relative tolerance (of max|ref|) for a step of `layer` ending at position
@@ -512,6 +517,46 @@ fn compare_any(a: &Array, b: &Array) -> f64 {
     let (a, b) = (to_f32(a), to_f32(b));
     let scale = b.iter().fold(0f64, |m, &v| m.max((v as f64).abs()));
     a.iter().zip(&b).fold(0f64, |m, (&p, &q)| m.max((p as f64 - q as f64).abs())) / scale
+}
+
+/// The prepared-weights node computes the same block bit for bit, with x
+/// and the caches as its only graph inputs, and rejects a spec whose
+/// dimensions differ from the prepared ones.
+#[test]
+fn prepared_weights_give_the_same_block() {
+    let _g = lock();
+    for (seed, c, offset, l) in [
+        (31, LLAMA, 5, 1),
+        (32, Config { qkv_bias: true, qk_norm: true, rope_freqs: true, ..LLAMA }, 3, 3),
+        (33, Config { bits: 8, group: 32, sdtype: Dtype::Float16, ..LLAMA }, 0, 2),
+    ] {
+        let layer = Layer::new(seed, c);
+        let x = randn(seed ^ 0x5eed, &[1, l, c.hidden], 1.0);
+        let keys = random_cache(seed ^ 0xe1, &layer, offset + 2 * l + 1);
+        let values = random_cache(seed ^ 0xe2, &layer, offset + 2 * l + 1);
+        let spec = layer.spec(offset);
+        let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+        let direct = kernels::decoder_layer(&x, &layer.weights(), &detached_copy(&keys), &detached_copy(&values), &spec).unwrap();
+        let (out, k, v) = prepared.forward(&x, &detached_copy(&keys), &detached_copy(&values), &spec).unwrap();
+        assert_eq!(kernels::array_inputs(&out), 3, "seed {seed}: x, keys and values are the only inputs");
+        // Cache positions from offset + l on are unspecified (see DecoderLayerSpec).
+        let end = offset + l;
+        for (name, a, b) in [
+            ("out", out.clone(), direct.0.clone()),
+            ("keys", rows(&k, end), rows(&direct.1, end)),
+            ("values", rows(&v, end), rows(&direct.2, end)),
+        ] {
+            assert_eq!(to_f32(&a), to_f32(&b), "seed {seed}: {name} differs from the unprepared block");
+        }
+        // The same prepared weights serve a later step (another offset).
+        let later = layer.spec(offset + l);
+        let again = prepared.forward(&x, &k, &v, &later).unwrap();
+        let reference = kernels::decoder_layer(&x, &layer.weights(), &k, &v, &later).unwrap();
+        assert_eq!(to_f32(&again.0), to_f32(&reference.0), "seed {seed}: the next step differs");
+        let wrong = DecoderLayerSpec { intermediate: spec.intermediate + 1, ..spec };
+        let err = prepared.forward(&x, &keys, &values, &wrong).err().expect("a dimension mismatch is an error");
+        assert!(err.to_string().contains("dimensions differ"), "{err}");
+    }
 }
 
 #[test]
@@ -1187,16 +1232,17 @@ fn rejects_malformed_inputs() {
 // ---------------------------------------------------------------------------
 // The exact kernel paths.
 
-/// Reruns every other test of this file in a child process per exact kernel
-/// path (`MLXCEL_KERNELS` is read once per process). In the children the
-/// base tolerance is 1e-5 for every bit width.
+/// Reruns every other test of this file in a child process per other kernel
+/// path (`MLXCEL_KERNELS` is read once per process): the exact loops, with a
+/// base tolerance of 1e-5 for every bit width, and the AVX2 integer loop
+/// (forced on AVX-512 machines too), with the quantized-activation one.
 #[test]
 fn exact_kernel_paths_in_subprocesses() {
     if std::env::var_os("MLXCEL_DECODER_LAYER_CHILD").is_some() {
         return;
     }
     let exe = std::env::current_exe().unwrap();
-    for path in ["avx512", "avx2", "portable"] {
+    for path in ["avx512", "avx2", "avx2-int8", "portable"] {
         let out = std::process::Command::new(&exe)
             .args(["--test-threads=1", "--nocapture", "--skip", "exact_kernel_paths_in_subprocesses"])
             .env("MLXCEL_KERNELS", path)

@@ -2,7 +2,7 @@
 //! embeddings, RMSNorm, RoPE, the gated MLP and grouped-query attention.
 
 use mlx_sys::fast::{self, AttentionMask};
-use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, QuantizedProjection};
+use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, PreparedDecoderLayer, QuantizedProjection};
 use mlx_sys::{Array, Dtype};
 use mlxcel_gguf::rope::Llama3Scaling;
 
@@ -409,7 +409,7 @@ impl DecoderBlock {
 #[derive(Clone)]
 struct FusedBlock {
     spec: DecoderLayerSpec,
-    weights: DecoderLayerWeights,
+    weights: PreparedDecoderLayer,
 }
 
 impl FusedBlock {
@@ -464,6 +464,9 @@ impl FusedBlock {
             // KvCache::append_with hands over buffers it owns exclusively.
             cache_in_place: true,
         };
+        // Prepared once: each step's node then has x and the caches as its
+        // only graph inputs. A layout the kernel rejects stays on MLX's ops.
+        let weights = PreparedDecoderLayer::new(&weights, &spec).ok()?;
         Some(FusedBlock { spec, weights })
     }
 
@@ -474,7 +477,7 @@ impl FusedBlock {
         let mut out = None;
         let appended = cache.append_with(x.dim(1) as usize, layout, &mut |keys, values, offset| {
             let spec = DecoderLayerSpec { offset: offset as i32, ..self.spec };
-            let (h, keys, values) = kernels::decoder_layer(x, &self.weights, keys, values, &spec)?;
+            let (h, keys, values) = self.weights.forward(x, keys, values, &spec)?;
             out = Some(h);
             Ok((keys, values))
         })?;

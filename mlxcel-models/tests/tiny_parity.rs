@@ -4,13 +4,14 @@
 //!
 //! Quantized checkpoints run mlxcel's kernels. Their exact paths (f32
 //! unpacking, `MLXCEL_KERNELS=avx512|avx2|portable`) keep the f32 tolerance
-//! of 1e-4 of the largest |logit|. The AVX-512 VNNI path, the default where
-//! the CPU has it, quantizes activations to 16 bits (at most max|x| / 65024
-//! per activation of a group, see `mlx_sys::kernels`), which on these random
-//! weights moves logits by up to ~1.1e-4 of the largest: it gets 5e-4.
-//! `quantized_models_on_the_exact_kernel_path` reruns the quantized models
-//! with `MLXCEL_KERNELS=avx512` (read once per process) at 1e-4, so a VNNI
-//! machine checks both.
+//! of 1e-4 of the largest |logit|. The integer paths, the default on x86-64
+//! (AVX-512 VNNI, else AVX2), quantize activations to 16 bits (at most
+//! max|x| / 65024 per activation of a group, see `mlx_sys::kernels`), which
+//! on these random weights moves logits by up to ~1.1e-4 of the largest:
+//! they get 5e-4. `quantized_models_on_the_other_kernel_paths` reruns the
+//! quantized models with `MLXCEL_KERNELS=avx512` (exact, 1e-4) and
+//! `avx2-int8` (read once per process), so every machine checks an exact
+//! and an integer path, and AVX-512 machines the AVX2 one too.
 
 use std::path::{Path, PathBuf};
 
@@ -40,7 +41,7 @@ fn flat(v: &Value) -> Vec<f32> {
 fn check(name: &str, rel_tol: f32) {
     let golden = golden(name);
     let (model, info) = load_network(&tiny_dir().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let rel_tol = if info.groups.iter().any(|g| g.quantization.is_some()) && kernels::path_name(KernelPath::Auto) == "avx512-vnni" {
+    let rel_tol = if info.groups.iter().any(|g| g.quantization.is_some()) && integer_path() {
         rel_tol.max(5e-4)
     } else {
         rel_tol
@@ -134,18 +135,30 @@ fn llama_q4_mixed_with_false_override() {
     check("llama_q4_mixed_false", 1e-4);
 }
 
+/// Whether this process's quantized matvec quantizes activations.
+fn integer_path() -> bool {
+    matches!(kernels::path_name(KernelPath::Auto).as_str(), "avx512-vnni" | "avx2-int8")
+}
+
 #[test]
-fn quantized_models_on_the_exact_kernel_path() {
-    if std::env::var_os("MLXCEL_TINY_PARITY_CHILD").is_some() || kernels::path_name(KernelPath::Auto) != "avx512-vnni" {
+fn quantized_models_on_the_other_kernel_paths() {
+    if std::env::var_os("MLXCEL_TINY_PARITY_CHILD").is_some() {
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--test-threads=1", "llama_q4", "qwen3_q8", "llama_q3"])
-        .env("MLXCEL_KERNELS", "avx512")
-        .env("MLXCEL_TINY_PARITY_CHILD", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "exact kernel path:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("5 passed"), "expected the 5 quantized models to run:\n{stdout}");
+    let auto = kernels::path_name(KernelPath::Auto);
+    for path in ["avx512", "avx2-int8"] {
+        // A path this CPU lacks falls back to one the parent already runs.
+        if auto == "portable" || (path == "avx2-int8" && auto == "avx2-int8") {
+            continue;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--test-threads=1", "--nocapture", "llama_q4", "qwen3_q8", "llama_q3"])
+            .env("MLXCEL_KERNELS", path)
+            .env("MLXCEL_TINY_PARITY_CHILD", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains("5 passed"), "MLXCEL_KERNELS={path}: expected the 5 quantized models to run:\n{stdout}");
+    }
 }

@@ -1,0 +1,46 @@
+//! Thread scaling of the quantized matvec: `count` independent [n, k]
+//! products of one activation row (random weights, group 32, f16 scales),
+//! evaluated together, best of 30; prints µs per product and GB/s of weights.
+//! Run it with MLXCEL_NUM_THREADS=1 and =2 (and MLXCEL_KERNELS) to compare.
+//!
+//! `cargo run --release -p mlx-sys --example scaling_probe -- N K BITS COUNT`
+//! (SmolLM2-135M decode: 576 576 4 120, 1536 576 4 60; its lm_head: 49152 576 8 1).
+
+use std::time::Instant;
+use mlx_sys::kernels;
+use mlx_sys::{quantize, random, Dtype};
+fn main() -> mlx_sys::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: scaling_probe N K BITS COUNT (e.g. 576 576 4 120)";
+    let [n, k, bits, batch]: [usize; 4] = args
+        .iter()
+        .map(|a| a.parse::<usize>().ok().filter(|&v| v > 0))
+        .collect::<Option<Vec<_>>>()
+        .and_then(|v| v.try_into().ok())
+        .unwrap_or_else(|| {
+            eprintln!("{usage}");
+            std::process::exit(2)
+        });
+    let (n, k, bits) = (n as i32, k as i32, bits as i32);
+    let key = random::key(1)?;
+    let mut ws = Vec::new();
+    for i in 0..batch {
+        let wf = random::normal(&[n, k], Dtype::Float32, 0.0, 0.05, &random::key(i as u64)?)?;
+        let (w, s, b) = quantize(&wf, 32, bits)?;
+        let (s, b) = (s.astype(Dtype::Float16)?, b.astype(Dtype::Float16)?);
+        mlx_sys::eval([&w, &s, &b])?;
+        ws.push((w, s, b));
+    }
+    let x = random::normal(&[1, k], Dtype::Float32, 0.0, 1.0, &key)?;
+    x.eval()?;
+    let mut best = f64::MAX;
+    for _ in 0..30 {
+        let outs = ws.iter().map(|(w, s, b)| kernels::quantized_matmul(&x, w, s, b, 32, bits)).collect::<mlx_sys::Result<Vec<_>>>()?;
+        let t = Instant::now();
+        mlx_sys::eval(outs.iter())?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let bytes: usize = ws.iter().map(|(w, s, b)| w.nbytes() + s.nbytes() + b.nbytes()).sum();
+    println!("threads {} n {n} k {k} bits {bits} x{batch}: {:.1} us per call, {:.1} GB/s", kernels::num_threads(), best * 1e6 / batch as f64, bytes as f64 / best / 1e9);
+    Ok(())
+}
