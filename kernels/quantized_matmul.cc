@@ -795,8 +795,15 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_int8(const Job& j, int n
   };
   if (j.M == 1) {
     for (; n + 4 <= n1; n += 4) tile_avx2_int8<BITS, 1, 4>(j, block(4), sc.s.data(), sc.b.data(), gs, 0, n);
-  } else if (j.M == 2) {
-    for (; n + 2 <= n1; n += 2) tile_avx2_int8<BITS, 2, 2>(j, block(2), sc.s.data(), sc.b.data(), gs, 0, n);
+  } else {
+    // 2 x 4 tiles (8 accumulators of the 16 ymm registers): each weight
+    // vector serves 2 activation rows and each activation vector 4 outputs.
+    for (; n + 4 <= n1; n += 4) {
+      const uint32_t* wr = block(4);
+      int m = 0;
+      for (; m + 2 <= j.M; m += 2) tile_avx2_int8<BITS, 2, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+      if (m < j.M) tile_avx2_int8<BITS, 1, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+    }
   }
   for (; n < n1; ++n) {
     const uint32_t* wr = block(1);
@@ -869,16 +876,18 @@ tile_vnni(const Job& j, const uint32_t* wr, const float* sf, const float* bf, si
       for (int m = 0; m < MT; ++m) {
         const int8_t* q = xq[m] + xo;
         __m512i acc;
+        // Two independent chains (the a and b halves), joined at the end:
+        // dot_a << 8 + dot_b, the same exact int32.
         if constexpr (BITS == 4) {
-          acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-          acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q + plane));
-          acc = _mm512_slli_epi32(acc, 8);
-          acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(q + 2 * plane));
-          acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q + 3 * plane));
+          __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+          __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q + 2 * plane));
+          da = _mm512_dpbusd_epi32(da, hi, _mm512_loadu_si512(q + plane));
+          db = _mm512_dpbusd_epi32(db, hi, _mm512_loadu_si512(q + 3 * plane));
+          acc = _mm512_add_epi32(_mm512_slli_epi32(da, 8), db);
         } else {
-          acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q));
-          acc = _mm512_slli_epi32(acc, 8);
-          acc = _mm512_dpbusd_epi32(acc, v, _mm512_loadu_si512(q + plane));
+          const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q));
+          const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q + plane));
+          acc = _mm512_add_epi32(_mm512_slli_epi32(da, 8), db);
         }
         y[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(wscale, xscale[m]), y[r][m]);
       }
@@ -901,8 +910,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
   };
   if (j.M == 1) {
     for (; n + 4 <= n1; n += 4) tile_vnni<BITS, 1, 4>(j, block(4), sc.s.data(), sc.b.data(), gs, 0, n);
-  } else if (j.M == 2) {
-    for (; n + 2 <= n1; n += 2) tile_vnni<BITS, 2, 2>(j, block(2), sc.s.data(), sc.b.data(), gs, 0, n);
+  } else {
+    // 4 x 4 tiles: each weight vector serves 4 activation rows and each
+    // activation vector 4 output rows.
+    for (; n + 4 <= n1; n += 4) {
+      const uint32_t* wr = block(4);
+      int m = 0;
+      for (; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+      switch (j.M - m) {
+        case 3: tile_vnni<BITS, 3, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+        case 2: tile_vnni<BITS, 2, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+        case 1: tile_vnni<BITS, 1, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+        default: break;
+      }
+    }
   }
   for (; n < n1; ++n) {
     const uint32_t* wr = block(1);

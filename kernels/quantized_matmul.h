@@ -6,8 +6,9 @@
 // node whose CPU evaluation is ours: f32-exact math (weights unpacked to f32,
 // f32 FMAs, f32 accumulation), split over output rows across a small
 // persistent thread pool, with an AVX-512, AVX2, NEON integer or portable
-// inner loop chosen at run time. On any other device, or for a layout the kernel does not
-// handle, it returns MLX's own `quantized_matmul` node unchanged.
+// inner loop chosen at run time. On any other device, or for a layout the
+// kernel does not handle, it returns MLX's own `quantized_matmul` node
+// unchanged.
 #pragma once
 
 #include <string>

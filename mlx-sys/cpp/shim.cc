@@ -405,6 +405,7 @@ kernels::Path to_path(int32_t path) {
     case 2: return kernels::Path::Avx512;
     case 3: return kernels::Path::Avx512Vnni;
     case 4: return kernels::Path::Avx2Int8;
+    case 5: return kernels::Path::NeonInt8;
   }
   throw std::invalid_argument("unknown kernel path " + std::to_string(path));
 }

@@ -12,7 +12,7 @@
 //! stream, or for a layout it does not handle, it returns MLX's own op.
 //!
 //! Environment (read once per process):
-//! - `MLXCEL_KERNELS=portable|avx2|avx2-int8|avx512|avx512-vnni` caps the inner loop that
+//! - `MLXCEL_KERNELS=portable|avx2|avx2-int8|avx512|avx512-vnni|neon-int8` caps the inner loop that
 //!   [`KernelPath::Auto`] picks (default: the best the CPU runs). An explicit
 //!   path ignores it.
 //! - `MLXCEL_NUM_THREADS=n` sets the thread count (default: the hardware's).
@@ -40,6 +40,12 @@ pub enum KernelPath {
     /// `Avx2`), with activations quantized per group to int16: the same
     /// bound as `Avx512Vnni`, `max|x| / 65024` per activation.
     Avx2Int8 = 4,
+    /// aarch64 NEON integer dot products (baseline ARMv8-A, `vmlal_s16`;
+    /// bits 2, 4, 8, others run `Portable`), the default on aarch64 Linux
+    /// and Apple Silicon, with the int16 activations of `Avx2Int8`: error at
+    /// most `max|x| / 65024` per activation of a group. `Portable` off
+    /// aarch64.
+    NeonInt8 = 5,
 }
 
 /// `x @ dequantize(w, scales, biases).T` over the last axis of `x` (MLX's

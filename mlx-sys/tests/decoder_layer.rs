@@ -46,11 +46,11 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// Whether the kernels' default path quantizes activations for `bits` (the
-/// integer loops: AVX-512 VNNI for bits 4 and 8, AVX2 for 2, 4 and 8).
+/// integer loops: AVX-512 VNNI for bits 4 and 8, AVX2 and NEON for 2, 4 and 8).
 fn activations_quantized(bits: i32) -> bool {
     match kernels::path_name(KernelPath::Auto).as_str() {
         "avx512-vnni" => bits == 4 || bits == 8,
-        "avx2-int8" => matches!(bits, 2 | 4 | 8),
+        "avx2-int8" | "neon-int8" => matches!(bits, 2 | 4 | 8),
         _ => false,
     }
 }

@@ -12,8 +12,8 @@
 //! by ~1e-2·mag or more). f16/bf16 outputs add their own final rounding, half
 //! an ulp of |y|: 2^-11·|y| and 2^-8·|y|.
 //!
-//! The integer paths (AVX-512 VNNI for bits 4 and 8, AVX2 for bits 2, 4 and
-//! 8) also quantize each group of activations to 16 bits: every x_k moves by at most max|x_g| / 65024, so
+//! The integer paths (AVX-512 VNNI for bits 4 and 8, AVX2 and aarch64 NEON
+//! for bits 2, 4 and 8) also quantize each group of activations to 16 bits: every x_k moves by at most max|x_g| / 65024, so
 //! its bound adds Σ_g max|x_g| / 65024 · Σ_{k in g} |s_g q_k| (the bias term
 //! uses exact sums of x).
 
@@ -107,12 +107,12 @@ fn reference(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, 
 
 /// Whether `path` runs an integer loop (activations quantized to 16 bits)
 /// for this layout on this CPU: VNNI for bits 4 and 8 with groups of 16k,
-/// AVX2 for bits 2, 4 and 8 when a group spans a power of two below 8 words
-/// or a multiple of 8.
+/// AVX2 and NEON (aarch64) for bits 2, 4 and 8 when a group spans a power of
+/// two below 8 words or a multiple of 8.
 fn uses_vnni(path: KernelPath, bits: usize, group: usize) -> bool {
     match kernels::path_name(path).as_str() {
         "avx512-vnni" => (bits == 4 || bits == 8) && group % 16 == 0,
-        "avx2-int8" => {
+        "avx2-int8" | "neon-int8" => {
             let words_per_group = group * bits / 32;
             matches!(bits, 2 | 4 | 8)
                 && ((words_per_group < 8 && words_per_group.is_power_of_two()) || words_per_group % 8 == 0)
@@ -212,20 +212,24 @@ fn run_case(
     }
 }
 
-const ALL_PATHS: [KernelPath; 6] = [
+const ALL_PATHS: [KernelPath; 7] = [
     KernelPath::Auto,
     KernelPath::Portable,
     KernelPath::Avx2,
     KernelPath::Avx2Int8,
     KernelPath::Avx512,
     KernelPath::Avx512Vnni,
+    KernelPath::NeonInt8,
 ];
 
 #[test]
 fn reports_its_path_and_threads() {
     let auto = kernels::path_name(KernelPath::Auto);
-    assert!(["avx512-vnni", "avx512", "avx2-int8", "portable"].contains(&auto.as_str()), "{auto}");
+    assert!(["avx512-vnni", "avx512", "avx2-int8", "neon-int8", "portable"].contains(&auto.as_str()), "{auto}");
     assert_eq!(kernels::path_name(KernelPath::Portable), "portable");
+    // The NEON integer loop runs on aarch64 only; elsewhere it is the portable one.
+    let neon = if cfg!(target_arch = "aarch64") { "neon-int8" } else { "portable" };
+    assert_eq!(kernels::path_name(KernelPath::NeonInt8), neon);
     assert!(kernels::num_threads() >= 1);
     assert!(kernels::supports(32, 4) && kernels::supports(64, 8) && kernels::supports(128, 2));
     assert!(!kernels::supports(32, 7) && !kernels::supports(0, 4));

@@ -137,7 +137,7 @@ fn llama_q4_mixed_with_false_override() {
 
 /// Whether this process's quantized matvec quantizes activations.
 fn integer_path() -> bool {
-    matches!(kernels::path_name(KernelPath::Auto).as_str(), "avx512-vnni" | "avx2-int8")
+    matches!(kernels::path_name(KernelPath::Auto).as_str(), "avx512-vnni" | "avx2-int8" | "neon-int8")
 }
 
 #[test]

@@ -2,10 +2,12 @@
 // and checks them against MLX's own ops and an f64 host reference. Built for
 // aarch64 by scripts/check-aarch64 (linked with the kernels' objects and the
 // aarch64 wheel's libmlx, nothing of the cxx bridge) and run under qemu-user,
-// so the portable loops the kernels compile to NEON really run and are
-// checked. It also builds natively (`g++ -std=c++20 -I. -I<mlx>/include ...
-// kernels/*.cc -lmlx`); off aarch64 it caps the kernels at their portable
-// loops (MLXCEL_KERNELS=portable), the loops aarch64 runs.
+// so the portable loops the kernels compile to NEON, and quantized_matmul's
+// NEON integer loop (Path::NeonInt8, aarch64's Auto for bits 2, 4, 8), really
+// run and are checked. It also builds natively (`g++ -std=c++20 -I.
+// -I<mlx>/include ... kernels/*.cc -lmlx`); off aarch64 it caps the kernels
+// at their portable loops (MLXCEL_KERNELS=portable; NeonInt8 falls back to
+// the portable loop there).
 //
 // Every case prints its largest error and its largest error / tolerance
 // (a case passes when that ratio is <= 1); any failure, exception, shape or
@@ -22,11 +24,17 @@
 //   |ours - exact| <= 1e-5·mag: ~80 f32 ulps of mag, 10-20x what the exact
 //   loops produce for K <= 600, and ~1000x below a real bug (a wrong nibble,
 //   scale or row moves y by ~1e-2·mag). f16/bf16 outputs add their final
-//   rounding, half an ulp of |y|: 2^-11·|y| and 2^-8·|y|. (Only the x86
-//   integer/AMX loops need more; aarch64 runs none of them.) MLX's own op is
+//   rounding, half an ulp of |y|: 2^-11·|y| and 2^-8·|y|. MLX's own op is
 //   held to the same bar for f32 inputs, which checks the reference itself;
 //   with f16/bf16 activations MLX's CPU op accumulates in the half type and
 //   is not a usable reference, so the exact f64 sum is.
+// - quantized_matmul's integer loops (NEON here; AVX2/VNNI on x86) quantize
+//   each group of activations to 16 bits: each x_k moves by at most
+//   max|x_g| / 65024, so, as reference_quantized_x in mlx-sys/tests/kernels.rs
+//   does, mag grows by 1.01·Σ_g max|x_g| / 65024 · Σ_{k in g} |s_g q_k| / 1e-5
+//   (the bias term uses exact sums of x). Two paths that run the same loop
+//   must agree bit for bit, and an integer loop must differ from the exact
+//   one (f32 outputs): that is how each case shows which loop ran.
 // - The fused SwiGLU: silu(g)·u with g, u as above; the error of g moves the
 //   result by at most 1.1·|u| times it (|silu'| <= 1.1), the error of u by
 //   |silu(g)| times it, plus a few ulps for the exponential.
@@ -41,8 +49,9 @@
 //   attention, sigmoid): max|ours - ref| <= tol·max|ref| over each tensor
 //   with tol = 1e-5 + end·max(rope_scale, 1)·2^-23 (the RoPE angle of the
 //   last position `end` rounds to f32 differently in two implementations),
-//   as in mlx-sys/tests/decoder_layer.rs for the exact loops. Cache rows
-//   below the offset must come back bit for bit.
+//   as in mlx-sys/tests/decoder_layer.rs; 5e-4 instead of 1e-5 where the
+//   projections run an integer loop (aarch64's default for bits 2, 4, 8).
+//   Cache rows below the offset must come back bit for bit.
 #include <sys/utsname.h>
 
 #include <algorithm>
@@ -328,7 +337,57 @@ std::vector<kn::Path> distinct(const std::function<std::string(kn::Path)>& name)
 
 constexpr double kRel = 1e-5;
 const char* const kMatTol = "1e-5*sum|x*w| + out ulp/2";
+const char* const kQuantTol = "1e-5*sum|x*w| + 1.01*sum amax_g/65024*|s*q| + out ulp/2";
 
+// The loop quantized_matmul runs for `path` and a layout, as its Job picks
+// it: NeonInt8 takes bits 2, 4 and 8 when a group spans a power of two below
+// 8 words or a multiple of 8 words (lanes_for), anything else the portable
+// loop. (Off aarch64 main() caps every path at the portable loop.)
+std::string matvec_loop(kn::Path path, int bits, int group) {
+  const std::string name = kn::path_name(kn::resolve_path(path));
+  if (name != "neon-int8") return name;
+  if (bits != 2 && bits != 4 && bits != 8) return "portable";
+  const int wpg = group * bits / 32;
+  return (wpg < 8 && (wpg & (wpg - 1)) == 0) || wpg % 8 == 0 ? name : "portable";
+}
+
+// Whether a loop quantizes the activations (the integer loops).
+bool integer_loop(const std::string& loop) {
+  return loop == "neon-int8" || loop == "avx2-int8" || loop == "avx512-vnni";
+}
+
+// `e` with mag widened by the integer loops' activation-quantization bound,
+// exactly as reference_quantized_x in mlx-sys/tests/kernels.rs: for row r of
+// x and output o, mag += 1.01 · Σ_k max|x_r of k's group| / 65024 ·
+// |s[o, group of k] · q[o, k]| / 1e-5. Bits 2, 4, 8 (values within a word).
+Exact with_quantized_x(Exact e, const std::vector<float>& xs, const Quantized& q) {
+  std::vector<uint32_t> words = values_as<uint32_t>(q.w, mx::uint32);
+  std::vector<float> s = f32(q.scales);
+  const int k = q.k, n = q.n, groups = k / q.group, row_words = k * q.bits / 32;
+  const uint32_t mask = (1u << q.bits) - 1;
+  const size_t m = k ? xs.size() / k : 0;
+  std::vector<double> amax(groups);
+  for (size_t r = 0; r < m; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      amax[g] = 0;
+      for (int j = g * q.group; j < (g + 1) * q.group; ++j) amax[g] = std::max(amax[g], std::fabs(double(xs[r * k + j])));
+    }
+    for (int o = 0; o < n; ++o) {
+      double bound = 0;
+      for (int j = 0; j < k; ++j) {
+        const uint32_t v = (words[size_t(o) * row_words + size_t(j) * q.bits / 32] >> (j * q.bits % 32)) & mask;
+        bound += amax[j / q.group] / 65024.0 * std::fabs(double(s[size_t(o) * groups + j / q.group]) * double(v));
+      }
+      e.mag[r * n + o] += bound * 1.01 / kRel;
+    }
+  }
+  return e;
+}
+
+// Checks Portable, Auto and NeonInt8 (each label names the path asked for
+// and the loop it runs: "auto->neon-int8"). Paths that run the same loop
+// must give the same bits, and an integer loop's f32 result must differ
+// from the exact loop's: the loop named is the one that ran.
 void qmm_case(uint64_t seed, int bits, int group, int k, int n, const mx::Shape& rows, mx::Dtype xdt, mx::Dtype sdt) {
   mx::Shape shape = rows;
   shape.push_back(k);
@@ -337,14 +396,30 @@ void qmm_case(uint64_t seed, int bits, int group, int k, int n, const mx::Shape&
   run_case("quantized_matmul", label, [&] {
     Quantized q = make_weights(seed, n, k, group, bits, sdt);
     mx::array x = x_of(seed, shape, xdt);
-    Exact e = exact_matmul(f32(x), dequantized_rows(q), n, k);
+    std::vector<float> xs = f32(x);
+    Exact e = exact_matmul(xs, dequantized_rows(q), n, k);
+    std::optional<Exact> eq;  // e widened for the integer loops
     mx::array mlx = mx::quantized_matmul(x, q.w, q.scales, q.biases, true, group, bits);
-    for (kn::Path path : distinct([](kn::Path p) { return std::string(kn::path_name(kn::resolve_path(p))); })) {
+    std::vector<std::pair<std::string, std::vector<float>>> ran;  // (loop, result) of the paths so far
+    for (kn::Path path : {kn::Path::Portable, kn::Path::Auto, kn::Path::NeonInt8}) {
+      const std::string loop = matvec_loop(path, bits, group);
+      const bool quantized_x = integer_loop(loop);
+      if (quantized_x && !eq) eq = with_quantized_x(e, xs, q);
       Check c;
       mx::array ours = kn::quantized_matmul(x, q.w, q.scales, q.biases, group, bits, path);
       c.expect(is_kernel_node(ours), "fell back to MLX's op");
-      check_matmul(c, ours, mlx.shape(), mlx.dtype(), e, kRel);
-      report("quantized_matmul", label + " " + kn::path_name(kn::resolve_path(path)), c, kMatTol,
+      check_matmul(c, ours, mlx.shape(), mlx.dtype(), quantized_x ? *eq : e, kRel);
+      std::vector<float> v = f32(ours);
+      for (const auto& [other, values] : ran) {
+        if (other == loop) {
+          c.expect(v == values, "not bit for bit the result of another path on the " + loop + " loop");
+        } else if (ours.dtype() == mx::float32 && quantized_x != integer_loop(other)) {
+          c.expect(v != values, "bit for bit the " + other + " loop's result: the " + loop + " loop did not run");
+        }
+      }
+      ran.emplace_back(loop, std::move(v));
+      report(quantized_x ? "quantized_matmul " + loop : std::string("quantized_matmul"),
+             label + " " + kn::path_name(path) + "->" + loop, c, quantized_x ? kQuantTol : kMatTol,
              ours.dtype() != mx::float32);
     }
     if (xdt == mx::float32 && sdt == mx::float32) {
@@ -358,7 +433,9 @@ void qmm_case(uint64_t seed, int bits, int group, int k, int n, const mx::Shape&
 void quantized_matmul_tests() {
   uint64_t seed = 100;
   // Every width and group size MLX quantizes, K three groups long, odd N,
-  // M = 1, 2, 3, 17 (a batch axis) and 64 rows.
+  // M = 1, 2, 3, 5, 17 (a batch axis) and 64 rows: every row tile of the
+  // NEON loop (4 output rows for M = 1, 2 x 2 for M = 2, else 1 output row
+  // x 4, 3, 2, 1 activation rows) and chunks that end inside a row.
   for (int bits : {2, 3, 4, 5, 6, 8}) {
     for (int group : {32, 64, 128}) {
       if (!kn::supports(group, bits) || !mlx_quantizes(group, bits)) {
@@ -366,7 +443,8 @@ void quantized_matmul_tests() {
         continue;
       }
       const int k = 3 * group, n = group == 64 ? 67 : 37;
-      for (const mx::Shape& rows : {mx::Shape{1}, mx::Shape{2}, mx::Shape{1, 3}, mx::Shape{1, 17}, mx::Shape{64}}) {
+      for (const mx::Shape& rows :
+           {mx::Shape{1}, mx::Shape{2}, mx::Shape{1, 3}, mx::Shape{5}, mx::Shape{1, 17}, mx::Shape{64}}) {
         qmm_case(++seed, bits, group, k, n, rows, mx::float32, mx::float32);
       }
     }
@@ -778,8 +856,11 @@ void compare_scaled(Check& c, const char* what, const mx::array& got, const mx::
 }
 
 void layer_case(uint64_t seed, const LayerConfig& cfg, int offset, int l) {
-  std::string label = format("%s bits=%d group=%d hidden=%d heads=%d/%d head_dim=%d offset=%d L=%d", cfg.name, cfg.bits,
-                             cfg.group, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, offset, l);
+  // The projections' loop (the block runs Auto's): 5e-4 for an integer one.
+  const std::string loop = matvec_loop(kn::Path::Auto, cfg.bits, cfg.group);
+  std::string label = format("%s bits=%d group=%d hidden=%d heads=%d/%d head_dim=%d offset=%d L=%d %s", cfg.name,
+                             cfg.bits, cfg.group, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, offset, l,
+                             loop.c_str());
   run_case("decoder_layer", label, [&] {
     Layer ly = make_layer(seed, cfg);
     const int capacity = offset + l + 3, end = offset + l, kvh = cfg.kv_heads, d = cfg.head_dim;
@@ -809,7 +890,7 @@ void layer_case(uint64_t seed, const LayerConfig& cfg, int offset, int l) {
     c.expect(is_kernel_node(got[0]), "not a kernel node");
     mx::eval(got);
     std::vector<mx::array> want = layer_reference(ly, x, keys, values, offset);
-    const double tol = 1e-5 + end * std::max(cfg.rope_scale, 1.0f) * std::ldexp(1.0, -23);
+    const double tol = (integer_loop(loop) ? 5e-4 : 1e-5) + end * std::max(cfg.rope_scale, 1.0f) * std::ldexp(1.0, -23);
     compare_scaled(c, "out", got[0], want[0], tol);
     for (int i : {1, 2}) {
       const char* what = i == 1 ? "keys" : "values";
