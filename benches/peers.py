@@ -464,7 +464,9 @@ def report_cmd(args):
     for (name, which, value, goal), (_, which_best, value_best, _) in zip(ratio_rows(""), ratio_rows("best_")):
         verdict = "" if goal is None or value is None else ("met" if value >= goal else "NOT met")
         goal_s = f">= {goal:g}" if goal is not None else ""
-        show = lambda v, w: (f"{v:.2f}x" + (f" ({w})" if w else "")) if v is not None else "n/a"
+        # In an --avx2-only run the "native" rows are the AVX2 build.
+        label_of = lambda w: "avx2" if avx2_only and w == "native" else w
+        show = lambda v, w: (f"{v:.2f}x" + (f" ({label_of(w)})" if w else "")) if v is not None else "n/a"
         lines.append(f"{name:<58} {show(value, which):>14}  {show(value_best, which_best):>14}  {goal_s:>6}  {verdict}")
         ratio_json.append({"name": name, "value": value, "against": which, "goal": goal,
                            "met": None if goal is None or value is None else value >= goal,

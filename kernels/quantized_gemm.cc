@@ -206,6 +206,13 @@ MLXCEL_GEMM_TARGET void pack_panel(const GemmJob& j, const uint32_t* w, const vo
     }
     const __mmask16 mask = (__mmask16)((1u << valid) - 1);
     const uint32_t* base = w + (size_t)(n0 + r0) * wpr;
+    // The gathers read 16 rows at once, a pattern the hardware prefetcher
+    // does not follow: fetch the next 16 rows ahead while these unpack.
+    const int next = std::clamp(rows - r0 - 16, 0, 16);
+    for (int r = 0; r < next; ++r) {
+      const char* row = reinterpret_cast<const char*>(base + (size_t)(16 + r) * wpr);
+      for (size_t off = 0; off < (size_t)wpr * 4; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    }
     for (int g = 0; g < G; ++g) {
       const __m512 sv = _mm512_load_ps(st + (size_t)g * nc_pad + r0);
       const __m512 bv = _mm512_load_ps(bt + (size_t)g * nc_pad + r0);
@@ -329,6 +336,13 @@ MLXCEL_GEMM_TARGET void pack_panel_amx(const GemmJob& j, const uint32_t* w, cons
     }
     const __mmask16 mask = (__mmask16)((1u << valid) - 1);
     const uint32_t* base = w + (size_t)(n0 + r0) * wpr;
+    // The gathers read 16 rows at once, a pattern the hardware prefetcher
+    // does not follow: fetch the next 16 rows ahead while these unpack.
+    const int next = std::clamp(rows - r0 - 16, 0, 16);
+    for (int r = 0; r < next; ++r) {
+      const char* row = reinterpret_cast<const char*>(base + (size_t)(16 + r) * wpr);
+      for (size_t off = 0; off < (size_t)wpr * 4; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    }
     for (int g = 0; g < G; ++g) {
       const __m512 sv = _mm512_load_ps(st + (size_t)g * nc_pad + r0);
       const __m512 bv = _mm512_load_ps(bt + (size_t)g * nc_pad + r0);
