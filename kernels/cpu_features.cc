@@ -41,6 +41,7 @@ Features detect() {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
   f.amx_bf16 = f.avx512 && amx_granted();
+  f.amd = __builtin_cpu_is("amd");
 #elif defined(__aarch64__)
   f.neon = true;
 #endif

@@ -388,8 +388,21 @@ struct Job {
   // next rows arrive from L3 while these compute (prefetching never faults,
   // so running past the last row is harmless).
   int prefetch_rows = 0;
+  // Prefetch into L2 (T1) instead of L1 (T0): AMD Zen (cpu::Features::amd).
+  bool prefetch_l2 = false;
   Path path = Path::Portable;
 };
+
+#ifdef MLXCEL_X86
+// Requests the weight line at `p`, j.prefetch_rows rows ahead of the loop.
+__attribute__((always_inline)) inline void prefetch_weights(const Job& j, const void* p) {
+  if (j.prefetch_l2) {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  } else {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  }
+}
+#endif
 
 // Scale and bias rows in f32, with `pad` zeros after them for vector reads.
 struct RowScratch {
@@ -525,7 +538,7 @@ tile_avx512(const Job& j, const uint32_t* wr, const float* sf, const float* bf, 
     const __mmask16 km = c == chunks - 1 ? tail : (__mmask16)0xffff;
     __m512i v[NR];
     for (int r = 0; r < NR; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + (r + j.prefetch_rows) * rw + c * 16), _MM_HINT_T0);
+      prefetch_weights(j, wr + (r + j.prefetch_rows) * rw + c * 16);
       v[r] = _mm512_maskz_loadu_epi32(km, wr + r * rw + c * 16);
     }
     __m512 acc[NR][MT];
@@ -725,45 +738,89 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Job& j, int n0, in
 // exact (at most EPW * QM * 32512: 3.9e6 for bits 4, below 2^24, so its f32
 // conversion is exact too; 3.3e7 for bits 8, rounded once to f32).
 
-template <int BITS, int MT, int NR>
-__attribute__((target("avx2,fma"), always_inline)) inline void
-tile_avx2_int8(const Job& j, const uint32_t* wr, const float* sf, const float* bf, size_t gs, int m0, int n) {
+// `count` (1..8) scales or biases of dtype `ty` from element `at` on, as
+// f32 lanes 0..count-1 (zero above). The tiles read the checkpoint's f16 or
+// bf16 rows in place instead of converting them into a scratch row first.
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 load_groups_avx2(const void* p, Ty ty, size_t at,
+                                                                                      int count) {
+  if (ty == Ty::F32) {
+    const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm256_maskload_ps(static_cast<const float*>(p) + at, _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(p) + at;
+  __m128i h;
+  switch (count) {
+    case 8: h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)); break;
+    case 4: {
+      int64_t v;
+      std::memcpy(&v, src, sizeof v);
+      h = _mm_cvtsi64_si128(v);
+      break;
+    }
+    case 2: {
+      int32_t v;
+      std::memcpy(&v, src, sizeof v);
+      h = _mm_cvtsi32_si128(v);
+      break;
+    }
+    case 1: h = _mm_cvtsi32_si128(src[0]); break;
+    default: {
+      uint16_t buf[8] = {};
+      std::memcpy(buf, src, (size_t)count * sizeof(uint16_t));
+      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(buf));
+    }
+  }
+  return ty == Ty::F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The chunk lambda below needs the target too (GCC gives lambdas none of
+// their enclosing function's target attributes).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// GPC: the groups a chunk of 8 words spans (8 / words per group, at least 1).
+template <int BITS, int GPC, int MT, int NR>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_avx2_int8(const Job& j, int m0, int n) {
   constexpr int EPW = 32 / BITS;
   constexpr int PLANES = EPW / 2;
   constexpr uint32_t QM = (1u << BITS) - 1;
-  const int chunks = j.chunks;
+  const int chunks = j.chunks, G = j.G;
   const int tail_words = j.wpr - (chunks - 1) * 8;
   const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
   const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(tail_words), lane);
   const int wpg = j.wpg;
   const size_t rw = j.wpr;
-  const __m256i gidx = wpg < 8 ? _mm256_srli_epi32(lane, __builtin_ctz(wpg)) : _mm256_setzero_si256();
+  // Lane l's group within the chunk.
+  const __m256i gidx = GPC > 1 ? _mm256_srli_epi32(lane, __builtin_ctz(wpg)) : _mm256_setzero_si256();
   const __m256i mask = _mm256_set1_epi32((int)(QM | (QM << 16)));
+  const uint32_t* wr = reinterpret_cast<const uint32_t*>(j.w + (size_t)n * j.row_bytes);
 
   const int16_t* xq[MT];
   const float* xs[MT];
   for (int m = 0; m < MT; ++m) {
     xq[m] = reinterpret_cast<const int16_t*>(j.xq + (size_t)(m0 + m) * j.xq_stride);
-    xs[m] = j.xscale + (size_t)(m0 + m) * j.G;
+    xs[m] = j.xscale + (size_t)(m0 + m) * G;
   }
   __m256 y[NR][MT];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) y[r][m] = _mm256_setzero_ps();
 
-  for (int c = 0; c < chunks; ++c) {
+  // One chunk; `last` (the final chunk) masks its words and reads only the
+  // groups left in the row.
+  auto chunk = [&](int c, bool last) __attribute__((always_inline)) {
     const int g0 = (c * 8) / wpg;
     __m256 xscale[MT];
     for (int m = 0; m < MT; ++m) {
-      xscale[m] = wpg < 8 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs[m] + g0), gidx) : _mm256_set1_ps(xs[m][g0]);
+      xscale[m] = GPC > 1 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs[m] + g0), gidx) : _mm256_set1_ps(xs[m][g0]);
     }
     for (int r = 0; r < NR; ++r) {
       const uint32_t* p = wr + r * rw + c * 8;
-      _mm_prefetch(reinterpret_cast<const char*>(p + j.prefetch_rows * rw), _MM_HINT_T0);
-      const __m256i v = c == chunks - 1 ? _mm256_maskload_epi32(reinterpret_cast<const int*>(p), tail)
-                                        : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const float* srow = sf + r * gs;
-      const __m256 wscale = wpg < 8 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(srow + g0), gidx)
-                                    : _mm256_set1_ps(srow[g0]);
+      prefetch_weights(j, p + j.prefetch_rows * rw);
+      const __m256i v = last ? _mm256_maskload_epi32(reinterpret_cast<const int*>(p), tail)
+                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const size_t at = (size_t)(n + r) * G + g0;
+      const __m256 ws = last ? load_groups_avx2(j.scales, j.sty, at, std::min(GPC, G - g0))
+                             : load_groups_avx2(j.scales, j.sty, at, GPC);
+      const __m256 wscale = GPC > 1 ? _mm256_permutevar8x32_ps(ws, gidx) : _mm256_broadcastss_ps(_mm256_castps256_ps128(ws));
       __m256i acc[MT];
 #pragma GCC unroll 8
       for (int s = 0; s < PLANES; ++s) {
@@ -778,43 +835,57 @@ tile_avx2_int8(const Job& j, const uint32_t* wr, const float* sf, const float* b
         y[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_mul_ps(wscale, xscale[m]), y[r][m]);
       }
     }
+  };
+  for (int c = 0; c + 1 < chunks; ++c) chunk(c, false);
+  chunk(chunks - 1, true);
+
+  // The bias term, sum_g bias[g] * xsum[m, g] (xsum is zero-padded past its
+  // last row, so the vector read of a row's last groups stays finite).
+  for (int r = 0; r < NR; ++r) {
+    for (int g = 0; g < G; g += 8) {
+      const __m256 bv = load_groups_avx2(j.biases, j.sty, (size_t)(n + r) * G + g, std::min(8, G - g));
+      for (int m = 0; m < MT; ++m) {
+        y[r][m] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(j.xsum + (size_t)(m0 + m) * G + g), y[r][m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) j.y[(size_t)(m0 + m) * j.N + n + r] = hsum256(y[r][m]);
   }
-  finish_tile_avx2<MT, NR>(j, y, bf, gs, m0, n);
 }
 
-template <int BITS>
+template <int BITS, int GPC>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2_int8(const Job& j, int n0, int n1) {
-  const size_t gs = (size_t)j.G;
-  RowScratch& sc = tl_scratch;
-  sc.ensure(4 * j.G, 16);
   int n = n0;
-  auto block = [&](int rows) __attribute__((always_inline)) {
-    convert_row_avx2(j.scales, j.sty, (size_t)n * gs, rows * j.G, sc.s.data());
-    convert_row_avx2(j.biases, j.sty, (size_t)n * gs, rows * j.G, sc.b.data());
-    return reinterpret_cast<const uint32_t*>(j.w + (size_t)n * j.row_bytes);
-  };
   if (j.M == 1) {
-    for (; n + 4 <= n1; n += 4) tile_avx2_int8<BITS, 1, 4>(j, block(4), sc.s.data(), sc.b.data(), gs, 0, n);
+    for (; n + 4 <= n1; n += 4) tile_avx2_int8<BITS, GPC, 1, 4>(j, 0, n);
   } else {
     // 2 x 4 tiles (8 accumulators of the 16 ymm registers): each weight
     // vector serves 2 activation rows and each activation vector 4 outputs.
     for (; n + 4 <= n1; n += 4) {
-      const uint32_t* wr = block(4);
       int m = 0;
-      for (; m + 2 <= j.M; m += 2) tile_avx2_int8<BITS, 2, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
-      if (m < j.M) tile_avx2_int8<BITS, 1, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+      for (; m + 2 <= j.M; m += 2) tile_avx2_int8<BITS, GPC, 2, 4>(j, m, n);
+      if (m < j.M) tile_avx2_int8<BITS, GPC, 1, 4>(j, m, n);
     }
   }
   for (; n < n1; ++n) {
-    const uint32_t* wr = block(1);
     int m = 0;
-    for (; m + 4 <= j.M; m += 4) tile_avx2_int8<BITS, 4, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+    for (; m + 4 <= j.M; m += 4) tile_avx2_int8<BITS, GPC, 4, 1>(j, m, n);
     switch (j.M - m) {
-      case 3: tile_avx2_int8<BITS, 3, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
-      case 2: tile_avx2_int8<BITS, 2, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
-      case 1: tile_avx2_int8<BITS, 1, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+      case 3: tile_avx2_int8<BITS, GPC, 3, 1>(j, m, n); break;
+      case 2: tile_avx2_int8<BITS, GPC, 2, 1>(j, m, n); break;
+      case 1: tile_avx2_int8<BITS, GPC, 1, 1>(j, m, n); break;
       default: break;
     }
+  }
+}
+
+#pragma GCC pop_options
+
+template <int BITS>
+void rows_avx2_int8(const Job& j, int n0, int n1) {
+  switch (j.wpg >= 8 ? 1 : 8 / j.wpg) {
+    case 1: return rows_avx2_int8<BITS, 1>(j, n0, n1);
+    case 2: return rows_avx2_int8<BITS, 2>(j, n0, n1);
+    default: return rows_avx2_int8<BITS, 4>(j, n0, n1);
   }
 }
 
@@ -864,7 +935,7 @@ tile_vnni(const Job& j, const uint32_t* wr, const float* sf, const float* bf, si
     for (int r = 0; r < NR; ++r) {
       // The rows are read once, in order: fetch ahead of the hardware
       // prefetcher, which alone leaves decode waiting on L3.
-      _mm_prefetch(reinterpret_cast<const char*>(wr + (r + j.prefetch_rows) * rw + c * 16), _MM_HINT_T0);
+      prefetch_weights(j, wr + (r + j.prefetch_rows) * rw + c * 16);
       const __m512i v = _mm512_maskz_loadu_epi32(km, wr + r * rw + c * 16);
       const float* srow = sf + r * gs;
       const __m512 wscale = wpg < 16 ? _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(srow + g0)) : _mm512_set1_ps(srow[g0]);
@@ -998,31 +1069,89 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prepare_vnni(
 }
 #endif  // MLXCEL_X86
 
+// round(x[k] * inv) for k < n, to nearest even, into int16 (|x * inv| <= 32512).
+void quantize_int16_portable(const float* x, int n, float inv, int16_t* out) {
+  for (int k = 0; k < n; ++k) out[k] = (int16_t)std::nearbyint(x[k] * inv);
+}
+
+float amax_portable(const float* x, int n) {
+  float amax = 0.0f;
+  for (int k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
+#ifdef MLXCEL_X86
+// The same for n a multiple of 8 (cvtps rounds to nearest even under the
+// default MXCSR, as nearbyint does: bit-identical results).
+__attribute__((target("avx2,fma"))) void quantize_int16_avx2(const float* x, int n, float inv, int16_t* out) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int k = 0; k < n; k += 8) {
+    const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), iv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
+                     _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+  }
+}
+
+__attribute__((target("avx2,fma"))) float amax_avx2(const float* x, int n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
+// Moves int16 activations from natural order into the planes: per chunk of
+// 8 words, plane p holds (x[w*EPW + p], x[w*EPW + EPW/2 + p]) for each word w.
+template <int EPW>
+void int16_planes(const int16_t* x16, int words, int16_t* q) {
+  constexpr int PLANES = EPW / 2, L = 8;
+  for (int w = 0; w < words; ++w) {
+    const int16_t* src = x16 + (size_t)w * EPW;
+    int16_t* dst = q + ((size_t)(w / L) * PLANES * L + w % L) * 2;
+    for (int p = 0; p < PLANES; ++p) {
+      dst[p * L * 2] = src[p];
+      dst[p * L * 2 + 1] = src[PLANES + p];
+    }
+  }
+}
+
 // Lays out the int16 activation planes tile_avx2_int8 reads: per group,
-// s = max|x| / 32512 and x16 = round(x / s) (to nearest even, |x16| <= 32512);
-// per chunk of 8 words, plane p holds (x[w*EPW + p], x[w*EPW + EPW/2 + p]) for
-// each word w of the chunk.
+// s = max|x| / 32512 and x16 = round(x / s) (to nearest even, |x16| <= 32512),
+// arranged by int16_planes.
 void prepare_int16(Job& j, const float* xf, std::vector<int8_t>& xq, std::vector<float>& xscale) {
-  const int M = j.M, K = j.K, G = j.G, group = j.group, epw = j.epw, planes = j.epw / 2;
+  const int M = j.M, K = j.K, G = j.G, group = j.group, planes = j.epw / 2;
   constexpr int L = 8;
   j.xq_stride = (size_t)j.chunks * planes * L * 2 * sizeof(int16_t);
   xq.assign((size_t)M * j.xq_stride, 0);
   // The tile reads 8 scales from a chunk's first group (see prepare_vnni).
   xscale.assign((size_t)M * G + 16, 0.0f);
+  thread_local std::vector<int16_t> x16;
+  x16.resize((size_t)K);
+  auto quantize = quantize_int16_portable;
+  auto amax_of = amax_portable;
+#ifdef MLXCEL_X86
+  if (j.path == Path::Avx2Int8 && group % 8 == 0) {
+    quantize = quantize_int16_avx2;
+    amax_of = amax_avx2;
+  }
+#endif
   for (int m = 0; m < M; ++m) {
     const float* x = xf + (size_t)m * K;
-    int16_t* q = reinterpret_cast<int16_t*>(xq.data() + (size_t)m * j.xq_stride);
     for (int g = 0; g < G; ++g) {
       const float* xg = x + (size_t)g * group;
-      float amax = 0.0f;
-      for (int k = 0; k < group; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      const float amax = amax_of(xg, group);
       const float inv = amax > 0.0f ? 32512.0f / amax : 0.0f;
       xscale[(size_t)m * G + g] = amax / 32512.0f;
-      for (int k = g * group; k < (g + 1) * group; ++k) {
-        const int w = k / epw, e = k % epw, half = e >= planes ? 1 : 0, p = e - half * planes;
-        const size_t at = (((size_t)(w / L) * planes + p) * L + w % L) * 2 + half;
-        q[at] = (int16_t)std::nearbyint(x[k] * inv);
-      }
+      quantize(xg, group, inv, x16.data() + (size_t)g * group);
+    }
+    int16_t* q = reinterpret_cast<int16_t*>(xq.data() + (size_t)m * j.xq_stride);
+    switch (j.epw) {
+      case 4: int16_planes<4>(x16.data(), j.wpr, q); break;
+      case 8: int16_planes<8>(x16.data(), j.wpr, q); break;
+      default: int16_planes<16>(x16.data(), j.wpr, q); break;
     }
   }
   j.xq = xq.data();
@@ -1134,7 +1263,8 @@ void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offset
       for (int k = 0; k < K; ++k) dst[k] = load_as_f32(x, xty, off + k * x_step);
     }
   }
-  cs.xsum.resize((size_t)M * j.G);
+  // Zero-padded past the last row for the tiles' vector reads.
+  cs.xsum.assign((size_t)M * j.G + 8, 0.0f);
   for (int m = 0; m < M; ++m) {
     for (int g = 0; g < j.G; ++g) {
       const float* p = cs.xf.data() + (size_t)m * K + (size_t)g * j.group;
@@ -1239,6 +1369,7 @@ Job make_job(int M, int N, int K, int group_size, int bits, size_t row_bytes, Ty
   j.G = K / group_size;
   j.row_bytes = row_bytes;
   j.prefetch_rows = (int)std::clamp<size_t>(12288 / std::max<size_t>(row_bytes, 1), 4, 64);
+  j.prefetch_l2 = cpu::features().amd;
   j.path = resolve_path_impl(requested);
   if (j.path == Path::Avx512Vnni && ((bits != 4 && bits != 8) || group_size % 16 != 0)) j.path = Path::Avx512;
   j.lanes = lanes_for(j.path, bits, group_size);

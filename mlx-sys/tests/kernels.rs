@@ -475,3 +475,18 @@ fn quantized_embedding_out_of_range_ids_give_zero_rows_and_bad_input_errors() {
     let err = kernels::quantized_embedding(&ids, &q.w, &q.scales, &q.biases, 32, 4, Dtype::Int32).unwrap_err();
     assert!(err.to_string().contains("output dtype"), "{err}");
 }
+
+#[test]
+fn half_precision_scales_on_partial_chunks() {
+    let _g = lock();
+    // Rows whose last SIMD chunk is partial, so the loops read fewer groups
+    // of scales and biases than a chunk spans (the integer AVX2 loop reads
+    // f16/bf16 scales in place there).
+    for sdt in [Dtype::Float16, Dtype::Bfloat16] {
+        for bits in [2, 4, 8] {
+            for k in [32, 96, 160] {
+                run_case(600 + bits as u64 + k as u64, bits, 32, k, 13, &[3], Dtype::Float32, sdt, &ALL_PATHS);
+            }
+        }
+    }
+}
