@@ -19,6 +19,7 @@
 #include <string>
 
 #include "detail.h"
+#include "simd_math.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -300,37 +301,147 @@ struct AttentionJob {
 };
 
 #ifdef MLXCEL_X86
-// One head and row of attention with AVX-512, head_dim = 16 * NV: q and the
-// output stay in registers across the cache positions (the generic loop
-// below makes two calls per position). Same arithmetic as the generic loop.
-template <int NV>
-__attribute__((target("avx512f,avx512dq"))) void attend_avx512(const float* q, const float* keys, const float* values,
-                                                                 int T, float* scores, float* out) {
-  constexpr int D = 16 * NV;
-  __m512 qv[NV];
-  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-  float m = -INFINITY;
-  for (int t = 0; t < T; ++t) {
-    const float* k = keys + (size_t)t * D;
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), acc);
-    scores[t] = _mm512_reduce_add_ps(acc);
-    m = std::max(m, scores[t]);
-  }
-  float sum = 0.0f;
-  for (int t = 0; t < T; ++t) {
+// One head and row of attention, head_dim = W * NV for W-float vectors: q
+// and the output stay in registers across the cache positions (the generic
+// loop below makes two calls per position). Scores are reduced 8 positions
+// at a time (one horizontal-add tree for 8 dot products instead of one
+// reduction each), and the softmax exponentials run 8 or 16 wide.
+
+// The 8 sums of a[0..7] (each 8 floats) in one vector, lane p = sum of a[p].
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 sum8x8(const __m256 (&a)[8]) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  // Lanes of h0123: (0 1 2 3 | 0 1 2 3) halves of positions 0-3; likewise 4-7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Softmax weights in place: scores[t] = exp(scores[t] - m) / sum, m the max.
+__attribute__((always_inline)) inline void softmax_finish(float* scores, int T, int t, float m, float sum) {
+  for (; t < T; ++t) {
     scores[t] = std::exp(scores[t] - m);
     sum += scores[t];
   }
   const float inv = 1.0f / sum;
+  for (int i = 0; i < T; ++i) scores[i] *= inv;
+}
+
+__attribute__((target("avx512f,avx512dq"), always_inline)) inline void softmax_avx512(float* scores, int T, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  int t = 0;
+  for (; t + 16 <= T; t += 16) {
+    const __m512 e = simd::exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + t), mv));
+    _mm512_storeu_ps(scores + t, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  softmax_finish(scores, T, t, m, _mm512_reduce_add_ps(acc));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline void softmax_avx2(float* scores, int T, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int t = 0;
+  for (; t + 8 <= T; t += 8) {
+    const __m256 e = simd::exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
+    _mm256_storeu_ps(scores + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  softmax_finish(scores, T, t, m, hsum8(acc));
+}
+
+// The largest of the 8 lanes.
+__attribute__((target("avx2,fma"), always_inline)) inline float hmax8(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// q . k as 8 partial sums (the halves of the 16-lane products added).
+template <int NV>
+__attribute__((target("avx512f,avx512dq,avx2,fma"), always_inline)) inline __m256 qk_avx512(const __m512 (&qv)[NV],
+                                                                                           const float* k) {
+  __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+  for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), acc);
+  return _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+}
+
+// q . k as 8 partial sums.
+template <int NV>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 qk_avx2(const __m256 (&qv)[NV], const float* k) {
+  __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+  for (int i = 1; i < NV; ++i) acc = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), acc);
+  return acc;
+}
+
+template <int NV>
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const float* q, const float* keys,
+                                                                          const float* values, int T, float* scores,
+                                                                          float* out) {
+  constexpr int D = 16 * NV;
+  __m512 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int t = 0;
+  for (; t + 8 <= T; t += 8) {
+    __m256 a[8];
+    for (int p = 0; p < 8; ++p) a[p] = qk_avx512<NV>(qv, keys + (size_t)(t + p) * D);
+    const __m256 s8 = sum8x8(a);
+    _mm256_storeu_ps(scores + t, s8);
+    mv = _mm256_max_ps(mv, s8);
+  }
+  float m = hmax8(mv);
+  for (; t < T; ++t) {
+    scores[t] = hsum8(qk_avx512<NV>(qv, keys + (size_t)t * D));
+    m = std::max(m, scores[t]);
+  }
+  softmax_avx512(scores, T, m);
   __m512 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
-  for (int t = 0; t < T; ++t) {
+  for (t = 0; t < T; ++t) {
     const float* v = values + (size_t)t * D;
-    const __m512 pt = _mm512_set1_ps(scores[t] * inv);
+    const __m512 pt = _mm512_set1_ps(scores[t]);
     for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * i), o[i]);
   }
   for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
+}
+
+template <int NV>
+__attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const float* keys, const float* values, int T,
+                                                     float* scores, float* out) {
+  constexpr int D = 8 * NV;
+  __m256 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int t = 0;
+  for (; t + 8 <= T; t += 8) {
+    __m256 a[8];
+    for (int p = 0; p < 8; ++p) a[p] = qk_avx2<NV>(qv, keys + (size_t)(t + p) * D);
+    const __m256 s8 = sum8x8(a);
+    _mm256_storeu_ps(scores + t, s8);
+    mv = _mm256_max_ps(mv, s8);
+  }
+  float m = hmax8(mv);
+  for (; t < T; ++t) {
+    scores[t] = hsum8(qk_avx2<NV>(qv, keys + (size_t)t * D));
+    m = std::max(m, scores[t]);
+  }
+  softmax_avx2(scores, T, m);
+  __m256 o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
+  for (t = 0; t < T; ++t) {
+    const float* v = values + (size_t)t * D;
+    const __m256 pt = _mm256_set1_ps(scores[t]);
+    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), o[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
 #endif  // MLXCEL_X86
@@ -340,13 +451,22 @@ using AttendFn = void (*)(const float*, const float*, const float*, int, float*,
 // The register-resident loop for this head_dim, when the CPU runs it.
 AttendFn attend_for(int head_dim) {
 #ifdef MLXCEL_X86
-  if (vector_ops().dot != dot_avx512) return nullptr;
-  switch (head_dim) {
-    case 64: return attend_avx512<4>;
-    case 128: return attend_avx512<8>;
-    case 256: return attend_avx512<16>;
-    default: return nullptr;
+  if (vector_ops().dot == dot_avx512) {
+    switch (head_dim) {
+      case 64: return attend_avx512<4>;
+      case 128: return attend_avx512<8>;
+      case 256: return attend_avx512<16>;
+      default: return nullptr;
+    }
   }
+  if (vector_ops().dot == dot_avx2) {
+    switch (head_dim) {
+      case 64: return attend_avx2<8>;
+      case 128: return attend_avx2<16>;
+      default: return nullptr;  // 256 would not fit the 16 ymm registers
+    }
+  }
+  return nullptr;
 #else
   (void)head_dim;
   return nullptr;
