@@ -947,18 +947,16 @@ tile_vnni(const Job& j, const uint32_t* wr, const float* sf, const float* bf, si
       for (int m = 0; m < MT; ++m) {
         const int8_t* q = xq[m] + xo;
         __m512i acc;
-        // Two independent chains (the a and b halves), joined at the end:
-        // dot_a << 8 + dot_b, the same exact int32.
+        // One chain: (dot_a << 8) + dot_b, dot_b accumulated onto the
+        // shifted dot_a (the same exact int32 as summing them apart).
         if constexpr (BITS == 4) {
-          __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-          __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q + 2 * plane));
-          da = _mm512_dpbusd_epi32(da, hi, _mm512_loadu_si512(q + plane));
-          db = _mm512_dpbusd_epi32(db, hi, _mm512_loadu_si512(q + 3 * plane));
-          acc = _mm512_add_epi32(_mm512_slli_epi32(da, 8), db);
+          acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+          acc = _mm512_slli_epi32(_mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q + plane)), 8);
+          acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(q + 2 * plane));
+          acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q + 3 * plane));
         } else {
-          const __m512i da = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q));
-          const __m512i db = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q + plane));
-          acc = _mm512_add_epi32(_mm512_slli_epi32(da, 8), db);
+          acc = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q)), 8);
+          acc = _mm512_dpbusd_epi32(acc, v, _mm512_loadu_si512(q + plane));
         }
         y[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(wscale, xscale[m]), y[r][m]);
       }
