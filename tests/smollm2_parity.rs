@@ -96,3 +96,30 @@ fn teacher_forced_logits_match_the_reference() {
         assert!(worst_logit <= TOLERANCE && worst_lse <= TOLERANCE, "{}: {worst_logit} / {worst_lse}", case["prompt"]);
     }
 }
+
+/// The same checks on the loops other CPUs run by default (`MLXCEL_KERNELS`
+/// is read once per process, so each runs in a child): the AVX2 integer
+/// paths (matvec and GEMM, int16 activations), the exact f32 AVX2 loops,
+/// and the exact AVX-512 ones. A path this CPU lacks falls back to one it
+/// has, which is checked all the same.
+#[test]
+fn parity_holds_on_every_kernel_path() {
+    if std::env::var_os("MLXCEL_SMOLLM2_CHILD").is_some() {
+        return;
+    }
+    for path in ["avx2-int8", "avx2", "avx512"] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--test-threads=1", "--nocapture", "greedy_tokens_match_the_reference", "teacher_forced_logits_match_the_reference"])
+            .env("MLXCEL_KERNELS", path)
+            .env("MLXCEL_SMOLLM2_CHILD", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{stdout}\n{stderr}");
+        assert!(stdout.contains("2 passed"), "MLXCEL_KERNELS={path}: expected both checks to run:\n{stdout}");
+        for line in stderr.lines().filter(|l| l.contains("max |Δlogit|")) {
+            eprintln!("MLXCEL_KERNELS={path}: {line}");
+        }
+    }
+}
