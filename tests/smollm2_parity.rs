@@ -2,6 +2,7 @@
 //! (tests/reference/make_smollm2_goldens.py: mlx-lm 0.32.2, the same
 //! checkpoint dequantized to float32).
 
+use mlx_sys::kernels::{self, KernelPath};
 use mlx_sys::{Array, Dtype};
 use mlxcel_engine::{GenerationRequest, Message, Prompt, SamplingParams};
 use mlxcel_tests::{default_engine, repo_root};
@@ -61,22 +62,18 @@ fn greedy_tokens_match_the_reference() {
 
 /// Teacher-forced logits over prompt + reference continuation: at every
 /// position, our logits at the reference's top-16 tokens and our logsumexp.
-///
-/// Tolerance: 1e-3 absolute on logits that span ~30. The reference multiplies
-/// by float32 dequantized weights; we run MLX's quantized matmul on the packed
-/// 4-bit weights in float32, so only the summation order differs. Measured:
-/// at most 1.6e-4 over 30 layers (the test prints the figures).
-#[test]
-fn teacher_forced_logits_match_the_reference() {
-    const TOLERANCE: f32 = 1e-3;
+/// Returns the worst |Δlogit| and |Δlogsumexp| of each prompt, over at most
+/// `max_positions` positions as one forward pass.
+fn teacher_forced_errors(max_positions: usize) -> Vec<(String, f32, f32)> {
     let engine = default_engine();
     let network = &engine.model().network;
+    let mut out = Vec::new();
     for case in goldens()["prompts"].as_array().unwrap() {
         let mut ids = u32s(&case["input_ids"]);
         ids.extend(u32s(&case["greedy"]["tokens"]));
         let tf = &case["teacher_forced"];
-        let n = tf["n_positions"].as_u64().unwrap() as usize;
-        assert_eq!(n, ids.len(), "{}", case["prompt"]);
+        assert_eq!(tf["n_positions"].as_u64().unwrap() as usize, ids.len(), "{}", case["prompt"]);
+        let n = ids.len().min(max_positions);
         let input: Vec<i32> = ids[..n].iter().map(|&t| t as i32).collect();
         let tokens = Array::from_slice(&input, &[1, n as i32]).unwrap();
         let logits = network.forward(&tokens, &mut network.new_caches()).unwrap().astype(Dtype::Float32).unwrap();
@@ -93,7 +90,37 @@ fn teacher_forced_logits_match_the_reference() {
             worst_lse = worst_lse.max((lse[pos] - tf["logsumexp"][pos].as_f64().unwrap() as f32).abs());
         }
         eprintln!("{:?}: max |Δlogit| {worst_logit:.5}, max |Δlogsumexp| {worst_lse:.5} over {n} positions", case["prompt"]);
-        assert!(worst_logit <= TOLERANCE && worst_lse <= TOLERANCE, "{}: {worst_logit} / {worst_lse}", case["prompt"]);
+        out.push((case["prompt"].to_string(), worst_logit, worst_lse));
+    }
+    out
+}
+
+/// Whole sequences (35 to 77 positions: the prefill GEMM, exact f32 on every
+/// loop but AMX). Tolerance: 1e-3 absolute on logits that span ~30. The
+/// reference multiplies by float32 dequantized weights; only the summation
+/// order differs. Measured: at most 1.9e-4 over 30 layers.
+#[test]
+fn teacher_forced_logits_match_the_reference() {
+    const TOLERANCE: f32 = 1e-3;
+    for (prompt, logit, lse) in teacher_forced_errors(usize::MAX) {
+        assert!(logit <= TOLERANCE && lse <= TOLERANCE, "{prompt}: {logit} / {lse}");
+    }
+}
+
+/// The first 32 positions of each sequence as one pass: the fused decoder
+/// block on the matvec loops, as for decode steps and short prompts. The
+/// exact loops keep 1e-3. The integer loops (the default on x86-64 and
+/// aarch64) quantize each group of 32 activations to 16 bits (at most
+/// max|x| / 65024 off per activation); SmolLM2's activation outliers make
+/// that ~1.2e-2 on its logits (measured on AVX-512 VNNI and AVX2), so they
+/// are held to 2.5e-2.
+#[test]
+fn short_passes_match_the_reference() {
+    let integer = matches!(kernels::path_name(KernelPath::Auto).as_str(), "avx512-vnni" | "avx2-int8" | "neon-int8");
+    let tolerance: f32 = if integer { 2.5e-2 } else { 1e-3 };
+    eprintln!("kernel path {}: tolerance {tolerance}", kernels::path_name(KernelPath::Auto));
+    for (prompt, logit, lse) in teacher_forced_errors(32) {
+        assert!(logit <= tolerance && lse <= tolerance, "{prompt}: {logit} / {lse} (tolerance {tolerance})");
     }
 }
 
@@ -109,7 +136,13 @@ fn parity_holds_on_every_kernel_path() {
     }
     for path in ["avx2-int8", "avx2", "avx512"] {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--test-threads=1", "--nocapture", "greedy_tokens_match_the_reference", "teacher_forced_logits_match_the_reference"])
+            .args([
+                "--test-threads=1",
+                "--nocapture",
+                "greedy_tokens_match_the_reference",
+                "teacher_forced_logits_match_the_reference",
+                "short_passes_match_the_reference",
+            ])
             .env("MLXCEL_KERNELS", path)
             .env("MLXCEL_SMOLLM2_CHILD", "1")
             .output()
@@ -117,8 +150,8 @@ fn parity_holds_on_every_kernel_path() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{stdout}\n{stderr}");
-        assert!(stdout.contains("2 passed"), "MLXCEL_KERNELS={path}: expected both checks to run:\n{stdout}");
-        for line in stderr.lines().filter(|l| l.contains("max |Δlogit|")) {
+        assert!(stdout.contains("3 passed"), "MLXCEL_KERNELS={path}: expected the three checks to run:\n{stdout}");
+        for line in stderr.lines().filter(|l| l.contains("max |Δlogit|") || l.contains("tolerance")) {
             eprintln!("MLXCEL_KERNELS={path}: {line}");
         }
     }
