@@ -307,6 +307,13 @@ struct AttentionJob {
 // at a time (one horizontal-add tree for 8 dot products instead of one
 // reduction each), and the softmax exponentials run 8 or 16 wide.
 
+// e^x 8 wide: vec8.inc's exp8, the same polynomial as simd::exp512.
+namespace avx2v {
+#define MLXCEL_VEC8_AVX2
+#include "vec8.inc"
+#undef MLXCEL_VEC8_AVX2
+}  // namespace avx2v
+
 // The 8 sums of a[0..7] (each 8 floats) in one vector, lane p = sum of a[p].
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 sum8x8(const __m256 (&a)[8]) {
   const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
@@ -345,12 +352,12 @@ __attribute__((target("avx512f,avx512dq"), always_inline)) inline void softmax_a
   softmax_finish(scores, T, t, m, _mm512_reduce_add_ps(acc));
 }
 
-__attribute__((target("avx2,fma"), always_inline)) inline void softmax_avx2(float* scores, int T, float m) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void softmax_avx2(float* scores, int T, float m) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   int t = 0;
   for (; t + 8 <= T; t += 8) {
-    const __m256 e = simd::exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
+    const __m256 e = (__m256)avx2v::exp8((avx2v::vf8)_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
     _mm256_storeu_ps(scores + t, e);
     acc = _mm256_add_ps(acc, e);
   }
@@ -414,7 +421,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const fl
 }
 
 template <int NV>
-__attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const float* keys, const float* values, int T,
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const float* keys, const float* values, int T,
                                                      float* scores, float* out) {
   constexpr int D = 8 * NV;
   __m256 qv[NV];
