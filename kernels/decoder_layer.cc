@@ -323,13 +323,6 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 sum8x8(const __
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-__attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Softmax weights in place: scores[t] = exp(scores[t] - m) / sum, m the max.
 __attribute__((always_inline)) inline void softmax_finish(float* scores, int T, int t, float m, float sum) {
   for (; t < T; ++t) {
@@ -361,14 +354,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void softmax_avx2
     _mm256_storeu_ps(scores + t, e);
     acc = _mm256_add_ps(acc, e);
   }
-  softmax_finish(scores, T, t, m, hsum8(acc));
-}
-
-// The largest of the 8 lanes.
-__attribute__((target("avx2,fma"), always_inline)) inline float hmax8(__m256 v) {
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  softmax_finish(scores, T, t, m, simd::hsum256(acc));
 }
 
 // q . k as 8 partial sums (the halves of the 16-lane products added).
@@ -404,9 +390,9 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const fl
     _mm256_storeu_ps(scores + t, s8);
     mv = _mm256_max_ps(mv, s8);
   }
-  float m = hmax8(mv);
+  float m = simd::hmax256(mv);
   for (; t < T; ++t) {
-    scores[t] = hsum8(qk_avx512<NV>(qv, keys + (size_t)t * D));
+    scores[t] = simd::hsum256(qk_avx512<NV>(qv, keys + (size_t)t * D));
     m = std::max(m, scores[t]);
   }
   softmax_avx512(scores, T, m);
@@ -435,9 +421,9 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const 
     _mm256_storeu_ps(scores + t, s8);
     mv = _mm256_max_ps(mv, s8);
   }
-  float m = hmax8(mv);
+  float m = simd::hmax256(mv);
   for (; t < T; ++t) {
-    scores[t] = hsum8(qk_avx2<NV>(qv, keys + (size_t)t * D));
+    scores[t] = simd::hsum256(qk_avx2<NV>(qv, keys + (size_t)t * D));
     m = std::max(m, scores[t]);
   }
   softmax_avx2(scores, T, m);

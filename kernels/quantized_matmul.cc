@@ -20,6 +20,7 @@
 
 #include "cpu_features.h"
 #include "detail.h"
+#include "simd_math.h"
 
 #ifdef MLXCEL_X86
 // GCC 12 reports the `_mm512_undefined_*` idiom inside its own AVX-512
@@ -616,13 +617,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void rows
 // ---------------------------------------------------------------------------
 // AVX2 loop: the same scheme with 8 words per chunk.
 
-__attribute__((target("avx2,fma"), always_inline)) inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // The end of an AVX2 tile: the bias term, sum_g bias[g] * xsum[m, g], joins
 // each vector sum, which is reduced and stored.
 template <int MT, int NR>
@@ -639,7 +633,7 @@ finish_tile_avx2(const Job& j, __m256 (&y)[NR][MT], const float* bf, size_t gs, 
     for (int r = 0; r < NR; ++r) {
       float b = 0.0f;
       for (int gg = g; gg < G; ++gg) b += bf[r * gs + gg] * xs[gg];
-      j.y[(size_t)(m0 + m) * j.N + n + r] = hsum256(y[r][m]) + b;
+      j.y[(size_t)(m0 + m) * j.N + n + r] = simd::hsum256(y[r][m]) + b;
     }
   }
 }
@@ -848,7 +842,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_avx2_in
         y[r][m] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(j.xsum + (size_t)(m0 + m) * G + g), y[r][m]);
       }
     }
-    for (int m = 0; m < MT; ++m) j.y[(size_t)(m0 + m) * j.N + n + r] = hsum256(y[r][m]);
+    for (int m = 0; m < MT; ++m) j.y[(size_t)(m0 + m) * j.N + n + r] = simd::hsum256(y[r][m]);
   }
 }
 
@@ -1094,10 +1088,7 @@ __attribute__((target("avx2,fma"))) float amax_avx2(const float* x, int n) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
   for (int k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
+  return simd::hmax256(m);
 }
 #endif
 

@@ -10,6 +10,21 @@
 
 namespace mlxcel::kernels::simd {
 
+// The sum of the 8 lanes.
+__attribute__((target("avx2,fma"), always_inline)) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The largest of the 8 lanes.
+__attribute__((target("avx2,fma"), always_inline)) inline float hmax256(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
 // e^x for 16 floats, within ~2 ulp over the normal range (Cephes' expf
 // polynomial on x - n ln 2, then 2^n by scalef). Inputs below -88 (and -inf)
 // give exactly 0, inputs above 88.7 give +inf; NaN stays NaN.
