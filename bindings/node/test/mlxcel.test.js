@@ -125,6 +125,22 @@ describe('generate', () => {
   })
 
   test('a setInterval timer keeps firing while the model generates', async () => {
+    // Lengthen the prompt until one generation takes at least 300 ms, so that
+    // a generation blocking the event loop would show as a gap that long.
+    const sentence = 'The quick brown fox jumps over the lazy dog. '
+    let repeats = 16
+    let prompt
+    let calibrated = 0
+    for (;;) {
+      prompt = sentence.repeat(repeats)
+      const t0 = Date.now()
+      await model.generate(prompt, { maxTokens: 8 })
+      calibrated = Date.now() - t0
+      if (calibrated >= 300 || repeats >= 512) break
+      repeats *= 2
+    }
+    assert.ok(calibrated >= 300, `${repeats} repeats still generate in ${calibrated} ms`)
+
     let ticks = 0
     let last = Date.now()
     let maxGap = 0
@@ -136,14 +152,13 @@ describe('generate', () => {
     }, 10)
     const started = Date.now()
     try {
-      await model.generate(CAPITAL, { maxTokens: 16 })
+      await model.generate(prompt, { maxTokens: 8 })
     } finally {
       clearInterval(timer)
     }
     const elapsed = Date.now() - started
-    assert.ok(elapsed > 100, `generation took only ${elapsed} ms: too short to tell`)
     assert.ok(ticks >= 5, `${ticks} ticks in ${elapsed} ms`)
-    assert.ok(maxGap < Math.max(500, elapsed / 4), `the timer stalled for ${maxGap} ms of ${elapsed} ms`)
+    assert.ok(maxGap < calibrated / 2, `the timer stalled for ${maxGap} ms of a ${elapsed} ms generation`)
   })
 })
 
