@@ -216,14 +216,10 @@ struct Projection {
   VectorRef bias;
 };
 
-struct Pointers {
-  DecoderLayerSpec spec;
-  int L = 0, capacity = 0;
-  const float* x = nullptr;
-  int64_t x_strides[3] = {0, 0, 0};
-  VectorRef input_norm, post_norm, q_norm, k_norm, freqs;
-  Projection q, k, v, o, gate, up, down;
-  // Cache inputs (for the copy when they are not written in place) and outputs.
+// One sequence's KV cache: its inputs (for the copy when they are not
+// written in place), its outputs and the position of its first new token.
+struct CacheRef {
+  int capacity = 0, offset = 0;
   const float* keys_in = nullptr;
   const float* values_in = nullptr;
   int64_t keys_in_strides[4] = {0, 0, 0, 0};
@@ -231,6 +227,18 @@ struct Pointers {
   bool copy_keys = false, copy_values = false;
   float* keys = nullptr;
   float* values = nullptr;
+};
+
+struct Pointers {
+  DecoderLayerSpec spec;
+  // B sequences of L new tokens each: row b * L + l of x is token l of
+  // sequence b, over caches[b].
+  int B = 1, L = 0;
+  const float* x = nullptr;
+  int64_t x_strides[3] = {0, 0, 0};
+  VectorRef input_norm, post_norm, q_norm, k_norm, freqs;
+  Projection q, k, v, o, gate, up, down;
+  std::vector<CacheRef> caches;
   float* out = nullptr;
 };
 
@@ -295,9 +303,9 @@ void rope_row(float* row, int heads, int head_dim, int dims, bool traditional, c
 
 struct AttentionJob {
   const Pointers* p;
-  const float* q;  // [L, heads * D], already scaled
-  float* out;      // [L, heads * D]
-  int heads_per_task;
+  const float* q;  // [B * L, heads * D], already scaled
+  float* out;      // [B * L, heads * D]
+  int heads_per_task, tasks_per_sequence;
 };
 
 #ifdef MLXCEL_X86
@@ -466,26 +474,31 @@ AttendFn attend_for(int head_dim) {
 #endif
 }
 
-// Softmax(q k^T) v for the heads of one task, every new row, causal.
+// Softmax(q k^T) v for the heads of one task of one sequence, every new
+// row, causal.
 void attention_task(void* ctx, int task) {
   const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
   const Pointers& p = *job.p;
   const DecoderLayerSpec& s = p.spec;
   const VectorOps ops = vector_ops();
   const int D = s.head_dim, group = s.heads / s.kv_heads;
-  const int h0 = task * job.heads_per_task, h1 = std::min(s.heads, h0 + job.heads_per_task);
+  const int b = task / job.tasks_per_sequence;
+  const int h0 = (task % job.tasks_per_sequence) * job.heads_per_task;
+  const int h1 = std::min(s.heads, h0 + job.heads_per_task);
+  const CacheRef& c = p.caches[b];
   thread_local std::vector<float> scores;
-  scores.resize((size_t)s.offset + p.L);
+  scores.resize((size_t)c.offset + p.L);
   const AttendFn attend = attend_for(D);
   for (int h = h0; h < h1; ++h) {
     const int g = h / group;
-    const float* keys = p.keys + (size_t)g * p.capacity * D;
-    const float* values = p.values + (size_t)g * p.capacity * D;
+    const float* keys = c.keys + (size_t)g * c.capacity * D;
+    const float* values = c.values + (size_t)g * c.capacity * D;
     for (int l = 0; l < p.L; ++l) {
-      const float* q = job.q + ((size_t)l * s.heads + h) * D;
-      const int T = s.offset + l + 1;
+      const size_t row = (size_t)b * p.L + l;
+      const float* q = job.q + (row * s.heads + h) * D;
+      const int T = c.offset + l + 1;
       if (attend) {
-        attend(q, keys, values, T, scores.data(), job.out + ((size_t)l * s.heads + h) * D);
+        attend(q, keys, values, T, scores.data(), job.out + (row * s.heads + h) * D);
         continue;
       }
       float m = -INFINITY;
@@ -499,7 +512,7 @@ void attention_task(void* ctx, int task) {
         sum += scores[t];
       }
       const float inv = 1.0f / sum;
-      float* o = job.out + ((size_t)l * s.heads + h) * D;
+      float* o = job.out + (row * s.heads + h) * D;
       std::fill(o, o + D, 0.0f);
       for (int t = 0; t < T; ++t) ops.axpy(scores[t] * inv, values + (size_t)t * D, o, D);
     }
@@ -512,7 +525,8 @@ struct Scratch {
 
 void run_layer(const Pointers& p) {
   const DecoderLayerSpec& s = p.spec;
-  const int L = p.L, H = s.hidden, D = s.head_dim, I = s.intermediate;
+  // Every step below but attention treats the B * L rows alike, row by row.
+  const int L = p.B * p.L, H = s.hidden, D = s.head_dim, I = s.intermediate;
   const int qn = s.heads * D, kvn = s.kv_heads * D;
   thread_local Scratch sc;
   sc.x.resize((size_t)L * H);
@@ -526,13 +540,19 @@ void run_layer(const Pointers& p) {
   sc.g.resize((size_t)L * I);
   sc.u.resize((size_t)L * I);
 
-  if (p.copy_keys) copy_cache_prefix(p.keys_in, p.keys_in_strides, p.keys, s.kv_heads, p.capacity, D, s.offset);
-  if (p.copy_values) {
-    copy_cache_prefix(p.values_in, p.values_in_strides, p.values, s.kv_heads, p.capacity, D, s.offset);
+  for (const CacheRef& c : p.caches) {
+    if (c.copy_keys) copy_cache_prefix(c.keys_in, c.keys_in_strides, c.keys, s.kv_heads, c.capacity, D, c.offset);
+    if (c.copy_values) {
+      copy_cache_prefix(c.values_in, c.values_in_strides, c.values, s.kv_heads, c.capacity, D, c.offset);
+    }
   }
 
-  for (int l = 0; l < L; ++l) {
-    for (int i = 0; i < H; ++i) sc.x[(size_t)l * H + i] = p.x[l * p.x_strides[1] + i * p.x_strides[2]];
+  for (int b = 0; b < p.B; ++b) {
+    for (int l = 0; l < p.L; ++l) {
+      const float* xr = p.x + b * p.x_strides[0] + l * p.x_strides[1];
+      float* dst = &sc.x[((size_t)b * p.L + l) * H];
+      for (int i = 0; i < H; ++i) dst[i] = xr[i * p.x_strides[2]];
+    }
   }
 
   // Attention.
@@ -560,7 +580,7 @@ void run_layer(const Pointers& p) {
   sc.sn.resize((size_t)half);
   const float log_base_per_dim = std::log(s.rope_base) / (float)half;
   for (int l = 0; l < L; ++l) {
-    const float position = ((float)l + (float)s.offset) * s.rope_scale;
+    const float position = ((float)(l % p.L) + (float)p.caches[l / p.L].offset) * s.rope_scale;
     for (int i = 0; i < half; ++i) {
       const float inv_freq = p.freqs ? 1.0f / p.freqs[i] : std::exp(-(float)i * log_base_per_dim);
       const float theta = position * inv_freq;
@@ -570,23 +590,28 @@ void run_layer(const Pointers& p) {
     rope_row(&sc.q[(size_t)l * qn], s.heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
     rope_row(&sc.k[(size_t)l * kvn], s.kv_heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
   }
-  // New keys and values into the cache, [1, kv_heads, capacity, D].
+  // New keys and values into each sequence's cache, [1, kv_heads, capacity, D].
   for (int l = 0; l < L; ++l) {
+    const CacheRef& c = p.caches[l / p.L];
     for (int g = 0; g < s.kv_heads; ++g) {
-      const size_t at = ((size_t)g * p.capacity + s.offset + l) * D;
-      std::memcpy(p.keys + at, &sc.k[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
-      std::memcpy(p.values + at, &sc.v[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
+      const size_t at = ((size_t)g * c.capacity + c.offset + l % p.L) * D;
+      std::memcpy(c.keys + at, &sc.k[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
+      std::memcpy(c.values + at, &sc.v[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
     }
   }
   // MLX's attention scales q before the product.
   for (float& q : sc.q) q *= s.attn_scale;
-  AttentionJob job{&p, sc.q.data(), sc.att.data(), 1};
-  const double work = (double)s.heads * L * (s.offset + L) * D;
+  // One task per sequence and head when there is enough work, else one
+  // task per sequence (each row's arithmetic is the same either way).
+  double work = 0.0;
+  for (const CacheRef& c : p.caches) work += (double)s.heads * p.L * (c.offset + p.L) * D;
+  AttentionJob job{&p, sc.q.data(), sc.att.data(), s.heads, 1};
   if (work < 64.0 * 1024) {
-    job.heads_per_task = s.heads;
-    attention_task(&job, 0);
+    for (int b = 0; b < p.B; ++b) attention_task(&job, b);
   } else {
-    detail::parallel_for(s.heads, attention_task, &job);
+    job.heads_per_task = 1;
+    job.tasks_per_sequence = s.heads;
+    detail::parallel_for(p.B * s.heads, attention_task, &job);
   }
   project(p.o, sc.att.data(), L, sc.o.data());
   for (size_t i = 0; i < (size_t)L * H; ++i) sc.h[i] = sc.x[i] + sc.o[i];
@@ -645,38 +670,49 @@ void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots
 // ---------------------------------------------------------------------------
 // The MLX primitive.
 
+// Inputs: x, the weights (unless prepared), keys[0..B) from slots.keys on and
+// values[0..B) from slots.values on. Outputs: out, keys[0..B), values[0..B).
 class DecoderLayer : public mx::Primitive {
  public:
-  DecoderLayer(mx::Stream stream, DecoderLayerSpec spec, Slots slots,
+  DecoderLayer(mx::Stream stream, DecoderLayerSpec spec, Slots slots, std::vector<int> offsets,
                std::shared_ptr<const PreparedDecoderLayer> prepared = nullptr)
-      : mx::Primitive(stream), spec_(spec), slots_(slots), prepared_(std::move(prepared)) {}
+      : mx::Primitive(stream), spec_(spec), slots_(slots), offsets_(std::move(offsets)), prepared_(std::move(prepared)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Slots& at = slots_;
+    const int B = (int)offsets_.size();
     Pointers p;
     p.spec = spec_;
     const mx::array& x = inputs[at.x];
+    p.B = B;
     p.L = x.shape(1);
-    p.capacity = inputs[at.keys].shape(2);
+    p.caches.resize(B);
 
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     // The caches: write the input buffer in place when the caller owns it
     // (spec.cache_in_place), else copy it. (MLX's donation check cannot help
-    // here: each of the three outputs holds its own copy of the inputs.)
-    for (int c = 0; c < 2; ++c) {
-      const mx::array& in = inputs[c == 0 ? at.keys : at.values];
-      mx::array& o = outputs[1 + c];
-      const bool dense = in.flags().row_contiguous && in.data_size() == in.size();
-      const bool reuse = dense && spec_.cache_in_place;
-      if (reuse) {
-        o.copy_shared_buffer(in);
-      } else {
-        o.set_data(mx::allocator::malloc(o.nbytes()));
+    // here: each output holds its own copy of the inputs.)
+    for (int b = 0; b < B; ++b) {
+      CacheRef& cache = p.caches[b];
+      cache.offset = offsets_[b];
+      cache.capacity = inputs[at.keys + b].shape(2);
+      for (int c = 0; c < 2; ++c) {
+        const mx::array& in = inputs[(c == 0 ? at.keys : at.values) + b];
+        mx::array& o = outputs[1 + c * B + b];
+        const bool dense = in.flags().row_contiguous && in.data_size() == in.size();
+        const bool reuse = dense && spec_.cache_in_place;
+        if (reuse) {
+          o.copy_shared_buffer(in);
+        } else {
+          o.set_data(mx::allocator::malloc(o.nbytes()));
+        }
+        (c == 0 ? cache.copy_keys : cache.copy_values) = !reuse;
+        int64_t* st = c == 0 ? cache.keys_in_strides : cache.values_in_strides;
+        for (int d = 0; d < 4; ++d) st[d] = in.strides()[d];
+        (c == 0 ? cache.keys_in : cache.values_in) = in.data<float>();
+        (c == 0 ? cache.keys : cache.values) = o.data<float>();
       }
-      (c == 0 ? p.copy_keys : p.copy_values) = !reuse;
-      int64_t* st = c == 0 ? p.keys_in_strides : p.values_in_strides;
-      for (int d = 0; d < 4; ++d) st[d] = in.strides()[d];
     }
 
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -690,10 +726,6 @@ class DecoderLayer : public mx::Primitive {
     } else {
       bind_weights(p, inputs, at, spec_);
     }
-    p.keys_in = inputs[at.keys].data<float>();
-    p.values_in = inputs[at.values].data<float>();
-    p.keys = outputs[1].data<float>();
-    p.values = outputs[2].data<float>();
     p.out = out.data<float>();
     // MLX's cpu::eval keeps the inputs' buffers alive until this task has
     // run; the task holds the prepared weights.
@@ -714,16 +746,23 @@ class DecoderLayer : public mx::Primitive {
            a.intermediate == b.intermediate && a.offset == b.offset && a.norm_eps == b.norm_eps &&
            a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
            a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale &&
-           a.cache_in_place == b.cache_in_place && slots_ == o->slots_ && prepared_ == o->prepared_;
+           a.cache_in_place == b.cache_in_place && slots_ == o->slots_ && offsets_ == o->offsets_ &&
+           prepared_ == o->prepared_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[slots_.x].shape(), inputs[slots_.keys].shape(), inputs[slots_.values].shape()};
+    std::vector<mx::Shape> shapes{inputs[slots_.x].shape()};
+    for (int c = 0; c < 2; ++c) {
+      for (size_t b = 0; b < offsets_.size(); ++b) shapes.push_back(inputs[(c == 0 ? slots_.keys : slots_.values) + b].shape());
+    }
+    return shapes;
   }
 
  private:
   DecoderLayerSpec spec_;
   Slots slots_;
+  // Per sequence: the position of its first new token (spec_.offset is unused).
+  std::vector<int> offsets_;
   // The weights, when they are not graph inputs (the inputs are then x,
   // keys and values only).
   std::shared_ptr<const PreparedDecoderLayer> prepared_;
@@ -764,18 +803,27 @@ void check_weights(const DecoderLayerInputs& in, const DecoderLayerSpec& spec) {
   if (in.rope_freqs) check_vector(*in.rope_freqs, spec.rope_dims / 2, "rope freqs");
 }
 
-void check_activations(const mx::array& x, const mx::array& keys, const mx::array& values,
-                       const DecoderLayerSpec& spec) {
+void check_activations(const mx::array& x, const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+                       const std::vector<int>& offsets, const DecoderLayerSpec& spec) {
   const int H = spec.hidden, D = spec.head_dim;
-  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) < 1 || x.shape(2) != H) {
-    fail("x must be float32 [1, L, " + std::to_string(H) + "], got shape " + shape_str(x));
+  const int B = (int)offsets.size();
+  if (B < 1 || (int)keys.size() != B || (int)values.size() != B) {
+    fail("one keys and one values cache per offset, got " + std::to_string(keys.size()) + " and " +
+         std::to_string(values.size()) + " for " + std::to_string(B) + " offsets");
+  }
+  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(0) != B || x.shape(1) < 1 || x.shape(2) != H) {
+    fail("x must be float32 [" + std::to_string(B) + ", L, " + std::to_string(H) + "], got shape " + shape_str(x));
   }
   const int L = x.shape(1);
-  for (const auto& [a, name] : {std::pair{&keys, "keys"}, std::pair{&values, "values"}}) {
-    if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != 1 || a->shape(1) != spec.kv_heads ||
-        a->shape(3) != D || a->shape(2) < spec.offset + L) {
-      fail(std::string(name) + " cache must be float32 [1, " + std::to_string(spec.kv_heads) + ", >= " +
-           std::to_string(spec.offset + L) + ", " + std::to_string(D) + "], got shape " + shape_str(*a));
+  for (int b = 0; b < B; ++b) {
+    if (offsets[b] < 0) fail("offset must be non-negative");
+    const std::string which = B > 1 ? " " + std::to_string(b) : "";
+    for (const auto& [a, name] : {std::pair{&keys[b], "keys"}, std::pair{&values[b], "values"}}) {
+      if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != 1 || a->shape(1) != spec.kv_heads ||
+          a->shape(3) != D || a->shape(2) < offsets[b] + L) {
+        fail(std::string(name) + " cache" + which + " must be float32 [1, " + std::to_string(spec.kv_heads) +
+             ", >= " + std::to_string(offsets[b] + L) + ", " + std::to_string(D) + "], got shape " + shape_str(*a));
+      }
     }
   }
 }
@@ -792,13 +840,13 @@ std::vector<mx::array> decoder_layer(const DecoderLayerInputs& in, const Decoder
                                      mx::StreamOrDevice s) {
   mx::Stream stream = cpu_stream(s);
   check_spec(spec, in.rope_freqs.has_value());
-  check_activations(in.x, in.keys, in.values, spec);
+  check_activations(in.x, {in.keys}, {in.values}, {spec.offset}, spec);
   check_weights(in, spec);
   Slots slots;
   std::vector<mx::array> args = pack(in, stream, slots);
   return mx::array::make_arrays({in.x.shape(), in.keys.shape(), in.values.shape()},
                                 {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<DecoderLayer>(stream, spec, slots), args);
+                                std::make_shared<DecoderLayer>(stream, spec, slots, std::vector<int>{spec.offset}), args);
 }
 
 std::shared_ptr<const PreparedDecoderLayer> prepare_decoder_layer(const DecoderLayerInputs& in,
@@ -818,6 +866,13 @@ std::shared_ptr<const PreparedDecoderLayer> prepare_decoder_layer(const DecoderL
 std::vector<mx::array> decoder_layer(const std::shared_ptr<const PreparedDecoderLayer>& weights, const mx::array& x,
                                      const mx::array& keys, const mx::array& values, const DecoderLayerSpec& spec,
                                      mx::StreamOrDevice s) {
+  return decoder_layer_batch(weights, x, {keys}, {values}, {spec.offset}, spec, s);
+}
+
+std::vector<mx::array> decoder_layer_batch(const std::shared_ptr<const PreparedDecoderLayer>& weights,
+                                           const mx::array& x, const std::vector<mx::array>& keys,
+                                           const std::vector<mx::array>& values, const std::vector<int>& offsets,
+                                           const DecoderLayerSpec& spec, mx::StreamOrDevice s) {
   if (!weights) fail("no prepared weights");
   mx::Stream stream = cpu_stream(s);
   const DecoderLayerSpec& w = weights->spec;
@@ -826,13 +881,23 @@ std::vector<mx::array> decoder_layer(const std::shared_ptr<const PreparedDecoder
     fail("the spec's dimensions differ from those the weights were prepared for");
   }
   check_spec(spec, weights->slots.freqs >= 0);
-  check_activations(x, keys, values, spec);
+  check_activations(x, keys, values, offsets, spec);
+  const int B = (int)offsets.size();
   Slots slots;
   slots.x = 0;
   slots.keys = 1;
-  slots.values = 2;
-  return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<DecoderLayer>(stream, spec, slots, weights), {x, keys, values});
+  slots.values = 1 + B;
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes{x.shape()};
+  for (const auto* list : {&keys, &values}) {
+    for (const mx::array& a : *list) {
+      inputs.push_back(a);
+      shapes.push_back(a.shape());
+    }
+  }
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
+                                std::make_shared<DecoderLayer>(stream, spec, slots, offsets, weights), std::move(inputs));
 }
 
 }  // namespace mlxcel::kernels

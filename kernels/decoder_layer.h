@@ -112,4 +112,20 @@ std::vector<mlx::core::array> decoder_layer(
     const DecoderLayerSpec& spec,
     mlx::core::StreamOrDevice s = {});
 
+// B sequences of L new tokens each in one node, every sequence over its own
+// cache: x float32 [B, L, hidden]; keys[b] and values[b] as above with
+// capacity >= offsets[b] + L (spec.offset is not read). The projections read
+// each weight once for all B * L rows, and every row is computed exactly as
+// it would be alone (the same operations in the same order), so a
+// sequence's result does not depend on the others. Returns
+// {out [B, L, hidden], keys[0..B), values[0..B)}.
+std::vector<mlx::core::array> decoder_layer_batch(
+    const std::shared_ptr<const PreparedDecoderLayer>& weights,
+    const mlx::core::array& x,
+    const std::vector<mlx::core::array>& keys,
+    const std::vector<mlx::core::array>& values,
+    const std::vector<int>& offsets,
+    const DecoderLayerSpec& spec,
+    mlx::core::StreamOrDevice s = {});
+
 }  // namespace mlxcel::kernels

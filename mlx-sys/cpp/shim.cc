@@ -505,6 +505,12 @@ std::unique_ptr<ArrayList> kernels_decoder_layer_prepared(const PreparedLayer& w
   list->items = kernels::decoder_layer(weights.weights, x, keys, values, to_kernel_spec(spec));
   return list;
 }
+std::unique_ptr<ArrayList> kernels_decoder_layer_batch(const PreparedLayer& weights, const array& x, const ArrayList& keys, const ArrayList& values, rust::Slice<const int32_t> offsets, const DecoderLayerSpec& spec) {
+  auto list = std::make_unique<ArrayList>();
+  list->items = kernels::decoder_layer_batch(weights.weights, x, keys.items, values.items,
+                                             std::vector<int>(offsets.begin(), offsets.end()), to_kernel_spec(spec));
+  return list;
+}
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype) {
   return wrap(kernels::quantized_embedding(ids, w, scales, biases, group_size, bits, to_dtype(dtype)));
 }

@@ -219,6 +219,8 @@ std::unique_ptr<ArrayList> kernels_decoder_layer(const DecoderLayerArrays& array
 // and a block on them: {out, keys, values}.
 std::unique_ptr<PreparedLayer> kernels_prepare_decoder_layer(const DecoderLayerArrays& arrays, const DecoderLayerSpec& spec);
 std::unique_ptr<ArrayList> kernels_decoder_layer_prepared(const PreparedLayer& weights, const array& x, const array& keys, const array& values, const DecoderLayerSpec& spec);
+// B sequences in one node: {out, keys[0..B), values[0..B)}.
+std::unique_ptr<ArrayList> kernels_decoder_layer_batch(const PreparedLayer& weights, const array& x, const ArrayList& keys, const ArrayList& values, rust::Slice<const int32_t> offsets, const DecoderLayerSpec& spec);
 // Dequantized rows of a quantized embedding table (kernels/quantized_embedding.h).
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype);
 // The name of the op that computes an unevaluated array ("" for a leaf).

@@ -209,6 +209,7 @@ mod bridge {
         fn kernels_decoder_layer(arrays: &DecoderLayerArrays, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         fn kernels_prepare_decoder_layer(arrays: &DecoderLayerArrays, spec: &DecoderLayerSpec) -> Result<UniquePtr<PreparedLayer>>;
         fn kernels_decoder_layer_prepared(weights: &PreparedLayer, x: &MlxArray, keys: &MlxArray, values: &MlxArray, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
+        fn kernels_decoder_layer_batch(weights: &PreparedLayer, x: &MlxArray, keys: &ArrayList, values: &ArrayList, offsets: &[i32], spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         #[allow(clippy::too_many_arguments)]
         fn kernels_quantized_embedding(ids: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_primitive_name(a: &MlxArray) -> String;

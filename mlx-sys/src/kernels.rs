@@ -17,7 +17,7 @@
 //!   path ignores it.
 //! - `MLXCEL_NUM_THREADS=n` sets the thread count (default: the hardware's).
 
-use crate::array::{from_array_list, Array};
+use crate::array::{array_list, from_array_list, Array};
 use crate::error::Result;
 use crate::ffi;
 
@@ -209,6 +209,39 @@ impl PreparedDecoderLayer {
     pub fn forward(&self, x: &Array, keys: &Array, values: &Array, spec: &DecoderLayerSpec) -> Result<(Array, Array, Array)> {
         let list = ffi::kernels_decoder_layer_prepared(&self.inner, &x.raw, &keys.raw, &values.raw, spec)?;
         three_arrays(&list)
+    }
+}
+
+/// One sequence of a [`PreparedDecoderLayer::forward_batch`]: its key and
+/// value caches (`[1, kv_heads, capacity, head_dim]` float32, capacity at
+/// least `offset + L`) and the position of its first new token.
+pub struct SequenceCache<'a> {
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    pub offset: i32,
+}
+
+impl PreparedDecoderLayer {
+    /// The block for B sequences of L new tokens each in one node: `x` is
+    /// `[B, L, hidden]` and `caches[b]` is sequence b's cache (`spec.offset`
+    /// is not read). Each weight is read once for all rows, and each row is
+    /// computed exactly as it would be alone, so a sequence's output does not
+    /// depend on the others. Returns the output `[B, L, hidden]` and each
+    /// sequence's (keys, values) with its new positions written.
+    pub fn forward_batch(&self, x: &Array, caches: &[SequenceCache<'_>], spec: &DecoderLayerSpec) -> Result<(Array, Vec<(Array, Array)>)> {
+        let keys = array_list(caches.iter().map(|c| c.keys));
+        let values = array_list(caches.iter().map(|c| c.values));
+        let offsets: Vec<i32> = caches.iter().map(|c| c.offset).collect();
+        let list = ffi::kernels_decoder_layer_batch(&self.inner, &x.raw, &keys, &values, &offsets, spec)?;
+        let mut out = from_array_list(&list)?;
+        let b = caches.len();
+        if out.len() != 1 + 2 * b {
+            unreachable!("decoder_layer_batch returns 1 + 2B arrays");
+        }
+        let values = out.split_off(1 + b);
+        let keys = out.split_off(1);
+        let h = out.pop().expect("the output");
+        Ok((h, keys.into_iter().zip(values).collect()))
     }
 }
 

@@ -1229,6 +1229,82 @@ fn rejects_malformed_inputs() {
     check_step("after errors", &layer, &x, &keys, &values, 5);
 }
 
+/// B sequences in one node (`forward_batch`), each over its own cache at its
+/// own offset, give each sequence exactly (bit for bit) what it gets alone:
+/// the node reads each weight once for all rows but computes every row as it
+/// would alone. Rerun on every kernel path by the child processes below.
+#[test]
+fn batched_sequences_match_each_alone() {
+    let _g = lock();
+    for (seed, c, l) in [
+        (41, LLAMA, 1),
+        (42, Config { bits: 8, group: 32, sdtype: Dtype::Float16, ..LLAMA }, 1),
+        (43, Config { qkv_bias: true, qk_norm: true, rope_freqs: true, ..LLAMA }, 1),
+        (44, LLAMA, 3),
+    ] {
+        let layer = Layer::new(seed, c);
+        let offsets = [0, 7, 3, 40, 1, 19, 2];
+        let b = offsets.len() as i32;
+        let x = randn(seed ^ 0x5eed, &[b, l, c.hidden], 1.0);
+        let caches: Vec<(Array, Array)> = offsets
+            .iter()
+            .enumerate()
+            .map(|(i, &o)| {
+                let cap = o + l + 2 * i as i32;
+                (random_cache(seed * 10 + i as u64, &layer, cap), random_cache(seed * 10 + 5 + i as u64, &layer, cap))
+            })
+            .collect();
+        let spec = layer.spec(0);
+        let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+        let refs: Vec<kernels::SequenceCache<'_>> =
+            caches.iter().zip(offsets).map(|((k, v), offset)| kernels::SequenceCache { keys: k, values: v, offset }).collect();
+        let (out, written) = prepared.forward_batch(&x, &refs, &spec).unwrap();
+        assert_eq!(out.shape(), vec![b, l, c.hidden]);
+        assert_eq!(written.len(), offsets.len());
+        for (i, &offset) in offsets.iter().enumerate() {
+            let xi = x.slice_axis(0, i as i32, i as i32 + 1).unwrap();
+            let (k, v) = (detached_copy(&caches[i].0), detached_copy(&caches[i].1));
+            let (alone, ka, va) = prepared.forward(&xi, &k, &v, &layer.spec(offset)).unwrap();
+            let batched = out.slice_axis(0, i as i32, i as i32 + 1).unwrap();
+            assert_eq!(to_f32(&batched), to_f32(&alone), "seed {seed}, sequence {i}: output differs from alone");
+            let end = offset + l;
+            assert_eq!(to_f32(&rows(&written[i].0, end)), to_f32(&rows(&ka, end)), "seed {seed}, sequence {i}: keys");
+            assert_eq!(to_f32(&rows(&written[i].1, end)), to_f32(&rows(&va, end)), "seed {seed}, sequence {i}: values");
+        }
+        // And one sequence of the batch against the MLX reference.
+        let i = 3;
+        let xi = x.slice_axis(0, i as i32, i as i32 + 1).unwrap();
+        check_outputs(
+            &format!("batched seed {seed}"),
+            &layer,
+            &xi,
+            &caches[i].0,
+            &caches[i].1,
+            offsets[i],
+            [&out.slice_axis(0, i as i32, i as i32 + 1).unwrap(), &written[i].0, &written[i].1],
+        );
+    }
+}
+
+/// A batch with a missing cache, a wrong x or a cache too short names it.
+#[test]
+fn batched_bad_inputs_are_errors() {
+    let _g = lock();
+    let layer = Layer::new(45, LLAMA);
+    let spec = layer.spec(0);
+    let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+    let (k, v) = (random_cache(451, &layer, 8), random_cache(452, &layer, 8));
+    let two = [kernels::SequenceCache { keys: &k, values: &v, offset: 2 }, kernels::SequenceCache { keys: &k, values: &v, offset: 7 }];
+    let x3 = randn(453, &[3, 1, LLAMA.hidden], 1.0);
+    let err = prepared.forward_batch(&x3, &two, &spec).err().expect("3 rows for 2 caches");
+    assert!(err.to_string().contains("x must be float32 [2, L, 64]"), "{err}");
+    let x2 = randn(454, &[2, 2, LLAMA.hidden], 1.0);
+    let err = prepared.forward_batch(&x2, &two, &spec).err().expect("offset 7 + 2 > capacity 8");
+    assert!(err.to_string().contains("keys cache 1 must be float32 [1, 2, >= 9, 16]"), "{err}");
+    let err = prepared.forward_batch(&x2, &[], &spec).err().expect("no caches");
+    assert!(err.to_string().contains("one keys and one values cache per offset"), "{err}");
+}
+
 // ---------------------------------------------------------------------------
 // The exact kernel paths.
 
