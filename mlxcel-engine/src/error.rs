@@ -14,6 +14,9 @@ pub enum Error {
     EmptyPrompt,
     #[error("the prompt has {prompt} tokens, more than the model's context of {context}")]
     PromptTooLong { prompt: usize, context: usize },
+    /// The process is exiting ([`shutdown`](crate::shutdown) ran): no new generation starts.
+    #[error("the engine is shutting down")]
+    ShuttingDown,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

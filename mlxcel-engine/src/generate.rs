@@ -4,15 +4,16 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use mlx_sys::{async_eval, eval, memory, Array, Dtype};
+use crossbeam_channel::Receiver;
 use mlxcel_models::chat_template::Message;
-use mlxcel_models::{runtime, KvCache, Model};
+use mlxcel_models::{runtime, Model};
 
+use crate::batch::{validate_prompt, RowEvent, RowRequest};
 use crate::error::{Error, Result};
-use crate::sampling::{recent_tokens, Sampler, SamplingParams};
-use crate::stop::{StopMatcher, StopOutcome};
+use crate::sampling::SamplingParams;
+use crate::scheduler::Scheduler;
 
 /// What to continue.
 #[derive(Debug, Clone)]
@@ -132,21 +133,25 @@ pub struct GenerationOutput {
 
 /// Runs generations on one model.
 ///
-/// Thread safety: `Engine` is `Send + Sync` and cheap to clone; each call to
-/// [`generate`](Self::generate) uses its own KV caches, so several threads
-/// may generate with one engine at the same time.
+/// Thread safety: `Engine` is `Send + Sync` and cheap to clone; clones share
+/// one scheduler thread ([`crate::scheduler`]) that owns every running
+/// generation as a row of one batch. Any number of threads may call
+/// [`generate`](Self::generate) at once: their decode steps run as one
+/// batched forward pass, and each gets exactly the tokens it would get alone.
 #[derive(Clone)]
 pub struct Engine {
     model: Arc<Model>,
+    scheduler: Arc<Scheduler>,
 }
 
 impl Engine {
-    /// Process-wide settings (MLX's buffer cache, backend switches) are not
-    /// the engine's: they are fixed once per process by
-    /// [`RuntimeConfig`](crate::RuntimeConfig), from the environment at the
-    /// first model load unless [`runtime::init`](crate::runtime::init) came first.
+    /// Starts the engine's scheduler thread. Process-wide settings (MLX's
+    /// buffer cache, backend switches) are not the engine's: they are fixed
+    /// once per process by [`RuntimeConfig`](crate::RuntimeConfig), from the
+    /// environment at the first model load unless
+    /// [`runtime::init`](crate::runtime::init) came first.
     pub fn new(model: Arc<Model>) -> Self {
-        Engine { model }
+        Engine { scheduler: Arc::new(Scheduler::start(model.clone())), model }
     }
 
     pub fn load(dir: &Path) -> Result<Self> {
@@ -172,138 +177,87 @@ impl Engine {
         Ok(ids)
     }
 
-    /// Generates a continuation, calling `on_piece` with each piece of text as
-    /// soon as it is complete UTF-8. Returning `false` from it stops early.
-    pub fn generate(&self, request: &GenerationRequest, mut on_piece: impl FnMut(Piece<'_>) -> bool) -> Result<GenerationOutput> {
+    /// The row a request becomes: tokenized and checked on the caller's
+    /// thread, so bad input fails here, before it is queued.
+    fn row_request(&self, request: &GenerationRequest) -> Result<RowRequest> {
         runtime::get()?;
-        let params = &request.params;
-        let mut sampler = Sampler::new(params)?;
+        request.params.validate()?;
         if request.prefill_chunk == 0 {
             return Err(Error::InvalidParameter { name: "prefill_chunk", message: "must be at least 1".into() });
         }
         let prompt = self.tokenize_prompt(&request.prompt)?;
-        if prompt.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        if let Some(context) = self.model.network.shape().max_position_embeddings {
-            if prompt.len() > context {
-                return Err(Error::PromptTooLong { prompt: prompt.len(), context });
-            }
-        }
-        let cancelled = || request.cancel.as_ref().is_some_and(CancelFlag::is_cancelled);
-        let network = &self.model.network;
-        let tokenizer = &self.model.tokenizer;
-        let mut caches = network.new_caches();
-        let start = Instant::now();
-        let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
-        let mut output = GenerationOutput { text: String::new(), tokens: Vec::new(), finish_reason: FinishReason::Length, stats: stats.clone() };
+        validate_prompt(&self.model, &prompt, request.prefill_chunk)?;
+        Ok(RowRequest {
+            prompt,
+            params: request.params.clone(),
+            prefill_chunk: request.prefill_chunk,
+            ignore_eos: request.ignore_eos,
+            cancel: request.cancel.clone(),
+        })
+    }
 
-        // Prefill all but the last chunk, evaluating the caches as we go.
-        let (head, last) = prompt.split_at(prompt.len() - ((prompt.len() - 1) % request.prefill_chunk + 1));
-        for chunk in head.chunks(request.prefill_chunk) {
-            if cancelled() {
-                break;
-            }
-            network.forward_last(&token_array(chunk)?, &mut caches)?;
-            eval(caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter())?;
-        }
-        if cancelled() {
-            output.finish_reason = FinishReason::Cancelled;
-            stats.kv_cache_bytes = caches.iter().map(|c| c.nbytes()).sum();
-            stats.process_peak_memory_bytes = memory::peak_memory();
-            output.stats = stats;
-            return Ok(output);
-        }
-        let use_penalty = params.repetition_penalty != 1.0;
-        let step = |input: &Array, caches: &mut [Box<dyn KvCache>], sampler: &mut Sampler, history: &[u32]| -> Result<Array> {
-            let last = network.forward_last(input, caches)?.squeeze(1)?;
-            let recent = if use_penalty {
-                let prev = input.reshape(&[-1])?;
-                Some(recent_tokens(history, &prev.slice_axis(0, prev.dim(0) - 1, prev.dim(0))?, params.repetition_context_size)?)
-            } else {
-                None
-            };
-            sampler.sample(&last, recent.as_ref())
-        };
-        let mut history: Vec<u32> = prompt.clone();
-        let mut next = step(&token_array(last)?, &mut caches, &mut sampler, &history[..history.len() - 1])?;
-        async_eval([&next])?;
+    /// Queues `request` as a row; its events arrive on the returned channel.
+    pub(crate) fn submit(&self, request: &GenerationRequest, client_cancel: CancelFlag) -> Result<Receiver<RowEvent>> {
+        let row = self.row_request(request)?;
+        Ok(self.scheduler.submit(row, client_cancel))
+    }
 
-        let mut decoder = tokenizer.stream_decoder(true);
-        let mut stops = StopMatcher::new(&params.stop);
-        let mut decode_start = None;
-        let mut stop_string_hit = false;
-        let finish = loop {
-            let current = next;
-            let generated = output.tokens.len() + 1;
-            // Queue step n+1 before handing out token n.
-            let more = generated < params.max_tokens;
-            next = if more {
-                let input = current.reshape(&[1, 1])?.astype(Dtype::Int32)?;
-                let n = step(&input, &mut caches, &mut sampler, &history)?;
-                async_eval([&n])?;
-                n
-            } else {
-                current.clone()
-            };
-            let token = current.astype(Dtype::Uint32)?.item::<u32>()?;
-            if decode_start.is_none() {
-                stats.prompt_time = start.elapsed();
-                decode_start = Some(Instant::now());
-            }
-            output.tokens.push(token);
-            history.push(token);
-            if !request.ignore_eos && tokenizer.is_eos(token) {
-                break FinishReason::Stop;
-            }
-            if let Some(piece) = decoder.step(token)? {
-                let text = match stops.push(&piece) {
-                    StopOutcome::Continue(text) => text,
-                    StopOutcome::Stopped(text) => {
-                        stop_string_hit = true;
-                        text
+    /// Generates a continuation, calling `on_piece` with each piece of text as
+    /// soon as it is complete UTF-8. Returning `false` from it stops early.
+    /// The callback runs on the calling thread; the model runs on the
+    /// engine's scheduler thread, batched with whatever else runs.
+    pub fn generate(&self, request: &GenerationRequest, mut on_piece: impl FnMut(Piece<'_>) -> bool) -> Result<GenerationOutput> {
+        let stop = CancelFlag::new();
+        let events = self.submit(request, stop.clone())?;
+        // After the callback returned false: the text and token count it saw.
+        let mut delivered = String::new();
+        let mut stopped_at = None;
+        for event in events.iter() {
+            match event {
+                RowEvent::Piece { text, token, generated, .. } => {
+                    if stopped_at.is_some() {
+                        continue;
                     }
-                };
-                if !text.is_empty() {
-                    output.text.push_str(&text);
+                    delivered.push_str(&text);
                     if !on_piece(Piece { text: &text, token }) {
-                        break FinishReason::Cancelled;
+                        stop.cancel();
+                        stopped_at = Some(generated);
                     }
                 }
-            }
-            if stop_string_hit {
-                break FinishReason::Stop;
-            }
-            if cancelled() {
-                break FinishReason::Cancelled;
-            }
-            if !more {
-                break FinishReason::Length;
-            }
-        };
-        if finish != FinishReason::Cancelled && !stop_string_hit {
-            // Flush what the decoder and the stop matcher still hold.
-            let rest = decoder.finish()?.unwrap_or_default();
-            let tail = match stops.push(&rest) {
-                StopOutcome::Continue(text) => text + &stops.finish(),
-                StopOutcome::Stopped(text) => text,
-            };
-            if !tail.is_empty() {
-                output.text.push_str(&tail);
-                on_piece(Piece { text: &tail, token: *output.tokens.last().unwrap_or(&0) });
+                RowEvent::Finished { mut output, .. } => {
+                    if let Some(generated) = stopped_at {
+                        output.text = delivered;
+                        output.tokens.truncate(generated);
+                        output.stats.generated_tokens = output.tokens.len();
+                        output.finish_reason = FinishReason::Cancelled;
+                    }
+                    return Ok(output);
+                }
+                RowEvent::Failed { error, .. } => return Err(error),
             }
         }
-        stats.generated_tokens = output.tokens.len();
-        stats.decode_time = decode_start.map_or(Duration::ZERO, |t| t.elapsed());
-        stats.kv_cache_bytes = caches.iter().map(|c| c.nbytes()).sum();
-        stats.process_peak_memory_bytes = memory::peak_memory();
-        output.finish_reason = finish;
-        output.stats = stats;
-        Ok(output)
+        Err(Error::ShuttingDown)
     }
-}
 
-fn token_array(ids: &[u32]) -> Result<Array> {
-    let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-    Ok(Array::from_slice(&ids, &[1, ids.len() as i32])?)
+    /// Generates every request as one batch: all are queued before any is
+    /// waited for, so their decode steps share forward passes. Each result
+    /// is the request's own (an invalid request fails alone), and each
+    /// output is token for token what the request gets alone.
+    pub fn generate_batch(&self, requests: &[GenerationRequest]) -> Vec<Result<GenerationOutput>> {
+        let queued: Vec<Result<Receiver<RowEvent>>> =
+            requests.iter().map(|request| self.submit(request, CancelFlag::new())).collect();
+        queued
+            .into_iter()
+            .map(|events| {
+                for event in events?.iter() {
+                    match event {
+                        RowEvent::Piece { .. } => {}
+                        RowEvent::Finished { output, .. } => return Ok(output),
+                        RowEvent::Failed { error, .. } => return Err(error),
+                    }
+                }
+                Err(Error::ShuttingDown)
+            })
+            .collect()
+    }
 }

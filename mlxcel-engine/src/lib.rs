@@ -12,9 +12,11 @@
 //! # Ok::<(), mlxcel_engine::Error>(())
 //! ```
 
+pub mod batch;
 mod error;
 mod generate;
 mod sampling;
+pub mod scheduler;
 mod stop;
 mod stream;
 
@@ -23,4 +25,5 @@ pub use generate::{CancelFlag, Engine, FinishReason, GenerationOutput, Generatio
 pub use mlxcel_tokenizer::Message;
 pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
 pub use sampling::SamplingParams;
+pub use scheduler::shutdown;
 pub use stream::{GenerationStream, StreamEvent};

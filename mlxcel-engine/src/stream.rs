@@ -1,8 +1,9 @@
 //! Generation on a background thread, consumed as an iterator of events:
 //! the shape bindings need (Python iterators, JS async iterators).
 
-use crossbeam_channel::{bounded, Receiver};
+use crossbeam_channel::Receiver;
 
+use crate::batch::RowEvent;
 use crate::error::Error;
 use crate::generate::{CancelFlag, Engine, GenerationOutput, GenerationRequest};
 
@@ -17,41 +18,44 @@ pub enum StreamEvent {
     Failed(Error),
 }
 
-/// A generation running on its own thread. Iterating yields pieces, then one
-/// `Done` or `Failed`. Dropping the stream cancels the generation and waits
-/// for its thread (one prefill chunk or decode step at most), so no
+/// A generation consumed as an iterator: pieces, then one `Done` or
+/// `Failed`. It runs as a row of the engine's batch on the scheduler thread;
+/// dropping the stream cancels the row, which ends within one step, so no
 /// generation outlives its stream.
 ///
 /// Thread safety: the stream is `Send`; [`cancel_flag`](Self::cancel_flag)
 /// may be used from any thread.
 pub struct GenerationStream {
-    events: Receiver<StreamEvent>,
+    events: Receiver<RowEvent>,
     cancel: CancelFlag,
     finished: bool,
-    worker: Option<std::thread::JoinHandle<()>>,
+    /// A request that failed before it was queued.
+    early: Option<Error>,
 }
 
 impl GenerationStream {
-    /// Starts `request` on a new thread. The request's cancel flag (or a new
-    /// one) is shared with the stream.
+    /// Queues `request`. The request's cancel flag (or a new one) is shared
+    /// with the stream.
     pub fn start(engine: &Engine, mut request: GenerationRequest) -> GenerationStream {
         let cancel = request.cancel.get_or_insert_with(CancelFlag::new).clone();
-        let (sender, events) = bounded(64);
-        let engine = engine.clone();
-        let worker = std::thread::spawn(move || {
-            let result = engine.generate(&request, |piece| {
-                sender.send(StreamEvent::Piece { text: piece.text.to_string(), token: piece.token }).is_ok()
-            });
-            let _ = sender.send(match result {
-                Ok(output) => StreamEvent::Done(output),
-                Err(e) => StreamEvent::Failed(e),
-            });
-        });
-        GenerationStream { events, cancel, finished: false, worker: Some(worker) }
+        match engine.submit(&request, cancel.clone()) {
+            Ok(events) => GenerationStream { events, cancel, finished: false, early: None },
+            Err(error) => GenerationStream { events: crossbeam_channel::never(), cancel, finished: false, early: Some(error) },
+        }
     }
 
     pub fn cancel_flag(&self) -> &CancelFlag {
         &self.cancel
+    }
+
+    fn convert(&mut self, event: RowEvent) -> StreamEvent {
+        let event = match event {
+            RowEvent::Piece { text, token, .. } => StreamEvent::Piece { text, token },
+            RowEvent::Finished { output, .. } => StreamEvent::Done(output),
+            RowEvent::Failed { error, .. } => StreamEvent::Failed(error),
+        };
+        self.finished = !matches!(event, StreamEvent::Piece { .. });
+        event
     }
 
     /// Waits up to `timeout` for the next event; `Ok(None)` on timeout, so a
@@ -60,11 +64,12 @@ impl GenerationStream {
         if self.finished {
             return Err(());
         }
+        if let Some(error) = self.early.take() {
+            self.finished = true;
+            return Ok(Some(StreamEvent::Failed(error)));
+        }
         match self.events.recv_timeout(timeout) {
-            Ok(event) => {
-                self.finished = !matches!(event, StreamEvent::Piece { .. });
-                Ok(Some(event))
-            }
+            Ok(event) => Ok(Some(self.convert(event))),
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(None),
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
                 self.finished = true;
@@ -81,19 +86,23 @@ impl Iterator for GenerationStream {
         if self.finished {
             return None;
         }
-        let event = self.events.recv().ok();
-        self.finished = !matches!(event, Some(StreamEvent::Piece { .. }));
-        event
+        if let Some(error) = self.early.take() {
+            self.finished = true;
+            return Some(StreamEvent::Failed(error));
+        }
+        match self.events.recv() {
+            Ok(event) => Some(self.convert(event)),
+            Err(_) => {
+                self.finished = true;
+                None
+            }
+        }
     }
 }
 
 impl Drop for GenerationStream {
     fn drop(&mut self) {
+        // The scheduler ends the row at its next step.
         self.cancel.cancel();
-        // Dropping the receiver makes a blocked send fail, so the worker stops.
-        self.events = crossbeam_channel::never();
-        if let Some(worker) = self.worker.take() {
-            let _ = worker.join();
-        }
     }
 }

@@ -36,9 +36,23 @@ pub trait KvCache: Send {
     /// the kernel may write them in place. Returns false,
     /// without calling `write`, when this cache cannot hand out its buffers;
     /// on an error the cache is unchanged.
-    fn append_with(&mut self, _length: usize, _layout: CacheLayout, _write: &mut AppendWriter<'_>) -> Result<bool> {
-        Ok(false)
+    fn append_with(&mut self, length: usize, layout: CacheLayout, write: &mut AppendWriter<'_>) -> Result<bool> {
+        let Some((keys, values, offset)) = self.append_buffers(length, layout)? else { return Ok(false) };
+        let (keys, values) = write(&keys, &values, offset)?;
+        self.commit_append(keys, values, length);
+        Ok(true)
     }
+    /// The two halves of [`append_with`](Self::append_with), for a kernel that
+    /// writes several caches in one node: the key and value buffers
+    /// (`layout`, capacity at least `offset + length`) and the offset, or
+    /// None when this cache cannot hand out its buffers. The cache is
+    /// unchanged until [`commit_append`](Self::commit_append).
+    fn append_buffers(&mut self, _length: usize, _layout: CacheLayout) -> Result<Option<(Array, Array, usize)>> {
+        Ok(None)
+    }
+    /// Takes back the buffers from [`append_buffers`](Self::append_buffers)
+    /// with `length` new positions written at its offset.
+    fn commit_append(&mut self, _keys: Array, _values: Array, _length: usize) {}
 }
 
 /// A growable cache: buffers grow in steps of `STEP` positions and new
@@ -114,13 +128,13 @@ impl KvCache for StandardKvCache {
         self.state().iter().map(Array::nbytes).sum()
     }
 
-    fn append_with(&mut self, length: usize, layout: CacheLayout, write: &mut AppendWriter<'_>) -> Result<bool> {
+    fn append_buffers(&mut self, length: usize, layout: CacheLayout) -> Result<Option<(Array, Array, usize)>> {
         let fits = |a: &Array| {
             a.ndim() == 4 && a.dim(0) == 1 && a.dim(1) == layout.kv_heads && a.dim(3) == layout.head_dim
                 && a.dtype() == layout.dtype
         };
         if !self.keys.iter().chain(self.values.iter()).all(fits) {
-            return Ok(false);
+            return Ok(None);
         }
         let length = length as i32;
         let (keys, values) = match (&self.keys, &self.values) {
@@ -131,13 +145,15 @@ impl KvCache for StandardKvCache {
                 (grow_to(k.as_ref(), dims, layout.dtype, length)?, grow_to(v.as_ref(), dims, layout.dtype, length)?)
             }
         };
-        let (keys, values) = write(&keys, &values, self.offset)?;
+        Ok(Some((keys, values, self.offset)))
+    }
+
+    fn commit_append(&mut self, keys: Array, values: Array, length: usize) {
         // The old buffers are now referenced only by the kernel's node, so it
         // can write them in place.
         self.keys = Some(keys);
         self.values = Some(values);
-        self.offset += length as usize;
-        Ok(true)
+        self.offset += length;
     }
 }
 

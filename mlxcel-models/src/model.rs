@@ -29,6 +29,18 @@ pub trait LanguageModel: Send + Sync {
         let length = logits.dim(1);
         Ok(logits.slice_axis(1, length - 1, length)?)
     }
+    /// B sequences at once, each over its own caches (`caches[b]`, one per
+    /// layer): `tokens` [B, L] int32 → logits of each sequence's last
+    /// position, [B, vocab]. A sequence's logits are exactly those it gets
+    /// alone through [`forward_last`](Self::forward_last); implementations
+    /// share the weight reads between sequences where their kernels allow.
+    fn forward_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        let rows = (0..tokens.dim(0))
+            .zip(caches.iter_mut())
+            .map(|(b, c)| Ok(self.forward_last(&tokens.slice_axis(0, b, b + 1)?, c)?.squeeze(1)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(mlx_sys::concatenate(&rows, 0)?)
+    }
     /// One empty cache per layer.
     fn new_caches(&self) -> Vec<Box<dyn KvCache>>;
     fn shape(&self) -> &ModelShape;

@@ -54,8 +54,14 @@ impl QuantizedWeight {
     /// (decode) use our quantized matvec kernel, which reads 4-8x fewer bytes
     /// than f32. Neither calls BLAS.
     fn matmul_t(&self, x: &Array) -> Result<Array> {
+        self.matmul_t_choosing_by(x, x.size() / x.dim(-1).max(1) as usize)
+    }
+
+    /// [`matmul_t`](Self::matmul_t) with the kernel chosen for `rows` rows
+    /// rather than x's: a batch of sequences chooses by one sequence's rows,
+    /// so each sequence gets the kernel (and the numerics) it gets alone.
+    fn matmul_t_choosing_by(&self, x: &Array, rows: usize) -> Result<Array> {
         let p = self.params;
-        let rows = x.size() / x.dim(-1).max(1) as usize;
         if rows >= DENSE_PREFILL_MIN_ROWS {
             if !prefill_uses_mlx() {
                 // Layouts the GEMM does not take fall back to the matvec kernel.
@@ -126,6 +132,38 @@ impl Linear {
             None => y,
         })
     }
+
+    /// `x` [B, L, in] as B sequences, each computed exactly as
+    /// [`forward`](Self::forward) computes it alone (see [`per_sequence`]).
+    pub fn forward_per_sequence(&self, x: &Array) -> Result<Array> {
+        let quantized = match &self.weight {
+            LinearWeight::Quantized(q) => Some(q),
+            LinearWeight::Dense(_) => None,
+        };
+        let y = per_sequence(x, quantized, |rows| self.forward(rows))?;
+        Ok(match (&self.bias, quantized.is_some() && x.dim(0) > 1) {
+            // The bias is added per row either way; `alone` added it already.
+            (Some(b), true) if !prefill_uses_mlx() => y.add(b)?,
+            _ => y,
+        })
+    }
+}
+
+/// A linear map of `x` [B, L, in] whose every sequence b gets exactly what
+/// `alone(x[b])` gives. Quantized weights (`quantized`, without any bias) run
+/// once over all rows with the kernel chosen for one sequence's L rows: its
+/// loops compute each row independently. Dense weights, whose kernel changes
+/// its loops with the row count, run sequence by sequence.
+fn per_sequence(x: &Array, quantized: Option<&QuantizedWeight>, alone: impl Fn(&Array) -> Result<Array>) -> Result<Array> {
+    let (b, l) = (x.dim(0), x.dim(1));
+    match quantized {
+        _ if b == 1 => alone(x),
+        Some(q) if !prefill_uses_mlx() => q.matmul_t_choosing_by(x, l as usize),
+        _ => {
+            let rows = (0..b).map(|i| alone(&x.slice_axis(0, i, i + 1)?)).collect::<Result<Vec<_>>>()?;
+            Ok(mlx_sys::concatenate(&rows, 0)?)
+        }
+    }
 }
 
 /// Token embeddings, dense or quantized; also serves as a tied lm_head.
@@ -165,6 +203,16 @@ impl Embedding {
             Embedding::Dense(w) => dense_matmul_t(x, w)?,
             Embedding::Quantized(q) => q.matmul_t(x)?,
         })
+    }
+
+    /// [`as_linear`](Self::as_linear) of `x` [B, L, hidden] as B sequences,
+    /// each exactly as alone.
+    pub fn as_linear_per_sequence(&self, x: &Array) -> Result<Array> {
+        let quantized = match self {
+            Embedding::Quantized(q) => Some(q),
+            Embedding::Dense(_) => None,
+        };
+        per_sequence(x, quantized, |rows| self.as_linear(rows))
     }
 }
 
@@ -400,6 +448,32 @@ impl DecoderBlock {
             .map_err(Into::into)
     }
 
+    /// `x` [B, L, hidden] as B sequences, `caches[b]` sequence b's cache.
+    /// Each sequence's output is exactly what [`forward`](Self::forward)
+    /// gives it alone: the fused block serves all of them in one node
+    /// (weights read once per step); otherwise each runs on its own.
+    pub fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array> {
+        if caches.len() != x.dim(0) as usize {
+            return Err(Error::Mlx(format!("{} caches given for a batch of {}", caches.len(), x.dim(0))));
+        }
+        if let [cache] = caches {
+            return self.forward(x, cache.as_mut());
+        }
+        if let Some(fused) = &self.fused {
+            if x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32 {
+                if let Some(out) = fused.forward_batch(x, caches)? {
+                    return Ok(out);
+                }
+            }
+        }
+        let rows = caches
+            .iter_mut()
+            .enumerate()
+            .map(|(b, cache)| self.forward(&x.slice_axis(0, b as i32, b as i32 + 1)?, cache.as_mut()))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(mlx_sys::concatenate(&rows, 0)?)
+    }
+
     /// Whether decode steps of this block run as one fused kernel node.
     pub fn is_fused(&self) -> bool {
         self.fused.is_some()
@@ -486,6 +560,31 @@ impl FusedBlock {
             Ok((keys, values))
         })?;
         Ok(if appended { out } else { None })
+    }
+
+    /// The block for `x` ([B, L, hidden]) over B caches in one node, or None
+    /// (every cache unchanged) when one of them cannot be written in place.
+    fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Option<Array>> {
+        let layout = CacheLayout { kv_heads: self.spec.kv_heads, head_dim: self.spec.head_dim, dtype: Dtype::Float32 };
+        let length = x.dim(1) as usize;
+        let mut buffers = Vec::with_capacity(caches.len());
+        for cache in caches.iter_mut() {
+            match cache.append_buffers(length, layout)? {
+                Some(b) => buffers.push(b),
+                None => return Ok(None),
+            }
+        }
+        let sequences: Vec<kernels::SequenceCache<'_>> = buffers
+            .iter()
+            .map(|(keys, values, offset)| kernels::SequenceCache { keys, values, offset: *offset as i32 })
+            .collect();
+        let (out, written) = self.weights.forward_batch(x, &sequences, &self.spec)?;
+        drop(sequences);
+        drop(buffers);
+        for (cache, (keys, values)) in caches.iter_mut().zip(written) {
+            cache.commit_append(keys, values, length);
+        }
+        Ok(Some(out))
     }
 }
 

@@ -7,4 +7,4 @@ pub mod tokenizer;
 
 pub use chat_template::{ChatTemplate, Message, RenderOptions};
 pub use error::{Error, Result};
-pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerKind};
+pub use tokenizer::{StreamDecodeState, StreamDecoder, Tokenizer, TokenizerKind};

@@ -150,6 +150,19 @@ impl DecoderModel {
         Ok(h)
     }
 
+    /// [`hidden`](Self::hidden) for B sequences over their own caches.
+    fn hidden_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        if let Some(c) = caches.iter().find(|c| c.len() != self.layers.len()) {
+            return Err(Error::Mlx(format!("{} caches given for {} layers", c.len(), self.layers.len())));
+        }
+        let mut h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut layer_caches: Vec<&mut Box<dyn KvCache>> = caches.iter_mut().map(|c| &mut c[i]).collect();
+            h = layer.forward_batch(&h, &mut layer_caches)?;
+        }
+        Ok(h)
+    }
+
     fn logits(&self, h: &Array) -> Result<Array> {
         let h = self.norm.forward(h)?;
         match &self.lm_head {
@@ -169,6 +182,20 @@ impl LanguageModel for DecoderModel {
         let h = self.hidden(tokens, caches)?;
         let length = h.dim(1);
         self.logits(&h.slice_axis(1, length - 1, length)?)
+    }
+
+    fn forward_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        if caches.len() != tokens.dim(0) as usize {
+            return Err(Error::Mlx(format!("{} cache sets given for a batch of {}", caches.len(), tokens.dim(0))));
+        }
+        let h = self.hidden_batch(tokens, caches)?;
+        let length = h.dim(1);
+        let h = self.norm.forward(&h.slice_axis(1, length - 1, length)?)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward_per_sequence(&h)?,
+            None => self.embed_tokens.as_linear_per_sequence(&h)?,
+        };
+        Ok(logits.squeeze(1)?)
     }
 
     fn new_caches(&self) -> Vec<Box<dyn KvCache>> {

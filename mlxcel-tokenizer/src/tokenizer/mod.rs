@@ -16,7 +16,7 @@ use tokenizers::{DecoderWrapper, ModelWrapper, PreTokenizerWrapper};
 use crate::chat_template::{ChatTemplate, RenderOptions};
 use crate::error::{Error, Result};
 
-pub use stream::StreamDecoder;
+pub use stream::{StreamDecodeState, StreamDecoder};
 
 /// A Hugging Face tokenizer plus the checkpoint's special tokens and chat templates.
 ///

@@ -18,6 +18,30 @@ const REPLACEMENT_CHAR: char = '\u{FFFD}';
 #[derive(Debug)]
 pub struct StreamDecoder<'a> {
     tokenizer: &'a Tokenizer,
+    state: StreamDecodeState,
+}
+
+impl<'a> StreamDecoder<'a> {
+    pub fn new(tokenizer: &'a Tokenizer, skip_special_tokens: bool) -> Self {
+        Self { tokenizer, state: StreamDecodeState::new(skip_special_tokens) }
+    }
+
+    /// Adds one id; returns the new text, or `None` while it is held back.
+    pub fn step(&mut self, id: u32) -> Result<Option<String>> {
+        self.state.step(self.tokenizer, id)
+    }
+
+    /// Flushes held-back text (possibly ending in U+FFFD). Call once generation has ended;
+    /// stepping afterwards continues as if the flushed text had been complete.
+    pub fn finish(&mut self) -> Result<Option<String>> {
+        self.state.finish(self.tokenizer)
+    }
+}
+
+/// A [`StreamDecoder`] without its tokenizer borrow, for owners that keep the
+/// tokenizer elsewhere (the engine's rows): each call takes the tokenizer.
+#[derive(Debug, Clone)]
+pub struct StreamDecodeState {
     skip_special_tokens: bool,
     /// The window: context ids (`..read_offset`), then ids not yet emitted.
     ids: Vec<u32>,
@@ -26,39 +50,32 @@ pub struct StreamDecoder<'a> {
     read_offset: usize,
 }
 
-impl<'a> StreamDecoder<'a> {
-    pub fn new(tokenizer: &'a Tokenizer, skip_special_tokens: bool) -> Self {
-        Self {
-            tokenizer,
-            skip_special_tokens,
-            ids: Vec::new(),
-            prefix: String::new(),
-            read_offset: 0,
-        }
+impl StreamDecodeState {
+    pub fn new(skip_special_tokens: bool) -> Self {
+        Self { skip_special_tokens, ids: Vec::new(), prefix: String::new(), read_offset: 0 }
     }
 
-    /// Adds one id; returns the new text, or `None` while it is held back.
-    pub fn step(&mut self, id: u32) -> Result<Option<String>> {
+    /// [`StreamDecoder::step`].
+    pub fn step(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let text = self.decode_window()?;
+        let text = self.decode_window(tokenizer)?;
         if text.len() <= self.prefix.len() || text.ends_with(REPLACEMENT_CHAR) {
             return Ok(None);
         }
-        self.emit(text)
+        self.emit(tokenizer, text)
     }
 
-    /// Flushes held-back text (possibly ending in U+FFFD). Call once generation has ended;
-    /// stepping afterwards continues as if the flushed text had been complete.
-    pub fn finish(&mut self) -> Result<Option<String>> {
+    /// [`StreamDecoder::finish`].
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<String>> {
         if self.read_offset == self.ids.len() {
             return Ok(None);
         }
-        let text = self.decode_window()?;
-        self.emit(text)
+        let text = self.decode_window(tokenizer)?;
+        self.emit(tokenizer, text)
     }
 
     /// Emits `text` past the prefix and slides the window to the ids just emitted.
-    fn emit(&mut self, text: String) -> Result<Option<String>> {
+    fn emit(&mut self, tokenizer: &Tokenizer, text: String) -> Result<Option<String>> {
         let Some(piece) = text.strip_prefix(self.prefix.as_str()) else {
             return Err(Error::Tokenizer(format!(
                 "stream decode: decoding after id {} changed already emitted text {:?} to {:?}",
@@ -72,13 +89,13 @@ impl<'a> StreamDecoder<'a> {
             self.prefix = text;
         } else {
             self.ids.drain(..self.read_offset);
-            self.prefix = self.decode_window()?;
+            self.prefix = self.decode_window(tokenizer)?;
         }
         self.read_offset = self.ids.len();
         Ok((!piece.is_empty()).then_some(piece))
     }
 
-    fn decode_window(&self) -> Result<String> {
-        self.tokenizer.decode(&self.ids, self.skip_special_tokens)
+    fn decode_window(&self, tokenizer: &Tokenizer) -> Result<String> {
+        tokenizer.decode(&self.ids, self.skip_special_tokens)
     }
 }

@@ -1,0 +1,520 @@
+//! The batch engine: every generation is a row, and one forward pass decodes
+//! every decoding row at once. A single sequence is a batch of one; there is
+//! no other generation loop.
+//!
+//! - [`BatchEngine::open`] adds a row for a tokenized prompt;
+//! - [`BatchEngine::prefill`] runs one chunk of a row's prompt, so that
+//!   chunks of long prompts interleave with decode steps;
+//! - [`BatchEngine::submit`] queues one forward over every decoding row
+//!   (`async_eval`), and [`BatchEngine::finish_rows`] reads the tokens of the
+//!   step before, so the next step computes while this one's tokens are
+//!   detokenized and checked; [`BatchEngine::step`] does both;
+//! - [`BatchEngine::close`] drops a row and its caches.
+//!
+//! Errors belong to a row: a row whose forward or sampling fails ends with
+//! its own error, and the other rows go on. Each row's tokens are the ones
+//! it gets alone: the model's batched forward computes every row exactly as
+//! it would alone (`LanguageModel::forward_batch`), and each row samples
+//! with its own sampler and seed.
+//!
+//! Not thread safe by design: one thread (the [`Scheduler`](crate::scheduler))
+//! owns the engine. Other threads reach it through the scheduler's channel.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mlx_sys::{async_eval, concatenate, eval, memory, Array, Dtype};
+use mlxcel_models::{KvCache, Model};
+use mlxcel_tokenizer::StreamDecodeState;
+
+use crate::error::{Error, Result};
+use crate::generate::{CancelFlag, FinishReason, GenerationOutput, GenerationStats};
+use crate::sampling::{recent_tokens, Sampler, SamplingParams};
+use crate::stop::{StopMatcher, StopOutcome};
+
+/// A row's handle inside one [`BatchEngine`].
+pub type RowId = u64;
+
+/// What [`BatchEngine::open`] takes: a tokenized prompt and how to continue it.
+#[derive(Debug, Clone)]
+pub struct RowRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Prompt tokens per prefill chunk (at least 1).
+    pub prefill_chunk: usize,
+    /// Keep decoding past EOS tokens (see `GenerationRequest::ignore_eos`).
+    pub ignore_eos: bool,
+    /// Checked between chunks and steps: a set flag finishes the row as cancelled.
+    pub cancel: Option<CancelFlag>,
+}
+
+/// What a row reports, in order: pieces, then one `Finished` or `Failed`.
+#[derive(Debug)]
+pub enum RowEvent {
+    /// Complete UTF-8 text and the token that completed it; `generated` is
+    /// the number of tokens generated so far, this one included.
+    Piece { row: RowId, text: String, token: u32, generated: usize },
+    /// The row ended and was closed.
+    Finished { row: RowId, output: GenerationOutput },
+    /// The row failed and was closed; the other rows go on.
+    Failed { row: RowId, error: Error },
+}
+
+impl RowEvent {
+    pub fn row(&self) -> RowId {
+        match self {
+            RowEvent::Piece { row, .. } | RowEvent::Finished { row, .. } | RowEvent::Failed { row, .. } => *row,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Prefilling,
+    Decoding,
+}
+
+struct Row {
+    id: RowId,
+    prompt: Vec<u32>,
+    /// Prompt tokens in the caches.
+    prefilled: usize,
+    prefill_chunk: usize,
+    phase: Phase,
+    caches: Vec<Box<dyn KvCache>>,
+    sampler: Sampler,
+    params: SamplingParams,
+    ignore_eos: bool,
+    cancel: Option<CancelFlag>,
+    /// The prompt and every token read back so far.
+    history: Vec<u32>,
+    /// The latest sampled token, not yet read back: the input of the next step.
+    queued: Option<Array>,
+    /// The token `submit` took out of `queued`, for `finish_rows` to read.
+    unread: Option<Array>,
+    text: String,
+    tokens: Vec<u32>,
+    decoder: StreamDecodeState,
+    stops: StopMatcher,
+    opened: Instant,
+    prompt_time: Option<Duration>,
+    decode_start: Option<Instant>,
+}
+
+impl Row {
+    fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(CancelFlag::is_cancelled)
+    }
+
+    /// Positions in this row's caches.
+    fn cached(&self) -> usize {
+        self.caches.first().map_or(0, |c| c.offset())
+    }
+
+    /// Drops positions past `offset` from every layer's cache.
+    fn rewind(&mut self, offset: usize) {
+        for cache in &mut self.caches {
+            let extra = cache.offset().saturating_sub(offset);
+            cache.trim(extra);
+        }
+    }
+
+    fn stats(&self) -> GenerationStats {
+        GenerationStats {
+            prompt_tokens: self.prompt.len(),
+            generated_tokens: self.tokens.len(),
+            prompt_time: self.prompt_time.unwrap_or_default(),
+            decode_time: self.decode_start.map_or(Duration::ZERO, |t| t.elapsed()),
+            kv_cache_bytes: self.caches.iter().map(|c| c.nbytes()).sum(),
+            process_peak_memory_bytes: memory::peak_memory(),
+        }
+    }
+}
+
+/// Rows of one model; see the module docs.
+pub struct BatchEngine {
+    model: Arc<Model>,
+    rows: Vec<Row>,
+    next_id: RowId,
+    /// Events of rows that ended outside `finish_rows` (prefill, cancel).
+    pending: Vec<RowEvent>,
+}
+
+impl BatchEngine {
+    pub fn new(model: Arc<Model>) -> Self {
+        BatchEngine { model, rows: Vec::new(), next_id: 1, pending: Vec::new() }
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Rows open (prefilling or decoding).
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Adds a row; `opened` is when its request arrived (its time to first
+    /// token counts from there). Invalid parameters, an empty prompt, token
+    /// ids outside the vocabulary and prompts longer than the model's context
+    /// are errors here, before the row exists.
+    pub fn open(&mut self, request: RowRequest, opened: Instant) -> Result<RowId> {
+        let sampler = Sampler::new(&request.params)?;
+        validate_prompt(&self.model, &request.prompt, request.prefill_chunk)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.rows.push(Row {
+            id,
+            history: request.prompt.clone(),
+            prompt: request.prompt,
+            prefilled: 0,
+            prefill_chunk: request.prefill_chunk,
+            phase: Phase::Prefilling,
+            caches: self.model.network.new_caches(),
+            sampler,
+            stops: StopMatcher::new(&request.params.stop),
+            params: request.params,
+            ignore_eos: request.ignore_eos,
+            cancel: request.cancel,
+            queued: None,
+            unread: None,
+            text: String::new(),
+            tokens: Vec::new(),
+            decoder: StreamDecodeState::new(true),
+            opened,
+            prompt_time: None,
+            decode_start: None,
+        });
+        Ok(id)
+    }
+
+    /// The oldest row still prefilling, with its chunk size.
+    pub fn next_prefill(&self) -> Option<(RowId, usize)> {
+        self.rows.iter().find(|r| r.phase == Phase::Prefilling).map(|r| (r.id, r.prefill_chunk))
+    }
+
+    /// Whether any row decodes (has a token queued or unread).
+    pub fn has_decoding_rows(&self) -> bool {
+        self.rows.iter().any(|r| r.phase == Phase::Decoding)
+    }
+
+    /// Runs prompt chunks of `row`: at least one, and more while `budget`
+    /// tokens last. Chunks fall where they fall for the row alone (multiples
+    /// of its `prefill_chunk`, the remainder last), so its numerics do not
+    /// depend on the budget. After the last chunk the row samples its first
+    /// token and decodes from the next [`submit`](Self::submit). Returns the
+    /// prompt tokens run; a failure ends the row with its error.
+    pub fn prefill(&mut self, row: RowId, budget: usize) -> usize {
+        let mut done = 0;
+        loop {
+            let Some(index) = self.index(row) else { return done };
+            if self.rows[index].phase != Phase::Prefilling {
+                return done;
+            }
+            if self.rows[index].cancelled() {
+                self.end(index, FinishReason::Cancelled);
+                return done;
+            }
+            match self.prefill_chunk(index) {
+                Ok(n) => done += n,
+                Err(error) => {
+                    self.fail(index, error);
+                    return done;
+                }
+            }
+            if done >= budget {
+                return done;
+            }
+        }
+    }
+
+    /// The next prompt chunk of row `index`; returns its length.
+    fn prefill_chunk(&mut self, index: usize) -> Result<usize> {
+        let network = &self.model.network;
+        let r = &mut self.rows[index];
+        let total = r.prompt.len();
+        // The last chunk holds the remainder: 1..=chunk tokens, as alone.
+        let last_start = total - ((total - 1) % r.prefill_chunk + 1);
+        let start = r.prefilled;
+        let end = if start < last_start { start + r.prefill_chunk } else { total };
+        let tokens = token_array(&r.prompt[start..end])?;
+        let logits = network.forward_last(&tokens, &mut r.caches)?;
+        if end < total {
+            eval(r.caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter())?;
+        } else {
+            let last = logits.squeeze(1)?;
+            let recent = recent_for(&r.params, &r.history[..total - 1], &tokens)?;
+            let next = r.sampler.sample(&last, recent.as_ref())?;
+            async_eval([&next])?;
+            r.queued = Some(next);
+            r.phase = Phase::Decoding;
+        }
+        r.prefilled = end;
+        Ok(end - start)
+    }
+
+    /// Queues one forward over every decoding row: each row's queued token
+    /// goes in, and the token sampled from it is queued (`async_eval`) before
+    /// [`finish_rows`](Self::finish_rows) reads the previous one back. Rows
+    /// that reach `max_tokens` with the token they hold are not stepped.
+    pub fn submit(&mut self) {
+        let mut stepped = Vec::new();
+        for (i, r) in self.rows.iter_mut().enumerate() {
+            if r.phase != Phase::Decoding || r.unread.is_some() {
+                continue;
+            }
+            let Some(current) = r.queued.take() else { continue };
+            let more = r.tokens.len() + 1 < r.params.max_tokens;
+            if more && !r.cancelled() {
+                stepped.push((i, current.clone()));
+            }
+            r.unread = Some(current);
+        }
+        if stepped.is_empty() {
+            return;
+        }
+        if self.step_rows(&stepped).is_err() {
+            // The batch failed as a whole: find the rows at fault by running
+            // each alone; the others go on.
+            let mut failed = Vec::new();
+            for (i, token) in &stepped {
+                if let Err(error) = self.step_rows(&[(*i, token.clone())]) {
+                    failed.push((*i, error));
+                }
+            }
+            for (i, error) in failed.into_iter().rev() {
+                self.fail(i, error);
+            }
+        }
+    }
+
+    /// One forward for `rows` (index, input token), then each row's sampling.
+    /// On an error every row's caches are as before.
+    fn step_rows(&mut self, rows: &[(usize, Array)]) -> Result<()> {
+        let before: Vec<usize> = rows.iter().map(|&(i, _)| self.rows[i].cached()).collect();
+        let result = (|| -> Result<Vec<Array>> {
+            let inputs = rows.iter().map(|(_, t)| t.reshape(&[1, 1])?.astype(Dtype::Int32)).collect::<mlx_sys::Result<Vec<_>>>()?;
+            let tokens = if inputs.len() == 1 { inputs[0].clone() } else { concatenate(&inputs, 0)? };
+            let logits = {
+                let mut caches: Vec<&mut [Box<dyn KvCache>]> = Vec::with_capacity(rows.len());
+                // Disjoint rows: collect their caches in `rows` order.
+                let mut by_index: Vec<Option<&mut Row>> = self.rows.iter_mut().map(Some).collect();
+                for &(i, _) in rows {
+                    caches.push(&mut by_index[i].take().expect("each row once").caches);
+                }
+                self.model.network.forward_batch(&tokens, &mut caches)?
+            };
+            let mut next = Vec::with_capacity(rows.len());
+            for (b, (i, input)) in rows.iter().enumerate() {
+                let r = &mut self.rows[*i];
+                let row_logits = if rows.len() == 1 { logits.clone() } else { logits.slice_axis(0, b as i32, b as i32 + 1)? };
+                let recent = recent_for(&r.params, &r.history, &input.reshape(&[1, 1])?)?;
+                next.push(r.sampler.sample(&row_logits, recent.as_ref())?);
+            }
+            async_eval(next.iter())?;
+            Ok(next)
+        })();
+        match result {
+            Ok(next) => {
+                for (&(i, _), token) in rows.iter().zip(next) {
+                    self.rows[i].queued = Some(token);
+                }
+                Ok(())
+            }
+            Err(error) => {
+                for (&(i, _), &offset) in rows.iter().zip(&before) {
+                    self.rows[i].rewind(offset);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Reads back the tokens [`submit`](Self::submit) took out, detokenizes
+    /// them and checks every row's finish conditions (EOS, stop strings,
+    /// `max_tokens`, cancellation). Returns the events of this step, and of
+    /// rows that ended since the last call; ended rows are closed.
+    pub fn finish_rows(&mut self) -> Vec<RowEvent> {
+        let mut events = std::mem::take(&mut self.pending);
+        let mut ended = Vec::new();
+        for index in 0..self.rows.len() {
+            let Some(current) = self.rows[index].unread.take() else { continue };
+            match self.read_token(index, &current, &mut events) {
+                Ok(None) => {}
+                Ok(Some(end)) => ended.push((index, Ok(end))),
+                Err(error) => ended.push((index, Err(error))),
+            }
+        }
+        for (index, outcome) in ended.into_iter().rev() {
+            match outcome {
+                Ok(end) => events.extend(self.finished_events(index, end)),
+                Err(error) => events.push(RowEvent::Failed { row: self.rows[index].id, error }),
+            }
+            self.rows.remove(index);
+        }
+        events
+    }
+
+    /// [`submit`](Self::submit) then [`finish_rows`](Self::finish_rows).
+    pub fn step(&mut self) -> Vec<RowEvent> {
+        self.submit();
+        self.finish_rows()
+    }
+
+    /// Ends `row` as cancelled (its text so far) at once; its event comes
+    /// with the next [`finish_rows`](Self::finish_rows).
+    pub fn cancel(&mut self, row: RowId) {
+        if let Some(index) = self.index(row) {
+            self.end(index, FinishReason::Cancelled);
+        }
+    }
+
+    /// Ends every row whose cancel flag is set.
+    pub fn cancel_flagged(&mut self) {
+        while let Some(index) = self.rows.iter().position(Row::cancelled) {
+            self.end(index, FinishReason::Cancelled);
+        }
+    }
+
+    /// Drops `row` and its caches without an event.
+    pub fn close(&mut self, row: RowId) {
+        if let Some(index) = self.index(row) {
+            self.rows.remove(index);
+        }
+    }
+
+    fn index(&self, row: RowId) -> Option<usize> {
+        self.rows.iter().position(|r| r.id == row)
+    }
+
+    /// Processes one read-back token; `Some` when the row ends.
+    fn read_token(&mut self, index: usize, current: &Array, events: &mut Vec<RowEvent>) -> Result<Option<Ending>> {
+        let tokenizer = &self.model.tokenizer;
+        let r = &mut self.rows[index];
+        let token = current.astype(Dtype::Uint32)?.item::<u32>()?;
+        if r.prompt_time.is_none() {
+            r.prompt_time = Some(r.opened.elapsed());
+            r.decode_start = Some(Instant::now());
+        }
+        r.tokens.push(token);
+        r.history.push(token);
+        if !r.ignore_eos && tokenizer.is_eos(token) {
+            return Ok(Some(Ending::flushed(FinishReason::Stop)));
+        }
+        if let Some(piece) = r.decoder.step(tokenizer, token)? {
+            let (text, stopped) = match r.stops.push(&piece) {
+                StopOutcome::Continue(text) => (text, false),
+                StopOutcome::Stopped(text) => (text, true),
+            };
+            if !text.is_empty() {
+                r.text.push_str(&text);
+                events.push(RowEvent::Piece { row: r.id, text, token, generated: r.tokens.len() });
+            }
+            if stopped {
+                return Ok(Some(Ending { reason: FinishReason::Stop, flush: false }));
+            }
+        }
+        if r.cancelled() {
+            return Ok(Some(Ending { reason: FinishReason::Cancelled, flush: false }));
+        }
+        if r.queued.is_none() {
+            return Ok(Some(Ending::flushed(FinishReason::Length)));
+        }
+        Ok(None)
+    }
+
+    /// The last events of row `index`: the text its decoder and stop matcher
+    /// still hold (when `end.flush`), then `Finished`.
+    fn finished_events(&mut self, index: usize, end: Ending) -> Vec<RowEvent> {
+        let tokenizer = &self.model.tokenizer;
+        let r = &mut self.rows[index];
+        let mut events = Vec::new();
+        if end.flush {
+            let rest = match r.decoder.finish(tokenizer) {
+                Ok(rest) => rest.unwrap_or_default(),
+                Err(error) => return vec![RowEvent::Failed { row: r.id, error: error.into() }],
+            };
+            let tail = match r.stops.push(&rest) {
+                StopOutcome::Continue(text) => text + &r.stops.finish(),
+                StopOutcome::Stopped(text) => text,
+            };
+            if !tail.is_empty() {
+                r.text.push_str(&tail);
+                let token = *r.tokens.last().unwrap_or(&0);
+                events.push(RowEvent::Piece { row: r.id, text: tail, token, generated: r.tokens.len() });
+            }
+        }
+        let output = GenerationOutput { text: r.text.clone(), tokens: r.tokens.clone(), finish_reason: end.reason, stats: r.stats() };
+        events.push(RowEvent::Finished { row: r.id, output });
+        events
+    }
+
+    /// Ends row `index` now (outside `finish_rows`); its events are pending.
+    fn end(&mut self, index: usize, reason: FinishReason) {
+        let events = self.finished_events(index, Ending { reason, flush: false });
+        self.pending.extend(events);
+        self.rows.remove(index);
+    }
+
+    fn fail(&mut self, index: usize, error: Error) {
+        let row = self.rows.remove(index);
+        self.pending.push(RowEvent::Failed { row: row.id, error });
+    }
+}
+
+/// How a row ends: its reason, and whether held-back text is flushed (not
+/// after a stop string or a cancellation).
+struct Ending {
+    reason: FinishReason,
+    flush: bool,
+}
+
+impl Ending {
+    fn flushed(reason: FinishReason) -> Self {
+        Ending { reason, flush: true }
+    }
+}
+
+/// The checks `open` makes on a prompt, shared with the clients that
+/// tokenize before they submit.
+pub(crate) fn validate_prompt(model: &Model, prompt: &[u32], prefill_chunk: usize) -> Result<()> {
+    if prefill_chunk == 0 {
+        return Err(Error::InvalidParameter { name: "prefill_chunk", message: "must be at least 1".into() });
+    }
+    if prompt.is_empty() {
+        return Err(Error::EmptyPrompt);
+    }
+    let shape = model.network.shape();
+    if let Some(bad) = prompt.iter().find(|&&id| id as usize >= shape.vocab_size) {
+        return Err(Error::InvalidParameter {
+            name: "prompt",
+            message: format!("token id {bad} is outside the vocabulary of {}", shape.vocab_size),
+        });
+    }
+    if let Some(context) = shape.max_position_embeddings {
+        if prompt.len() > context {
+            return Err(Error::PromptTooLong { prompt: prompt.len(), context });
+        }
+    }
+    Ok(())
+}
+
+/// The repetition penalty's window: `history` followed by the last token of
+/// `input` (lazy), or None when the penalty is off.
+fn recent_for(params: &SamplingParams, history: &[u32], input: &Array) -> Result<Option<Array>> {
+    if params.repetition_penalty == 1.0 {
+        return Ok(None);
+    }
+    let prev = input.reshape(&[-1])?;
+    let n = prev.dim(0);
+    Ok(Some(recent_tokens(history, &prev.slice_axis(0, n - 1, n)?, params.repetition_context_size)?))
+}
+
+pub(crate) fn token_array(ids: &[u32]) -> Result<Array> {
+    let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+    Ok(Array::from_slice(&ids, &[1, ids.len() as i32])?)
+}
