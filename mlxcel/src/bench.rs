@@ -41,6 +41,10 @@ pub struct BenchArgs {
     /// Prompt tokens per forward pass during prefill (as the engine's default).
     #[arg(long, value_name = "N", default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// Run N different prompts of the same length at once (one batch through
+    /// the engine's scheduler); adds the aggregate decode speed of all rows.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub batch: usize,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -60,6 +64,7 @@ impl BenchArgs {
         check(self.gen_tokens >= 2, "--gen-tokens", "at least 2 (decode speed is measured from the first token to the last)", self.gen_tokens)?;
         check(self.repeat >= 1, "--repeat", "at least 1", self.repeat)?;
         check(self.prefill_chunk >= 1, "--prefill-chunk", "at least 1", self.prefill_chunk)?;
+        check((1..=256).contains(&self.batch), "--batch", "between 1 and 256", self.batch)?;
         Ok(())
     }
 }
@@ -71,9 +76,13 @@ struct Run {
     prompt_tps: f64,
     /// From calling `generate` until the first token was read back.
     ttft_s: f64,
-    /// From the first token to the last.
+    /// From the first token to the last (with a batch: the median row's).
     decode_s: f64,
     decode_tps: f64,
+    /// Generated tokens of all rows after their first, per second of the
+    /// batch's decode wall time (from the first row's first token to the
+    /// last row's last); `decode_tps` for one row.
+    aggregate_decode_tps: f64,
     /// MLX's process-wide peak allocation (weights included) during the run:
     /// the bench resets it before each run and is the only thing generating
     /// in its process.
@@ -88,6 +97,7 @@ impl Run {
             "ttft_s": self.ttft_s,
             "decode_s": self.decode_s,
             "decode_tps": self.decode_tps,
+            "aggregate_decode_tps": self.aggregate_decode_tps,
             "process_peak_mlx_bytes": self.process_peak_mlx_bytes,
         })
     }
@@ -126,15 +136,27 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     eprintln!("warm-up: {} prompt + {WARMUP_GEN_TOKENS} generated tokens (untimed)", ids.len().min(WARMUP_PROMPT_TOKENS));
     run_once(&engine, &ids[..ids.len().min(WARMUP_PROMPT_TOKENS)], WARMUP_GEN_TOKENS, args.prefill_chunk)?;
 
+    // Batch rows: the same text from other starting points, so every row's
+    // prompt differs and has the same length.
+    let batch_ids: Vec<Vec<u32>> = (0..args.batch).map(|i| rotated(&ids, i)).collect();
     let mut runs = Vec::with_capacity(args.repeat);
     for i in 1..=args.repeat {
-        let run = run_once(&engine, &ids, args.gen_tokens, args.prefill_chunk)?;
+        let run = if args.batch == 1 {
+            run_once(&engine, &ids, args.gen_tokens, args.prefill_chunk)?
+        } else {
+            run_batch(&engine, &batch_ids, args.gen_tokens, args.prefill_chunk)?
+        };
         eprintln!(
-            "run {i}/{}: prompt {:.1} tok/s, decode {:.1} tok/s, TTFT {:.3} s",
-            args.repeat, run.prompt_tps, run.decode_tps, run.ttft_s
+            "run {i}/{}: prompt {:.1} tok/s, decode {:.1} tok/s, TTFT {:.3} s{}",
+            args.repeat,
+            run.prompt_tps,
+            run.decode_tps,
+            run.ttft_s,
+            if args.batch > 1 { format!(", aggregate decode {:.1} tok/s over {} rows", run.aggregate_decode_tps, args.batch) } else { String::new() }
         );
         runs.push(run);
     }
+    let aggregate_decode_tps = median(runs.iter().map(|r| r.aggregate_decode_tps));
 
     let prompt_tps = median(runs.iter().map(|r| r.prompt_tps));
     let decode_tps = median(runs.iter().map(|r| r.decode_tps));
@@ -160,8 +182,10 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "gen_tokens": args.gen_tokens,
             "repeat": args.repeat,
             "prefill_chunk": args.prefill_chunk,
+            "batch": args.batch,
             "prompt_tps": prompt_tps,
             "decode_tps": decode_tps,
+            "aggregate_decode_tps": aggregate_decode_tps,
             "ttft_s": ttft_s,
             "peak_rss_bytes": peak_rss,
             "baseline_rss_bytes": baseline_rss,
@@ -193,7 +217,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("gen tokens", format!("{} (greedy, EOS ignored)", args.gen_tokens)),
         ("repeat", format!("{} (+1 warm-up), medians below", args.repeat)),
         ("prompt tok/s", format!("{prompt_tps:.1}")),
-        ("decode tok/s", format!("{decode_tps:.1}")),
+        ("decode tok/s", format!("{decode_tps:.1}{}", if args.batch > 1 { " (median row)" } else { "" })),
+        ("batch", format!("{} rows, aggregate decode {aggregate_decode_tps:.1} tok/s", args.batch)),
         ("TTFT", format!("{ttft_s:.3} s")),
         ("peak RSS", peak_rss.map_or_else(|| "n/a".to_string(), mib)),
         ("baseline RSS", baseline_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (before loading the model)", mib(b)))),
@@ -261,7 +286,49 @@ fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> A
         ttft_s: total.saturating_sub(stats.decode_time).as_secs_f64(),
         decode_s: stats.decode_time.as_secs_f64(),
         decode_tps: stats.decode_tokens_per_second(),
+        aggregate_decode_tps: stats.decode_tokens_per_second(),
         process_peak_mlx_bytes: stats.process_peak_memory_bytes,
+    })
+}
+
+/// `ids` started `row * 37` tokens later (wrapping), for batch row `row`.
+fn rotated(ids: &[u32], row: usize) -> Vec<u32> {
+    let shift = (row * 37) % ids.len().max(1);
+    ids[shift..].iter().chain(&ids[..shift]).copied().collect()
+}
+
+/// One batch: every row queued at once, greedy, exactly `gen` tokens each.
+fn run_batch(engine: &Engine, rows: &[Vec<u32>], gen: usize, prefill_chunk: usize) -> AnyResult<Run> {
+    let requests: Vec<GenerationRequest> = rows
+        .iter()
+        .map(|ids| GenerationRequest {
+            params: SamplingParams { temperature: 0.0, max_tokens: gen, ..SamplingParams::default() },
+            prefill_chunk,
+            ignore_eos: true,
+            ..GenerationRequest::new(Prompt::Tokens(ids.clone()))
+        })
+        .collect();
+    mlx_sys::memory::reset_peak_memory();
+    let outputs = engine.generate_batch(&requests).into_iter().collect::<Result<Vec<_>, _>>()?;
+    if let Some(o) = outputs.iter().find(|o| o.stats.generated_tokens != gen) {
+        return Err(format!("a row generated {} tokens instead of {gen}", o.stats.generated_tokens).into());
+    }
+    // Every row was submitted at once: its first token came `prompt_time`
+    // after that, its last `prompt_time + decode_time` after.
+    let first = outputs.iter().map(|o| o.stats.prompt_time.as_secs_f64()).fold(f64::INFINITY, f64::min);
+    let last = outputs.iter().map(|o| (o.stats.prompt_time + o.stats.decode_time).as_secs_f64()).fold(0.0, f64::max);
+    let decoded: usize = outputs.iter().map(|o| o.stats.generated_tokens - 1).sum();
+    let prompt_tokens: usize = outputs.iter().map(|o| o.stats.prompt_tokens).sum();
+    let prompt_s = outputs.iter().map(|o| o.stats.prompt_time.as_secs_f64()).fold(0.0, f64::max);
+    Ok(Run {
+        prompt_s,
+        // All rows' prompt tokens over the time until the last row's first token.
+        prompt_tps: prompt_tokens as f64 / prompt_s.max(1e-9),
+        ttft_s: median(outputs.iter().map(|o| o.stats.prompt_time.as_secs_f64())),
+        decode_s: median(outputs.iter().map(|o| o.stats.decode_time.as_secs_f64())),
+        decode_tps: median(outputs.iter().map(|o| o.stats.decode_tokens_per_second())),
+        aggregate_decode_tps: decoded as f64 / (last - first).max(1e-9),
+        process_peak_mlx_bytes: outputs.iter().map(|o| o.stats.process_peak_memory_bytes).max().unwrap_or(0),
     })
 }
 

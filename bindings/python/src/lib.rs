@@ -299,7 +299,12 @@ fn lost(py: Python<'_>) -> PyErr {
 
 /// Runs a generation to its end with the GIL released, checking for signals.
 fn run_to_end(py: Python<'_>, engine: &Engine, request: GenerationRequest) -> PyResult<GenerationOutput> {
-    let mut stream = GenerationStream::start(engine, request);
+    finish(py, GenerationStream::start(engine, request))
+}
+
+/// Waits for `stream`'s output with the GIL released, checking for signals
+/// (Ctrl-C abandons it).
+fn finish(py: Python<'_>, mut stream: GenerationStream) -> PyResult<GenerationOutput> {
     loop {
         match py.detach(|| wait(&mut stream, POLL, true)) {
             Waited::Done(output) => return Ok(output),
@@ -313,6 +318,23 @@ fn run_to_end(py: Python<'_>, engine: &Engine, request: GenerationRequest) -> Py
             }
         }
     }
+}
+
+/// Every stream's output in order; all of them run at once as one batch.
+/// On the first error (or Ctrl-C) the rest are abandoned.
+fn finish_all(py: Python<'_>, streams: Vec<GenerationStream>) -> PyResult<Vec<GenerationOutput>> {
+    let mut outputs = Vec::with_capacity(streams.len());
+    let mut streams = streams.into_iter();
+    while let Some(stream) = streams.next() {
+        match finish(py, stream) {
+            Ok(output) => outputs.push(output),
+            Err(e) => {
+                streams.for_each(abandon);
+                return Err(e);
+            }
+        }
+    }
+    Ok(outputs)
 }
 
 // ---------------------------------------------------------------------------
@@ -411,6 +433,43 @@ impl Model {
         let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
         let prompt = prompt_arg(py, prompt)?;
         self.generate_text(py, prompt, sampling)
+    }
+
+    /// Generates a continuation of every prompt in `prompts` (each a str or a
+    /// list of token ids) with the same parameters, as one batch: the model
+    /// decodes all of them in each forward pass. Returns the texts in order;
+    /// each is exactly what `generate` returns for that prompt alone.
+    #[pyo3(signature = (prompts, *, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                        repetition_penalty=1.0, repetition_context_size=20, seed=None, stop=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate_batch(
+        &self,
+        py: Python<'_>,
+        prompts: &Bound<'_, PyAny>,
+        max_tokens: i64,
+        temperature: f64,
+        top_p: f64,
+        top_k: i64,
+        min_p: f64,
+        repetition_penalty: f64,
+        repetition_context_size: i64,
+        seed: Option<&Bound<'_, PyAny>>,
+        stop: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<String>> {
+        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
+        let params = sampling.params(py)?;
+        if prompts.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err("`prompts` must be a list of prompts, not a str"));
+        }
+        let items = prompts
+            .try_iter()
+            .map_err(|_| PyTypeError::new_err(format!("`prompts` must be a list of prompts, not {}", type_name(prompts))))?;
+        let prompts = items.map(|p| prompt_arg(py, &p?)).collect::<PyResult<Vec<_>>>()?;
+        let streams = prompts
+            .into_iter()
+            .map(|prompt| GenerationStream::start(&self.engine, self.request(prompt, params.clone())))
+            .collect();
+        Ok(finish_all(py, streams)?.into_iter().map(|o| o.text).collect())
     }
 
     /// Like `generate`, but returns an iterator of `Chunk`s as they are generated.
@@ -900,8 +959,7 @@ fn default_model_dir(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
 }
 
 /// Waits (GIL released) up to `timeout` seconds for cancelled generations
-/// to stop; registered with `atexit` so MLX is not torn down under them.
-/// Returns how many are still running.
+/// to stop. Returns how many are still running.
 #[pyfunction]
 #[pyo3(signature = (timeout=10.0))]
 fn _shutdown(py: Python<'_>, timeout: f64) -> usize {
@@ -917,6 +975,16 @@ fn _shutdown(py: Python<'_>, timeout: f64) -> usize {
             std::thread::sleep(Duration::from_millis(10));
         }
     })
+}
+
+/// Stops every engine's scheduler thread for the interpreter's exit
+/// (`mlxcel_engine::shutdown`): running generations end as cancelled and
+/// new ones fail, so MLX is not torn down under them. Registered with
+/// `atexit` after `_shutdown`. Returns whether all stopped within `timeout`.
+#[pyfunction]
+#[pyo3(signature = (timeout=10.0))]
+fn _stop_engines(py: Python<'_>, timeout: f64) -> bool {
+    py.detach(|| mlxcel_engine::shutdown(Duration::from_secs_f64(timeout.max(0.0))))
 }
 
 /// Seconds for one float32 `n`×`n` matmul on MLX's CPU (after a warm-up):
@@ -944,7 +1012,7 @@ mod _mlxcel {
     use super::*;
 
     #[pymodule_export]
-    use super::{_matmul_seconds, _shutdown, default_model_path, load, Chunk, Model, ModelInfo, Stream};
+    use super::{_matmul_seconds, _shutdown, _stop_engines, default_model_path, load, Chunk, Model, ModelInfo, Stream};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

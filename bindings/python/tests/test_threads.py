@@ -71,3 +71,35 @@ def test_concurrent_iteration_is_refused_and_close_works_from_another_thread(mod
         last = waiting.result(timeout=60)
     assert last.finish_reason == "cancelled"
     assert list(stream) == []
+
+
+def test_generate_batch_matches_each_alone(model):
+    alone = [model.generate(p, max_tokens=20) for p in PROMPTS]
+    assert model.generate_batch(PROMPTS, max_tokens=20) == alone
+    seeded = model.generate(PROMPTS[1], max_tokens=20, temperature=0.8, seed=9)
+    assert model.generate_batch([PROMPTS[1]] * 3, max_tokens=20, temperature=0.8, seed=9) == [seeded] * 3
+    assert model.generate_batch([], max_tokens=4) == []
+
+
+def test_generate_batch_checks_its_arguments(model):
+    import pytest
+
+    with pytest.raises(TypeError, match="list of prompts"):
+        model.generate_batch("The capital of France is")
+    with pytest.raises(TypeError, match="prompt"):
+        model.generate_batch(["fine", 3.5])
+
+
+def test_generations_leave_no_threads_behind(model):
+    # Every generation runs on the model's one scheduler thread: the
+    # process's thread count stays flat however many calls were made.
+    def threads():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+    model.generate("warm up", max_tokens=2)
+    before = threads()
+    for i in range(30):
+        model.generate(f"Count to {i}:", max_tokens=2)
+        next(iter(model.stream("Abandoned", max_tokens=8)))
+    assert threads() <= before + 1, (before, threads())

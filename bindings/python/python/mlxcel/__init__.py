@@ -62,8 +62,14 @@ from ._mlxcel import (  # noqa: E402
 )
 
 # A generation cancelled by Ctrl-C or close() may still be finishing its
-# current forward pass on its own thread: let it, before MLX is torn down.
-atexit.register(_mlxcel._shutdown)
+# current step: let it, then stop the engines' scheduler threads, before MLX
+# is torn down.
+def _at_exit() -> None:
+    _mlxcel._shutdown()
+    _mlxcel._stop_engines()
+
+
+atexit.register(_at_exit)
 
 #: "openblas" when OpenBLAS was preloaded (see the module docstring), else
 #: "bundled" (the mlx-cpu wheel's reference BLAS) on Linux, "platform" elsewhere.

@@ -147,6 +147,25 @@ class Model:
         Raises InvalidParameter (bad values, empty or too long prompt),
         TypeError (wrong types), GenerationError, KeyboardInterrupt.
         """
+    def generate_batch(
+        self,
+        prompts: Sequence[PromptLike],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_context_size: int = 20,
+        seed: Optional[int] = None,
+        stop: Stop = None,
+    ) -> List[str]:
+        """Generates a continuation of every prompt as one batch (the model
+        decodes all of them in each forward pass); the texts come back in
+        order, each exactly what ``generate`` returns for it alone. Raises
+        like ``generate`` on the first prompt that fails.
+        """
     def stream(
         self,
         prompt: PromptLike,
@@ -209,4 +228,6 @@ class Model:
 def _matmul_seconds(n: int = 1024) -> float: ...
 def _shutdown(timeout: float = 10.0) -> int:
     """Waits for cancelled generations to stop (registered with atexit)."""
+def _stop_engines(timeout: float = 10.0) -> bool:
+    """Stops every engine's scheduler thread (registered with atexit)."""
 
