@@ -127,6 +127,11 @@ export declare class Model {
   applyChatTemplate(messages: Message[], options?: { addGenerationPrompt?: boolean }): string
   /** Continues a prompt (text, or token ids used as they are) and resolves to the generated text. */
   generate(prompt: string | ArrayLike<number>, options?: GenerateOptions): Promise<string>
+  /**
+   * Continues every prompt as one batch (the engine decodes them together);
+   * the texts in order, each exactly what generate() gives it alone.
+   */
+  generateBatch(prompts: Array<string | ArrayLike<number>>, options?: GenerateOptions): Promise<string[]>
   /** Like generate(), chunk by chunk: `for await (const { text } of model.stream(prompt)) ...` */
   stream(prompt: string | ArrayLike<number>, options?: GenerateOptions): GenerationStream
   /** Answers chat messages, rendered with the model's chat template. */

@@ -174,6 +174,8 @@ function stopAllOnExit() {
     if (!handle.waitFinished(Math.max(0, deadline - Date.now()))) break
   }
   running.clear()
+  // Then the engines' scheduler threads, so none is inside MLX at teardown.
+  native.shutdownEngines(Math.max(0, deadline - Date.now()))
 }
 process.once('exit', stopAllOnExit)
 
@@ -370,6 +372,18 @@ class Model {
   /** Continues `prompt` (a string, or token ids); resolves to the generated text. */
   async generate(prompt, opts) {
     return generateText(this.#native, textPrompt(prompt), opts)
+  }
+
+  /**
+   * Continues every prompt with the same options as one batch: all are queued
+   * at once and the engine decodes them together in each forward pass. Resolves
+   * to the texts in order, each exactly what generate() gives it alone; rejects
+   * with the first failure.
+   */
+  async generateBatch(prompts, opts) {
+    if (!Array.isArray(prompts)) throw argumentError('generateBatch() takes an array of prompts')
+    const parsed = prompts.map(textPrompt)
+    return Promise.all(parsed.map((p) => generateText(this.#native, p, opts)))
   }
 
   /** Like generate(), as an async iterator of `{ text, token, finishReason }` chunks. */

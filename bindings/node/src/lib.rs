@@ -427,6 +427,14 @@ fn run_generation(engine: Engine, request: GenerationRequest, on_event: EventCal
     on_event.call(event, ThreadsafeFunctionCallMode::NonBlocking);
 }
 
+/// Stops every engine's scheduler thread for process exit
+/// (`mlxcel_engine::shutdown`): running generations end as cancelled, new
+/// ones fail. Waits at most `timeoutMs`; true if all stopped.
+#[napi]
+pub fn shutdown_engines(timeout_ms: u32) -> bool {
+    mlxcel_engine::shutdown(Duration::from_millis(timeout_ms as u64))
+}
+
 /// Set when a generation thread has returned.
 #[derive(Default)]
 struct Finished {

@@ -124,6 +124,20 @@ describe('generate', () => {
     assert.deepEqual(concurrent, sequential)
   })
 
+  test('generateBatch gives each prompt the text it gets alone', async () => {
+    const prompts = [CAPITAL, 'The largest planet is', [1, 504, 3458, 282], 'My favourite colour is']
+    const opts = { maxTokens: 12 }
+    const alone = []
+    for (const p of prompts) alone.push(await model.generate(p, opts))
+    assert.deepEqual(await model.generateBatch(prompts, opts), alone)
+    const seeded = { maxTokens: 12, temperature: 0.8, seed: 3 }
+    const one = await model.generate(CAPITAL, seeded)
+    assert.deepEqual(await model.generateBatch([CAPITAL, CAPITAL, CAPITAL], seeded), [one, one, one])
+    assert.deepEqual(await model.generateBatch([], opts), [])
+    await assert.rejects(model.generateBatch('not an array'), { code: 'INVALID_ARGUMENT' })
+    await assert.rejects(model.generateBatch([CAPITAL, [1, 999999]], opts), /999999/)
+  })
+
   test('a setInterval timer keeps firing while the model generates', async () => {
     // Lengthen the prompt until one generation takes at least 300 ms, so that
     // a generation blocking the event loop would show as a gap that long.
