@@ -446,6 +446,32 @@ mlxcel_status mlxcel_generate_tokens(struct mlxcel_context *ctx,
                                      size_t out_cap,
                                      struct mlxcel_generation_result *result);
 
+// Generates a continuation of `prompts[i]` (NUL-terminated UTF-8, as
+// `mlxcel_generate`) on `contexts[i]` for every `i < n`, with the same
+// `params`, as one batch: the engine decodes all of them in each forward
+// pass, and each row's tokens are exactly those it gets alone.
+//
+// - `statuses` (may be NULL) receives each row's status, as
+//   `mlxcel_generate` would return it; `results` (may be NULL) each row's
+//   result. Each row's text and tokens are in its context afterwards
+//   (`mlxcel_context_text`, `mlxcel_context_tokens`).
+// - The contexts may belong to different models; each model batches its own rows.
+//
+// Returns `MLXCEL_OK` when every row returned `MLXCEL_OK` or
+// `MLXCEL_CANCELLED`; else the status of the first row (in order) that
+// failed, with that row's message in `mlxcel_last_error`. NULL_POINTER when
+// `contexts` or `prompts` is NULL with `n > 0`; INVALID_ARGUMENT when one
+// context appears twice (nothing runs then).
+//
+// Blocking: returns when every row has ended. `mlxcel_cancel` on a row's
+// context, from any thread, cancels that row alone.
+mlxcel_status mlxcel_generate_batch(struct mlxcel_context *const *contexts,
+                                    const char *const *prompts,
+                                    size_t n,
+                                    struct mlxcel_generate_params params,
+                                    mlxcel_status *statuses,
+                                    struct mlxcel_generation_result *results);
+
 // Asks the generation running on `ctx` to stop. Safe to call from any
 // thread (e.g. a UI or signal-watching thread) at any time. The run stops at
 // its next check, between prompt chunks (`prefill_chunk` tokens) or between

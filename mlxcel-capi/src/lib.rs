@@ -1027,6 +1027,108 @@ pub unsafe extern "C" fn mlxcel_generate_tokens(
     )
 }
 
+/// Generates a continuation of `prompts[i]` (NUL-terminated UTF-8, as
+/// `mlxcel_generate`) on `contexts[i]` for every `i < n`, with the same
+/// `params`, as one batch: the engine decodes all of them in each forward
+/// pass, and each row's tokens are exactly those it gets alone.
+///
+/// - `statuses` (may be NULL) receives each row's status, as
+///   `mlxcel_generate` would return it; `results` (may be NULL) each row's
+///   result. Each row's text and tokens are in its context afterwards
+///   (`mlxcel_context_text`, `mlxcel_context_tokens`).
+/// - The contexts may belong to different models; each model batches its own rows.
+///
+/// Returns `MLXCEL_OK` when every row returned `MLXCEL_OK` or
+/// `MLXCEL_CANCELLED`; else the status of the first row (in order) that
+/// failed, with that row's message in `mlxcel_last_error`. NULL_POINTER when
+/// `contexts` or `prompts` is NULL with `n > 0`; INVALID_ARGUMENT when one
+/// context appears twice (nothing runs then).
+///
+/// Blocking: returns when every row has ended. `mlxcel_cancel` on a row's
+/// context, from any thread, cancels that row alone.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_generate_batch(
+    contexts: *const *mut mlxcel_context,
+    prompts: *const *const c_char,
+    n: usize,
+    params: mlxcel_generate_params,
+    statuses: *mut mlxcel_status,
+    results: *mut mlxcel_generation_result,
+) -> mlxcel_status {
+    let rows = guard(|_| {
+        if n == 0 {
+            return Ok(MLXCEL_OK);
+        }
+        if contexts.is_null() {
+            return Err(CError::null("contexts"));
+        }
+        if prompts.is_null() {
+            return Err(CError::null("prompts"));
+        }
+        let list = std::slice::from_raw_parts(contexts, n);
+        for (i, ctx) in list.iter().enumerate() {
+            if let Some(j) = list[..i].iter().position(|c| c == ctx) {
+                return Err(CError::new(
+                    MLXCEL_ERR_INVALID_ARGUMENT,
+                    format!("contexts[{j}] and contexts[{i}] are the same context: each row needs its own"),
+                ));
+            }
+        }
+        Ok(MLXCEL_OK)
+    });
+    if rows != MLXCEL_OK || n == 0 {
+        return rows;
+    }
+    // One waiting thread per row: each blocks in `generate_with` while the
+    // model's scheduler runs all rows as one batch.
+    let outcomes: Vec<(mlxcel_status, String)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|i| {
+                let (ctx, prompt) = (*contexts.add(i) as usize, *prompts.add(i) as usize);
+                let result = if results.is_null() { 0 } else { results.add(i) as usize };
+                let params = SharedParams(&params);
+                scope.spawn(move || {
+                    let params = params;
+                    let status = generate_with(
+                        ctx as *mut mlxcel_context,
+                        |_| Ok(Prompt::Text(c_str(prompt as *const c_char, "prompts[i]")?.to_owned())),
+                        params.0,
+                        None,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        0,
+                        result as *mut mlxcel_generation_result,
+                    );
+                    let message = std::ffi::CStr::from_ptr(status::last_error_ptr()).to_string_lossy().into_owned();
+                    (status, message)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or((MLXCEL_ERR_INTERNAL, "internal error (panic)".into()))).collect()
+    });
+    if !statuses.is_null() {
+        for (i, (status, _)) in outcomes.iter().enumerate() {
+            *statuses.add(i) = *status;
+        }
+    }
+    match outcomes.iter().find(|(s, _)| *s != MLXCEL_OK && *s != MLXCEL_CANCELLED) {
+        Some((status, message)) => {
+            status::set_last_error(message);
+            *status
+        }
+        None => MLXCEL_OK,
+    }
+}
+
+/// The caller's parameters, read (never written) by the batch's row threads
+/// while the caller waits for them.
+#[derive(Clone, Copy)]
+struct SharedParams<'a>(&'a mlxcel_generate_params);
+
+// SAFETY: the parameters (and the stop strings they point to) are only read,
+// and outlive the scoped threads that read them.
+unsafe impl Send for SharedParams<'_> {}
+
 /// Asks the generation running on `ctx` to stop. Safe to call from any
 /// thread (e.g. a UI or signal-watching thread) at any time. The run stops at
 /// its next check, between prompt chunks (`prefill_chunk` tokens) or between

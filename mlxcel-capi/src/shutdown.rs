@@ -94,9 +94,13 @@ extern "C" fn on_exit() {
         }
         crate::cancel_all_runs();
         let own = DEPTH.with(Cell::get);
-        let mut g = gate();
-        while g.active > own {
-            g = DRAINED.wait(g).unwrap_or_else(|e| e.into_inner());
+        {
+            let mut g = gate();
+            while g.active > own {
+                g = DRAINED.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
         }
+        // The models' scheduler threads, which run every generation's rows.
+        mlxcel_engine::shutdown(std::time::Duration::from_secs(10));
     });
 }

@@ -306,6 +306,11 @@ fn c_four_threads_generate_on_one_model() {
     api_test("concurrent");
 }
 
+#[test]
+fn c_generate_batch_matches_each_row_alone() {
+    api_test("batch");
+}
+
 /// The C example under valgrind: no definite leaks, no memory errors, and
 /// (as the registry would keep a leaked handle reachable) little left in use
 /// at exit. MLX's and OpenBLAS's caches may be "possibly lost" or "still

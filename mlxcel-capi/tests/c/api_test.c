@@ -1,6 +1,6 @@
 /*
  * C tests of the mlxcel ABI, one scenario per command-line argument:
- *   api_test errors | buffers | generate | cancel_prefill | cancel_decode | concurrent
+ *   api_test errors | buffers | generate | cancel_prefill | cancel_decode | concurrent | batch
  * Every scenario loads the default model (NULL path). Exit status 0 = pass.
  * Run by mlxcel-capi/tests/c_api.rs.
  */
@@ -559,9 +559,56 @@ static void test_concurrent(void) {
     printf("concurrent: ok\n");
 }
 
+/* mlxcel_generate_batch: four prompts as one batch give each the text it
+ * gets alone; a bad row fails alone, a repeated context is refused. */
+static void test_batch(void) {
+    mlxcel_model *model = load_default();
+    const char *prompts[4] = {"The capital of France is", "Once upon a time", "def fibonacci(n):",
+                              "The largest planet is"};
+    mlxcel_context *ctx[4];
+    char alone[4][512];
+    for (int i = 0; i < 4; i++) {
+        CHECK_STATUS(mlxcel_context_new(model, &ctx[i]), MLXCEL_OK);
+        CHECK_STATUS(mlxcel_generate(ctx[i], prompts[i], greedy(16), NULL, NULL, alone[i], sizeof alone[i], NULL),
+                     MLXCEL_OK);
+    }
+    mlxcel_status statuses[4];
+    mlxcel_generation_result results[4];
+    CHECK_STATUS(mlxcel_generate_batch(ctx, prompts, 4, greedy(16), statuses, results), MLXCEL_OK);
+    for (int i = 0; i < 4; i++) {
+        char text[512];
+        size_t len = 0;
+        CHECK_STATUS(statuses[i], MLXCEL_OK);
+        CHECK(results[i].generated_tokens == 16 || results[i].finish_reason == MLXCEL_FINISH_STOP);
+        CHECK_STATUS(mlxcel_context_text(ctx[i], text, sizeof text, &len), MLXCEL_OK);
+        printf("row %d: [%s]\n", i, text);
+        CHECK(strcmp(text, alone[i]) == 0);
+    }
+    /* A prompt too long for the model fails alone; the others succeed. */
+    size_t long_len = 9000 * 4;
+    char *long_prompt = malloc(long_len + 1);
+    for (size_t i = 0; i < long_len; i += 4) memcpy(long_prompt + i, " ok ", 4);
+    long_prompt[long_len] = '\0';
+    const char *mixed[3] = {prompts[0], long_prompt, prompts[1]};
+    CHECK_STATUS(mlxcel_generate_batch(ctx, mixed, 3, greedy(16), statuses, results), MLXCEL_ERR_PROMPT_TOO_LONG);
+    CHECK_ERROR_MENTIONS("context");
+    CHECK_STATUS(statuses[0], MLXCEL_OK);
+    CHECK_STATUS(statuses[1], MLXCEL_ERR_PROMPT_TOO_LONG);
+    CHECK_STATUS(statuses[2], MLXCEL_OK);
+    free(long_prompt);
+    mlxcel_context *twice[2] = {ctx[0], ctx[0]};
+    CHECK_STATUS(mlxcel_generate_batch(twice, prompts, 2, greedy(4), NULL, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("same context");
+    CHECK_STATUS(mlxcel_generate_batch(NULL, prompts, 2, greedy(4), NULL, NULL), MLXCEL_ERR_NULL_POINTER);
+    CHECK_STATUS(mlxcel_generate_batch(NULL, NULL, 0, greedy(4), NULL, NULL), MLXCEL_OK);
+    for (int i = 0; i < 4; i++) CHECK_STATUS(mlxcel_context_free(ctx[i]), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("batch: ok\n");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent\n", argv[0]);
+        fprintf(stderr, "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent|batch\n", argv[0]);
         return 2;
     }
     const char *t = argv[1];
@@ -570,6 +617,7 @@ int main(int argc, char **argv) {
     else if (strcmp(t, "generate") == 0) test_generate();
     else if (strcmp(t, "cancel_prefill") == 0) test_cancel_prefill();
     else if (strcmp(t, "cancel_decode") == 0) test_cancel_decode();
+    else if (strcmp(t, "batch") == 0) test_batch();
     else if (strcmp(t, "concurrent") == 0) test_concurrent();
     else {
         fprintf(stderr, "unknown test %s\n", t);
