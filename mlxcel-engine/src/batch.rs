@@ -24,11 +24,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mlx_sys::{async_eval, concatenate, eval, memory, Array, Dtype};
+use mlxcel_models::nn::RowKernels;
 use mlxcel_models::{KvCache, Model};
 use mlxcel_tokenizer::StreamDecodeState;
 
 use crate::error::{Error, Result};
 use crate::generate::{CancelFlag, FinishReason, GenerationOutput, GenerationStats};
+use crate::prefix_cache::{self, PrefixCache, BLOCK_TOKENS, MIN_PROMPT_TOKENS};
 use crate::sampling::{recent_tokens, Sampler, SamplingParams};
 use crate::stop::{StopMatcher, StopOutcome};
 
@@ -82,6 +84,12 @@ struct Row {
     prefill_chunk: usize,
     phase: Phase,
     caches: Vec<Box<dyn KvCache>>,
+    /// `Prefill` for rows that take part in the prefix cache.
+    kernels: RowKernels,
+    /// The hash chain of the prompt's full blocks (prefix-cached rows only).
+    block_hashes: Vec<u64>,
+    /// Prompt tokens adopted from the prefix cache.
+    cached_tokens: usize,
     sampler: Sampler,
     params: SamplingParams,
     ignore_eos: bool,
@@ -127,6 +135,7 @@ impl Row {
             decode_time: self.decode_start.map_or(Duration::ZERO, |t| t.elapsed()),
             kv_cache_bytes: self.caches.iter().map(|c| c.nbytes()).sum(),
             process_peak_memory_bytes: memory::peak_memory(),
+            cached_tokens: self.cached_tokens,
         }
     }
 }
@@ -134,6 +143,8 @@ impl Row {
 /// Rows of one model; see the module docs.
 pub struct BatchEngine {
     model: Arc<Model>,
+    /// None when the model's prefill is not chunking invariant.
+    prefix: Option<PrefixCache>,
     rows: Vec<Row>,
     next_id: RowId,
     /// Events of rows that ended outside `finish_rows` (prefill, cancel).
@@ -141,8 +152,17 @@ pub struct BatchEngine {
 }
 
 impl BatchEngine {
-    pub fn new(model: Arc<Model>) -> Self {
-        BatchEngine { model, rows: Vec::new(), next_id: 1, pending: Vec::new() }
+    /// An engine whose prefix cache holds up to `prefix_cache_bytes` (0
+    /// turns it off).
+    pub fn new(model: Arc<Model>, prefix_cache_bytes: usize) -> Self {
+        let prefix = (prefix_cache_bytes > 0 && model.network.chunking_invariant_prefill())
+            .then(|| PrefixCache::new(prefix_cache_bytes));
+        BatchEngine { model, prefix, rows: Vec::new(), next_id: 1, pending: Vec::new() }
+    }
+
+    /// The prefix cache, when on.
+    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+        self.prefix.as_ref()
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -167,14 +187,29 @@ impl BatchEngine {
         validate_prompt(&self.model, &request.prompt, request.prefill_chunk)?;
         let id = self.next_id;
         self.next_id += 1;
+        let (mut caches, mut kernels, mut block_hashes, mut cached_tokens) =
+            (None, RowKernels::ByCount, Vec::new(), 0);
+        if let Some(prefix) = self.prefix.as_mut().filter(|_| request.prompt.len() > MIN_PROMPT_TOKENS) {
+            kernels = RowKernels::Prefill;
+            block_hashes = prefix_cache::block_hashes(&request.prompt);
+            // At least one prompt token is left to prefill, for the logits.
+            let max_blocks = (request.prompt.len() - 1) / BLOCK_TOKENS;
+            if let Some((adopted, tokens)) = prefix.adopt(&request.prompt, &block_hashes, max_blocks)? {
+                caches = Some(adopted);
+                cached_tokens = tokens;
+            }
+        }
         self.rows.push(Row {
+            kernels,
+            block_hashes,
+            cached_tokens,
             id,
             history: request.prompt.clone(),
             prompt: request.prompt,
-            prefilled: 0,
+            prefilled: cached_tokens,
             prefill_chunk: request.prefill_chunk,
             phase: Phase::Prefilling,
-            caches: self.model.network.new_caches(),
+            caches: caches.unwrap_or_else(|| self.model.network.new_caches()),
             sampler,
             stops: StopMatcher::new(&request.params.stop),
             params: request.params,
@@ -240,9 +275,9 @@ impl BatchEngine {
         // The last chunk holds the remainder: 1..=chunk tokens, as alone.
         let last_start = total - ((total - 1) % r.prefill_chunk + 1);
         let start = r.prefilled;
-        let end = if start < last_start { start + r.prefill_chunk } else { total };
+        let end = if start < last_start { (start + r.prefill_chunk).min(total) } else { total };
         let tokens = token_array(&r.prompt[start..end])?;
-        let logits = network.forward_last(&tokens, &mut r.caches)?;
+        let logits = network.forward_last_with(&tokens, &mut r.caches, r.kernels)?;
         if end < total {
             eval(r.caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter())?;
         } else {
@@ -252,6 +287,10 @@ impl BatchEngine {
             async_eval([&next])?;
             r.queued = Some(next);
             r.phase = Phase::Decoding;
+            if let (Some(prefix), RowKernels::Prefill) = (self.prefix.as_mut(), r.kernels) {
+                // A store that fails costs later rows a cache hit, not this row its output.
+                let _ = prefix.store(&r.prompt, &r.block_hashes, &r.caches);
+            }
         }
         r.prefilled = end;
         Ok(end - start)

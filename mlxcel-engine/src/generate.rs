@@ -106,6 +106,9 @@ pub struct GenerationStats {
     /// since the owner of the process last called
     /// `mlx_sys::memory::reset_peak_memory`). Generations never reset it.
     pub process_peak_memory_bytes: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache
+    /// instead of being prefilled (included in `prompt_tokens`).
+    pub cached_tokens: usize,
 }
 
 impl GenerationStats {

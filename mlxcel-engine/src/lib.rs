@@ -16,6 +16,7 @@ pub mod batch;
 mod error;
 mod generate;
 mod sampling;
+pub mod prefix_cache;
 pub mod scheduler;
 mod stop;
 mod stream;

@@ -120,7 +120,7 @@ struct Client {
 }
 
 fn run(model: Arc<Model>, receiver: Receiver<Submission>, shared: Arc<Shared>) {
-    let mut engine = BatchEngine::new(model);
+    let mut engine = BatchEngine::new(model, crate::prefix_cache::DEFAULT_BUDGET_BYTES);
     let mut clients: HashMap<RowId, Client> = HashMap::new();
     let mut waiting: VecDeque<Submission> = VecDeque::new();
     loop {

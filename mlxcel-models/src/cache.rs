@@ -70,6 +70,17 @@ impl StandardKvCache {
     pub fn new() -> Self {
         Self::default()
     }
+
+    /// A cache holding `keys` and `values` ([1, kv_heads, n, head_dim]) as its
+    /// first n positions, copied into buffers with room to grow.
+    pub fn with_prefix(keys: &Array, values: &Array) -> Result<Self> {
+        let n = keys.dim(2);
+        let grown = |a: &Array| {
+            let s = a.shape();
+            grow_to(Some(a), [s[0], s[1], s[3]], a.dtype(), 1)
+        };
+        Ok(StandardKvCache { keys: Some(grown(keys)?), values: Some(grown(values)?), offset: n as usize })
+    }
 }
 
 fn grow(buffer: Option<&Array>, template: &Array, needed: i32) -> Result<Array> {

@@ -9,7 +9,7 @@ use serde_json::Value;
 use crate::architectures::{self, LoadContext};
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::nn::compute_dtype;
+use crate::nn::{compute_dtype, RowKernels};
 use crate::quantization::{QuantParams, QuantizationConfig};
 use mlxcel_tokenizer::Tokenizer;
 use crate::weights::{Scope, Weights};
@@ -28,6 +28,18 @@ pub trait LanguageModel: Send + Sync {
         let logits = self.forward(tokens, caches)?;
         let length = logits.dim(1);
         Ok(logits.slice_axis(1, length - 1, length)?)
+    }
+    /// [`forward_last`](Self::forward_last) with the kernels chosen by `kernels`.
+    fn forward_last_with(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        let _ = kernels;
+        self.forward_last(tokens, caches)
+    }
+    /// Whether prefill with [`RowKernels::Prefill`] computes every position
+    /// the same however the prompt is cut into chunks (bit for bit), so that
+    /// cached prompt blocks equal a fresh prefill. False unless the model
+    /// knows its kernels do (the engine's prefix cache is then off).
+    fn chunking_invariant_prefill(&self) -> bool {
+        false
     }
     /// B sequences at once, each over its own caches (`caches[b]`, one per
     /// layer): `tokens` [B, L] int32 → logits of each sequence's last

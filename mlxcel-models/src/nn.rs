@@ -14,6 +14,30 @@ use crate::weights::Scope;
 /// From this many rows on, quantized matmuls run as a GEMM (prefill).
 const DENSE_PREFILL_MIN_ROWS: usize = 16;
 
+/// Which kernels a forward pass picks for its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowKernels {
+    /// By the pass's row count: the fused block and the matvec loops for few
+    /// rows, the GEMMs for many (the fastest choice for each pass).
+    #[default]
+    ByCount,
+    /// The prefill kernels (GEMMs, causal attention) whatever the row count:
+    /// a position's keys, values and hidden states then do not depend on how
+    /// its prompt was cut into chunks, which lets the engine's prefix cache
+    /// hand out blocks that equal a fresh prefill bit for bit.
+    Prefill,
+}
+
+impl RowKernels {
+    /// The row count a kernel choice sees for `rows` rows.
+    fn rows(self, rows: usize) -> usize {
+        match self {
+            RowKernels::ByCount => rows,
+            RowKernels::Prefill => rows.max(DENSE_PREFILL_MIN_ROWS),
+        }
+    }
+}
+
 /// How prefill (many-row) work runs: our kernels (default), or the previous
 /// path (dequantize + MLX matmul, MLX's attention), kept for side-by-side
 /// comparisons: `RuntimeConfig::prefill` (`MLXCEL_PREFILL`).
@@ -123,9 +147,15 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        self.forward_with(x, RowKernels::ByCount)
+    }
+
+    /// [`forward`](Self::forward) with the kernels chosen by `kernels`.
+    pub fn forward_with(&self, x: &Array, kernels: RowKernels) -> Result<Array> {
+        let rows = x.size() / x.dim(-1).max(1) as usize;
         let y = match &self.weight {
             LinearWeight::Dense(w) => dense_matmul_t(x, w)?,
-            LinearWeight::Quantized(q) => q.matmul_t(x)?,
+            LinearWeight::Quantized(q) => q.matmul_t_choosing_by(x, kernels.rows(rows))?,
         };
         Ok(match &self.bias {
             Some(b) => y.add(b)?,
@@ -302,17 +332,21 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        if let Some(hidden) = self.fused_gate_up(x)? {
-            return self.down_proj.forward(&hidden);
+        self.forward_with(x, RowKernels::ByCount)
+    }
+
+    pub fn forward_with(&self, x: &Array, kernels: RowKernels) -> Result<Array> {
+        if let Some(hidden) = self.fused_gate_up(x, kernels)? {
+            return self.down_proj.forward_with(&hidden, kernels);
         }
-        let gate = self.gate_proj.forward(x)?.silu()?;
-        self.down_proj.forward(&gate.multiply(&self.up_proj.forward(x)?)?)
+        let gate = self.gate_proj.forward_with(x, kernels)?.silu()?;
+        self.down_proj.forward_with(&gate.multiply(&self.up_proj.forward_with(x, kernels)?)?, kernels)
     }
 
     /// `silu(gate(x)) * up(x)` as one GEMM node for many rows (prefill), when
     /// both projections are quantized alike and have no bias.
-    fn fused_gate_up(&self, x: &Array) -> Result<Option<Array>> {
-        let rows = x.size() / x.dim(-1).max(1) as usize;
+    fn fused_gate_up(&self, x: &Array, kernels: RowKernels) -> Result<Option<Array>> {
+        let rows = kernels.rows(x.size() / x.dim(-1).max(1) as usize);
         if rows < DENSE_PREFILL_MIN_ROWS || prefill_uses_mlx() || self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
             return Ok(None);
         }
@@ -378,7 +412,7 @@ impl Attention {
     }
 
     /// `x`: [B, L, hidden] → [B, L, hidden], appending to `cache`.
-    pub fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+    pub fn forward(&self, x: &Array, cache: &mut dyn KvCache, kernels: RowKernels) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let AttentionSpec { heads, kv_heads, head_dim, .. } = self.spec;
         let split_heads = |y: Array, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
@@ -389,9 +423,9 @@ impl Attention {
             };
             Ok(y.transpose(&[0, 2, 1, 3])?)
         };
-        let q = split_heads(self.q_proj.forward(x)?, heads, &self.q_norm)?;
-        let k = split_heads(self.k_proj.forward(x)?, kv_heads, &self.k_norm)?;
-        let v = split_heads(self.v_proj.forward(x)?, kv_heads, &None)?;
+        let q = split_heads(self.q_proj.forward_with(x, kernels)?, heads, &self.q_norm)?;
+        let k = split_heads(self.k_proj.forward_with(x, kernels)?, kv_heads, &self.k_norm)?;
+        let v = split_heads(self.v_proj.forward_with(x, kernels)?, kv_heads, &None)?;
         let offset = cache.offset();
         let q = self.rope.forward(&q, offset)?;
         let k = self.rope.forward(&k, offset)?;
@@ -406,7 +440,7 @@ impl Attention {
             fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask)?
         };
         let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, heads * head_dim])?;
-        self.o_proj.forward(&out)
+        self.o_proj.forward_with(&out, kernels)
     }
 }
 
@@ -436,15 +470,21 @@ impl DecoderBlock {
     }
 
     pub fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
-        if let Some(fused) = &self.fused {
+        self.forward_with(x, cache, RowKernels::ByCount)
+    }
+
+    /// [`forward`](Self::forward) with the kernels chosen by `kernels`
+    /// (`Prefill` never takes the fused block).
+    pub fn forward_with(&self, x: &Array, cache: &mut dyn KvCache, kernels: RowKernels) -> Result<Array> {
+        if let (Some(fused), RowKernels::ByCount) = (&self.fused, kernels) {
             if x.ndim() == 3 && x.dim(0) == 1 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32 {
                 if let Some(out) = fused.forward(x, cache)? {
                     return Ok(out);
                 }
             }
         }
-        let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, cache)?)?;
-        h.add(&self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)
+        let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, cache, kernels)?)?;
+        h.add(&self.mlp.forward_with(&self.post_attention_layernorm.forward(&h)?, kernels)?)
             .map_err(Into::into)
     }
 

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use crate::cache::{KvCache, StandardKvCache};
 use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelShape};
-use crate::nn::{Attention, AttentionSpec, DecoderBlock, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
+use crate::nn::{Attention, AttentionSpec, DecoderBlock, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling, RowKernels};
 use super::LoadContext;
 
 /// Hugging Face config keys common to llama-style models.
@@ -139,13 +139,13 @@ impl DecoderModel {
 
 impl DecoderModel {
     /// The final hidden states ([B, L, hidden]) after every block.
-    fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+    fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
         if caches.len() != self.layers.len() {
             return Err(Error::Mlx(format!("{} caches given for {} layers", caches.len(), self.layers.len())));
         }
         let mut h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, cache.as_mut())?;
+            h = layer.forward_with(&h, cache.as_mut(), kernels)?;
         }
         Ok(h)
     }
@@ -174,14 +174,23 @@ impl DecoderModel {
 
 impl LanguageModel for DecoderModel {
     fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
-        let h = self.hidden(tokens, caches)?;
+        let h = self.hidden(tokens, caches, RowKernels::ByCount)?;
         self.logits(&h)
     }
 
     fn forward_last(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
-        let h = self.hidden(tokens, caches)?;
+        self.forward_last_with(tokens, caches, RowKernels::ByCount)
+    }
+
+    fn forward_last_with(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        let h = self.hidden(tokens, caches, kernels)?;
         let length = h.dim(1);
+        // The lm_head sees one row either way.
         self.logits(&h.slice_axis(1, length - 1, length)?)
+    }
+
+    fn chunking_invariant_prefill(&self) -> bool {
+        mlx_sys::Device::default_device() == mlx_sys::Device::Cpu && self.layers.iter().all(|l| l.is_fused())
     }
 
     fn forward_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
