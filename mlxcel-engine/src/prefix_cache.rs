@@ -135,17 +135,17 @@ impl PrefixCache {
     /// out of `caches` (which hold at least the prompt's positions).
     pub fn store(&mut self, prompt: &[u32], hashes: &[u64], caches: &[Box<dyn KvCache>]) -> Result<()> {
         let missing: Vec<usize> = (0..hashes.len()).filter(|&i| !self.blocks.contains_key(&hashes[i])).collect();
-        let Some(&last) = missing.last() else { return Ok(()) };
-        let end = ((last + 1) * BLOCK_TOKENS) as i32;
-        // Each layer's first `end` positions as [kv_heads, blocks, BLOCK, D],
+        let (Some(&first), Some(&last)) = (missing.first(), missing.last()) else { return Ok(()) };
+        let (start, end) = ((first * BLOCK_TOKENS) as i32, ((last + 1) * BLOCK_TOKENS) as i32);
+        // Each layer's positions start..end as [kv_heads, blocks, BLOCK, D],
         // stacked over layers: [layers, kv_heads, blocks, BLOCK, D].
         let gather = |which: usize| -> Result<Array> {
             let per_layer = caches
                 .iter()
                 .map(|c| {
-                    let a = c.state()[which].slice_axis(2, 0, end)?;
+                    let a = c.state()[which].slice_axis(2, start, end)?;
                     let (h, d) = (a.dim(1), a.dim(3));
-                    a.reshape(&[h, end / BLOCK_TOKENS as i32, BLOCK_TOKENS as i32, d])
+                    a.reshape(&[h, (end - start) / BLOCK_TOKENS as i32, BLOCK_TOKENS as i32, d])
                 })
                 .collect::<mlx_sys::Result<Vec<_>>>()?;
             Ok(stack(&per_layer, 0)?)
@@ -156,7 +156,8 @@ impl PrefixCache {
         for &i in &missing {
             // A copy of the block alone (x * 1 is exact), so that evicting it
             // frees its bytes.
-            let block = |all: &Array| -> Result<Array> { Ok(all.slice_axis(2, i as i32, i as i32 + 1)?.squeeze(2)?.mul_scalar(1.0)?) };
+            let at = (i - first) as i32;
+            let block = |all: &Array| -> Result<Array> { Ok(all.slice_axis(2, at, at + 1)?.squeeze(2)?.mul_scalar(1.0)?) };
             new.push((i, block(&all_keys)?, block(&all_values)?));
         }
         eval(new.iter().flat_map(|(_, k, v)| [k, v]))?;

@@ -45,6 +45,12 @@ pub struct BenchArgs {
     /// the engine's scheduler); adds the aggregate decode speed of all rows.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub batch: usize,
+    /// Measure time to first token of a second chat turn whose first turn
+    /// is in the prefix cache, against the same prompt cold: a system prompt
+    /// of about --prompt-tokens tokens of benches/prompt.txt, a question, the
+    /// model's answer (--gen-tokens at most), and a second question.
+    #[arg(long)]
+    pub prefix_reuse: bool,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -132,6 +138,9 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         }
     }
     let ids = prompt_ids(&model.tokenizer, args.prompt_tokens)?;
+    if args.prefix_reuse {
+        return prefix_reuse(args, &engine, &ids);
+    }
 
     eprintln!("warm-up: {} prompt + {WARMUP_GEN_TOKENS} generated tokens (untimed)", ids.len().min(WARMUP_PROMPT_TOKENS));
     run_once(&engine, &ids[..ids.len().min(WARMUP_PROMPT_TOKENS)], WARMUP_GEN_TOKENS, args.prefill_chunk)?;
@@ -289,6 +298,64 @@ fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> A
         aggregate_decode_tps: stats.decode_tokens_per_second(),
         process_peak_mlx_bytes: stats.process_peak_memory_bytes,
     })
+}
+
+/// `mlxcel bench --prefix-reuse`: a fresh engine (empty prefix cache) per
+/// run answers the first turn, then the second turn (cached); another fresh
+/// engine answers the second turn cold.
+fn prefix_reuse(args: &BenchArgs, engine: &Engine, ids: &[u32]) -> AnyResult<()> {
+    use mlxcel_engine::Message;
+    let model = engine.model();
+    let document = model.tokenizer.decode(ids, true)?;
+    let system = Message::system(format!("Answer questions about this text.\n\n{document}"));
+    let (q1, q2) = ("What is this text about, in one sentence?", "Which details support that?");
+    let request = |messages: Vec<Message>| GenerationRequest {
+        params: SamplingParams { temperature: 0.0, max_tokens: args.gen_tokens, ..SamplingParams::default() },
+        prefill_chunk: args.prefill_chunk,
+        ..GenerationRequest::new(Prompt::Chat(messages))
+    };
+    let ttft = |engine: &Engine, request: &GenerationRequest| -> AnyResult<(f64, usize, usize)> {
+        let output = engine.generate(request, |_| true)?;
+        Ok((output.stats.prompt_time.as_secs_f64(), output.stats.cached_tokens, output.stats.prompt_tokens))
+    };
+    let (mut cold, mut cached) = (Vec::new(), Vec::new());
+    let (mut cached_tokens, mut prompt_tokens) = (0, 0);
+    for i in 1..=args.repeat {
+        let warm = Engine::new(model.clone());
+        let first = warm.generate(&request(vec![system.clone(), Message::user(q1)]), |_| true)?;
+        let second =
+            request(vec![system.clone(), Message::user(q1), Message::assistant(first.text.clone()), Message::user(q2)]);
+        let (t_cached, hit, n) = ttft(&warm, &second)?;
+        let (t_cold, miss, _) = ttft(&Engine::new(model.clone()), &second)?;
+        if miss != 0 {
+            return Err("the cold engine found a cached prefix".into());
+        }
+        eprintln!("run {i}/{}: {n} prompt tokens, {hit} cached: TTFT cold {t_cold:.3} s, cached {t_cached:.3} s", args.repeat);
+        cold.push(t_cold);
+        cached.push(t_cached);
+        (cached_tokens, prompt_tokens) = (hit, n);
+    }
+    let (ttft_cold_s, ttft_cached_s) = (median(cold.into_iter()), median(cached.into_iter()));
+    if args.json {
+        let report = json!({
+            "model": model.dir.to_string_lossy(),
+            "prefix_reuse": true,
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            "ttft_cold_s": ttft_cold_s,
+            "ttft_cached_s": ttft_cached_s,
+            "speedup": ttft_cold_s / ttft_cached_s.max(1e-9),
+            "repeat": args.repeat,
+            "cpu": crate::machine::cpu_model(),
+            "kernel_threads": mlx_sys::kernels::num_threads(),
+        });
+        println!("{report}");
+    } else {
+        println!("second chat turn: {prompt_tokens} prompt tokens, {cached_tokens} from the prefix cache");
+        println!("TTFT cold:   {ttft_cold_s:.3} s");
+        println!("TTFT cached: {ttft_cached_s:.3} s ({:.1}x faster)", ttft_cold_s / ttft_cached_s.max(1e-9));
+    }
+    Ok(())
 }
 
 /// `ids` started `row * 37` tokens later (wrapping), for batch row `row`.

@@ -198,6 +198,14 @@ fn print_info(dir: &Path, info: &ModelInfo, config: &serde_json::Value, tokenize
         println!("context:         {context} tokens");
     }
     println!("tokenizer:       {}, vocab {}", tokenizer.kind(), tokenizer.vocab_size());
+    let budget = mlxcel_engine::prefix_cache::DEFAULT_BUDGET_BYTES;
+    println!(
+        "engine:          batches up to {} rows; prefix cache {} in {}-token blocks ({} prompt tokens at most)",
+        mlxcel_engine::scheduler::MAX_ROWS,
+        human_bytes(budget as u64),
+        mlxcel_engine::prefix_cache::BLOCK_TOKENS,
+        budget / shape.kv_bytes_per_token().max(1)
+    );
     let loops = machine::KernelLoops::for_bits(info.main_weight_bits());
     println!("cpu:             {}", machine::cpu_model());
     println!(
