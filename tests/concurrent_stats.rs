@@ -55,8 +55,16 @@ fn concurrent_runs_report_their_own_stats_and_never_reset_the_process_peak() {
         let (s, a) = (&out.stats, &alone.stats);
         assert_eq!(out.tokens, alone.tokens, "greedy tokens differ when run concurrently");
         assert_eq!((s.prompt_tokens, s.generated_tokens), (a.prompt_tokens, a.generated_tokens));
-        // This run's own caches: as large as alone, whatever ran beside it.
-        assert_eq!(s.kv_cache_bytes, a.kv_cache_bytes, "{s:?}");
+        // This run's own caches: as large as alone, whatever ran beside it
+        // (the big prompt's second run adopts its prefix from the prefix
+        // cache, whose buffers grow in one step instead of per chunk: at
+        // most 256 positions apart).
+        if s.cached_tokens == 0 {
+            assert_eq!(s.kv_cache_bytes, a.kv_cache_bytes, "{s:?}");
+        } else {
+            assert_eq!(s.prompt_tokens, 1500, "only the long prompt is prefix-cached");
+            assert!(s.kv_cache_bytes.abs_diff(a.kv_cache_bytes) <= 256 * kv_per_token, "{s:?} vs {a:?}");
+        }
         assert!(s.kv_cache_bytes >= kv_per_token * (s.prompt_tokens + s.generated_tokens - 1), "{s:?}");
         assert!(s.process_peak_memory_bytes >= peak, "{s:?}: the process peak went below {peak}");
         assert!(s.prompt_time.as_secs_f64() > 0.0 && s.decode_time.as_secs_f64() > 0.0, "{s:?}");

@@ -45,6 +45,8 @@ export interface GenerationStats {
   kvCacheBytes: number
   /** Process-wide: MLX's allocator high-water mark over every run in the process; runs never reset it. */
   processPeakMemoryBytes: number
+  /** Prompt tokens whose keys and values came from the prefix cache (included in promptTokens). */
+  cachedTokens: number
 }
 
 /** A piece of streamed text. */

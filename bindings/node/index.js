@@ -239,6 +239,7 @@ function statsOf(done) {
     decodeMs: done.decodeMs,
     kvCacheBytes: done.kvCacheBytes,
     processPeakMemoryBytes: done.processPeakMemoryBytes,
+    cachedTokens: done.cachedTokens,
   }
 }
 

@@ -56,10 +56,21 @@ impl Shared {
 static SHUTTING_DOWN: AtomicBool = AtomicBool::new(false);
 static SCHEDULERS: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
 
-/// The handle of one scheduler thread. Dropping the last handle lets the
-/// thread finish its rows and exit.
+/// The handle of one scheduler thread. Engines and streams share it;
+/// dropping the last one stops the thread (its rows were cancelled by their
+/// streams' drops) and waits for it, so the model is freed by then.
 pub(crate) struct Scheduler {
-    sender: Sender<Submission>,
+    sender: Option<Sender<Submission>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.sender = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl Scheduler {
@@ -71,11 +82,11 @@ impl Scheduler {
             all.retain(|w| w.strong_count() > 0);
             all.push(Arc::downgrade(&shared));
         }
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("mlxcel-scheduler".into())
             .spawn(move || run(model, receiver, shared))
             .expect("spawning the scheduler thread");
-        Scheduler { sender }
+        Scheduler { sender: Some(sender), thread: Some(thread) }
     }
 
     /// Queues `request`; its events arrive on the returned channel, ending
@@ -83,7 +94,8 @@ impl Scheduler {
     pub fn submit(&self, request: RowRequest, client_cancel: CancelFlag) -> Receiver<RowEvent> {
         let (events, receiver) = unbounded();
         let submission = Submission { request, client_cancel, events, submitted: Instant::now() };
-        if let Err(failed) = self.sender.send(submission) {
+        let sender = self.sender.as_ref().expect("the sender lives until drop");
+        if let Err(failed) = sender.send(submission) {
             let _ = failed.0.events.send(RowEvent::Failed { row: 0, error: Error::ShuttingDown });
         }
         receiver

@@ -26,6 +26,8 @@ pub enum StreamEvent {
 /// Thread safety: the stream is `Send`; [`cancel_flag`](Self::cancel_flag)
 /// may be used from any thread.
 pub struct GenerationStream {
+    /// Keeps the scheduler (and the model) alive while the stream is.
+    _engine: Engine,
     events: Receiver<RowEvent>,
     cancel: CancelFlag,
     finished: bool,
@@ -39,8 +41,14 @@ impl GenerationStream {
     pub fn start(engine: &Engine, mut request: GenerationRequest) -> GenerationStream {
         let cancel = request.cancel.get_or_insert_with(CancelFlag::new).clone();
         match engine.submit(&request, cancel.clone()) {
-            Ok(events) => GenerationStream { events, cancel, finished: false, early: None },
-            Err(error) => GenerationStream { events: crossbeam_channel::never(), cancel, finished: false, early: Some(error) },
+            Ok(events) => GenerationStream { _engine: engine.clone(), events, cancel, finished: false, early: None },
+            Err(error) => GenerationStream {
+                _engine: engine.clone(),
+                events: crossbeam_channel::never(),
+                cancel,
+                finished: false,
+                early: Some(error),
+            },
         }
     }
 

@@ -72,12 +72,15 @@ impl StandardKvCache {
     }
 
     /// A cache holding `keys` and `values` ([1, kv_heads, n, head_dim]) as its
-    /// first n positions, copied into buffers with room to grow.
+    /// first n positions, copied into buffers with room to grow (capacity
+    /// n + 1 rounded up to the growth step).
     pub fn with_prefix(keys: &Array, values: &Array) -> Result<Self> {
         let n = keys.dim(2);
-        let grown = |a: &Array| {
+        let room = (n + Self::STEP) / Self::STEP * Self::STEP - n;
+        let grown = |a: &Array| -> Result<Array> {
             let s = a.shape();
-            grow_to(Some(a), [s[0], s[1], s[3]], a.dtype(), 1)
+            let zeros = Array::zeros(&[s[0], s[1], room, s[3]], a.dtype())?;
+            mlx_sys::concatenate(&[a.clone(), zeros], 2)
         };
         Ok(StandardKvCache { keys: Some(grown(keys)?), values: Some(grown(values)?), offset: n as usize })
     }

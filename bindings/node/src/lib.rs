@@ -172,6 +172,7 @@ pub struct NativeEvent {
     pub decode_ms: Option<f64>,
     pub kv_cache_bytes: Option<f64>,
     pub process_peak_memory_bytes: Option<f64>,
+    pub cached_tokens: Option<u32>,
     /// error: the public error code and message.
     pub code: Option<String>,
     pub message: Option<String>,
@@ -190,6 +191,7 @@ impl NativeEvent {
             decode_ms: None,
             kv_cache_bytes: None,
             process_peak_memory_bytes: None,
+            cached_tokens: None,
             code: None,
             message: None,
         }
@@ -403,6 +405,7 @@ fn run_generation(engine: Engine, request: GenerationRequest, on_event: EventCal
             event.prompt_ms = Some(ms(output.stats.prompt_time));
             event.decode_ms = Some(ms(output.stats.decode_time));
             event.kv_cache_bytes = Some(output.stats.kv_cache_bytes as f64);
+            event.cached_tokens = Some(output.stats.cached_tokens as u32);
             event.process_peak_memory_bytes = Some(output.stats.process_peak_memory_bytes as f64);
             event
         }

@@ -95,6 +95,7 @@ describe('generate', () => {
     assert.equal(last.text, '')
     assert.equal(last.stats.generatedTokens, 8)
     assert.ok(last.stats.kvCacheBytes > 0)
+    assert.equal(last.stats.cachedTokens, 0) // 5 prompt tokens: too short for the prefix cache
     assert.ok(last.stats.processPeakMemoryBytes >= model.info.weightBytes)
     for (const chunk of chunks.slice(0, -1)) {
       assert.equal(typeof chunk.text, 'string')
@@ -136,6 +137,16 @@ describe('generate', () => {
     assert.deepEqual(await model.generateBatch([], opts), [])
     await assert.rejects(model.generateBatch('not an array'), { code: 'INVALID_ARGUMENT' })
     await assert.rejects(model.generateBatch([CAPITAL, [1, 999999]], opts), /999999/)
+  })
+
+  test('a second turn over a long shared prefix reports cached tokens and the same text', async () => {
+    const system = 'You answer in one short sentence. ' + 'The printing press spread across Europe in fifty years. '.repeat(8)
+    const turn = (q) => [{ role: 'system', content: system }, { role: 'user', content: q }]
+    const first = await collect(model.chatStream(turn('When did it spread?'), { maxTokens: 8 }))
+    assert.ok(first.at(-1).stats.promptTokens > 64)
+    const again = await collect(model.chatStream(turn('How far did it spread?'), { maxTokens: 8 }))
+    const stats = again.at(-1).stats
+    assert.ok(stats.cachedTokens >= 64 && stats.cachedTokens < stats.promptTokens, JSON.stringify(stats))
   })
 
   test('a setInterval timer keeps firing while the model generates', async () => {
