@@ -447,6 +447,7 @@ unsafe fn generate_with(
             prefill_chunk,
             cancel: Some(cancel),
             ignore_eos: false,
+            cache_prompt: true,
         };
 
         let mut text = String::new();

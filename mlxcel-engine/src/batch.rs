@@ -46,6 +46,8 @@ pub struct RowRequest {
     pub prefill_chunk: usize,
     /// Keep decoding past EOS tokens (see `GenerationRequest::ignore_eos`).
     pub ignore_eos: bool,
+    /// Adopt cached prompt blocks and store this prompt's.
+    pub cache_prompt: bool,
     /// Checked between chunks and steps: a set flag finishes the row as cancelled.
     pub cancel: Option<CancelFlag>,
 }
@@ -88,6 +90,8 @@ struct Row {
     kernels: RowKernels,
     /// The hash chain of the prompt's full blocks (prefix-cached rows only).
     block_hashes: Vec<u64>,
+    /// Whether this row's prompt blocks are stored after its prefill.
+    store_prompt: bool,
     /// Prompt tokens adopted from the prefix cache.
     cached_tokens: usize,
     sampler: Sampler,
@@ -189,8 +193,11 @@ impl BatchEngine {
         self.next_id += 1;
         let (mut caches, mut kernels, mut block_hashes, mut cached_tokens) =
             (None, RowKernels::ByCount, Vec::new(), 0);
-        if let Some(prefix) = self.prefix.as_mut().filter(|_| request.prompt.len() > MIN_PROMPT_TOKENS) {
+        if self.prefix.is_some() && request.prompt.len() > MIN_PROMPT_TOKENS {
+            // The same kernels with or without the cache, so the tokens are too.
             kernels = RowKernels::Prefill;
+        }
+        if let Some(prefix) = self.prefix.as_mut().filter(|_| kernels == RowKernels::Prefill && request.cache_prompt) {
             block_hashes = prefix_cache::block_hashes(&request.prompt);
             // At least one prompt token is left to prefill, for the logits.
             let max_blocks = (request.prompt.len() - 1) / BLOCK_TOKENS;
@@ -201,6 +208,7 @@ impl BatchEngine {
         }
         self.rows.push(Row {
             kernels,
+            store_prompt: !block_hashes.is_empty(),
             block_hashes,
             cached_tokens,
             id,
@@ -287,7 +295,7 @@ impl BatchEngine {
             async_eval([&next])?;
             r.queued = Some(next);
             r.phase = Phase::Decoding;
-            if let (Some(prefix), RowKernels::Prefill) = (self.prefix.as_mut(), r.kernels) {
+            if let (Some(prefix), true) = (self.prefix.as_mut(), r.store_prompt) {
                 // A store that fails costs later rows a cache hit, not this row its output.
                 let _ = prefix.store(&r.prompt, &r.block_hashes, &r.caches);
             }

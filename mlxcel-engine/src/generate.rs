@@ -39,11 +39,22 @@ pub struct GenerationRequest {
     /// their text, if any, is streamed) until `max_tokens`, a stop string or
     /// cancellation. For benchmarks that need an exact token count; default false.
     pub ignore_eos: bool,
+    /// Reuse cached prompt blocks and store this prompt's (llama-server's
+    /// `cache_prompt`; default true). The tokens are the same either way;
+    /// benchmarks of cold prefill turn it off.
+    pub cache_prompt: bool,
 }
 
 impl GenerationRequest {
     pub fn new(prompt: Prompt) -> Self {
-        GenerationRequest { prompt, params: SamplingParams::default(), prefill_chunk: 512, cancel: None, ignore_eos: false }
+        GenerationRequest {
+            prompt,
+            params: SamplingParams::default(),
+            prefill_chunk: 512,
+            cancel: None,
+            ignore_eos: false,
+            cache_prompt: true,
+        }
     }
 }
 
@@ -195,6 +206,7 @@ impl Engine {
             params: request.params.clone(),
             prefill_chunk: request.prefill_chunk,
             ignore_eos: request.ignore_eos,
+            cache_prompt: request.cache_prompt,
             cancel: request.cancel.clone(),
         })
     }

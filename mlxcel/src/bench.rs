@@ -272,6 +272,8 @@ fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> A
     request.params = SamplingParams { temperature: 0.0, max_tokens: gen, ..SamplingParams::default() };
     request.prefill_chunk = prefill_chunk;
     request.ignore_eos = true;
+    // Every run prefills its prompt cold (the runs repeat one prompt).
+    request.cache_prompt = false;
     // MLX's peak is process-wide and generations never reset it; the bench
     // owns its process and runs one generation at a time, so it may.
     mlx_sys::memory::reset_peak_memory();
@@ -372,6 +374,7 @@ fn run_batch(engine: &Engine, rows: &[Vec<u32>], gen: usize, prefill_chunk: usiz
             params: SamplingParams { temperature: 0.0, max_tokens: gen, ..SamplingParams::default() },
             prefill_chunk,
             ignore_eos: true,
+            cache_prompt: false,
             ..GenerationRequest::new(Prompt::Tokens(ids.clone()))
         })
         .collect();

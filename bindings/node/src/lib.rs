@@ -371,6 +371,7 @@ impl NativeModel {
             prefill_chunk,
             cancel: Some(cancel.clone()),
             ignore_eos: false,
+            cache_prompt: true,
         };
         let engine = self.engine.clone();
         let finished = Arc::new(Finished::default());
