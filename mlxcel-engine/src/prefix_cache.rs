@@ -23,7 +23,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-use mlx_sys::{concatenate, eval, stack, Array};
+use mlx_sys::{eval, stack, Array};
 use mlxcel_models::{KvCache, StandardKvCache};
 
 use crate::error::Result;
@@ -117,15 +117,15 @@ impl PrefixCache {
             keys.push(b.keys.clone());
             values.push(b.values.clone());
         }
-        // [layers, kv_heads, n, head_dim] for all found blocks, then one
-        // [1, kv_heads, n, head_dim] cache per layer.
-        let keys = concatenate(&keys, 2)?;
-        let values = concatenate(&values, 2)?;
-        let layers = keys.dim(0);
+        // One [1, kv_heads, n, head_dim] cache per layer, each built by one
+        // copy of that layer's slice of every block.
+        let layers = keys[0].dim(0);
         let mut caches: Vec<Box<dyn KvCache>> = Vec::with_capacity(layers as usize);
         for l in 0..layers {
-            let cache = StandardKvCache::with_prefix(&keys.slice_axis(0, l, l + 1)?, &values.slice_axis(0, l, l + 1)?)?;
-            caches.push(Box::new(cache));
+            let layer = |blocks: &[Array]| -> Result<Vec<Array>> {
+                Ok(blocks.iter().map(|b| b.slice_axis(0, l, l + 1)).collect::<mlx_sys::Result<Vec<_>>>()?)
+            };
+            caches.push(Box::new(StandardKvCache::with_prefix_parts(&layer(&keys)?, &layer(&values)?)?));
         }
         eval(caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter())?;
         Ok(Some((caches, found.len() * BLOCK_TOKENS)))

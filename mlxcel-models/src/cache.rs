@@ -75,12 +75,19 @@ impl StandardKvCache {
     /// first n positions, copied into buffers with room to grow (capacity
     /// n + 1 rounded up to the growth step).
     pub fn with_prefix(keys: &Array, values: &Array) -> Result<Self> {
-        let n = keys.dim(2);
+        Self::with_prefix_parts(std::slice::from_ref(keys), std::slice::from_ref(values))
+    }
+
+    /// [`with_prefix`](Self::with_prefix) of the positions of `keys` and
+    /// `values` in order (each [1, kv_heads, n_i, head_dim]), in one copy.
+    pub fn with_prefix_parts(keys: &[Array], values: &[Array]) -> Result<Self> {
+        let n: i32 = keys.iter().map(|a| a.dim(2)).sum();
         let room = (n + Self::STEP) / Self::STEP * Self::STEP - n;
-        let grown = |a: &Array| -> Result<Array> {
-            let s = a.shape();
-            let zeros = Array::zeros(&[s[0], s[1], room, s[3]], a.dtype())?;
-            mlx_sys::concatenate(&[a.clone(), zeros], 2)
+        let grown = |parts: &[Array]| -> Result<Array> {
+            let s = parts[0].shape();
+            let mut all = parts.to_vec();
+            all.push(Array::zeros(&[s[0], s[1], room, s[3]], parts[0].dtype())?);
+            mlx_sys::concatenate(&all, 2)
         };
         Ok(StandardKvCache { keys: Some(grown(keys)?), values: Some(grown(values)?), offset: n as usize })
     }
