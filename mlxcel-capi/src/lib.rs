@@ -207,7 +207,9 @@ struct ContextInner {
     last: Mutex<(String, Vec<u32>)>,
 }
 
-static MODELS: Registry<Model> = Registry::new(1, "model");
+/// A model handle is its engine: one scheduler per model, shared by every
+/// context on it, so their generations are batched together.
+static MODELS: Registry<Engine> = Registry::new(1, "model");
 static CONTEXTS: Registry<ContextInner> = Registry::new(2, "context");
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -585,7 +587,7 @@ pub unsafe extern "C" fn mlxcel_model_load(
         };
         let model =
             Model::load(&dir).map_err(|e| CError::new(MLXCEL_ERR_MODEL_LOAD, e.to_string()))?;
-        *out_model = MODELS.insert(Arc::new(model)) as *mut mlxcel_model;
+        *out_model = MODELS.insert(Arc::new(Engine::new(Arc::new(model)))) as *mut mlxcel_model;
         // MLX's statics exist now: the exit handler must run before their destructors.
         shutdown::register_exit_handler();
         Ok(MLXCEL_OK)
@@ -653,7 +655,7 @@ pub unsafe extern "C" fn mlxcel_model_get_info(
     out_info: *mut mlxcel_model_info,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?;
+        let model = MODELS.get(model as usize)?.model().clone();
         if out_info.is_null() {
             return Err(CError::null("out_info"));
         }
@@ -704,7 +706,7 @@ pub unsafe extern "C" fn mlxcel_model_info_json(
     needed: *mut usize,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?;
+        let model = MODELS.get(model as usize)?.model().clone();
         check_buffer(out, out_cap, "out")?;
         let info = &model.info;
         let shape = &info.shape;
@@ -771,7 +773,7 @@ pub unsafe extern "C" fn mlxcel_tokenize(
     n_tokens: *mut usize,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?;
+        let model = MODELS.get(model as usize)?.model().clone();
         let text = c_str(text, "text")?;
         check_buffer(out, out_cap, "out")?;
         if n_tokens.is_null() {
@@ -802,7 +804,7 @@ pub unsafe extern "C" fn mlxcel_detokenize(
     needed: *mut usize,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?;
+        let model = MODELS.get(model as usize)?.model().clone();
         check_buffer(out, out_cap, "out")?;
         let ids = token_ids(tokens, n_tokens, model_vocab(&model))?;
         let text = model.tokenizer.decode(&ids, skip_special)?;
@@ -830,7 +832,7 @@ pub unsafe extern "C" fn mlxcel_apply_chat_template(
     needed: *mut usize,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?;
+        let model = MODELS.get(model as usize)?.model().clone();
         check_buffer(out, out_cap, "out")?;
         let messages = messages(roles, contents, n_messages)?;
         let text = model
@@ -858,9 +860,9 @@ pub unsafe extern "C" fn mlxcel_context_new(
             return Err(CError::null("out_ctx"));
         }
         *out_ctx = std::ptr::null_mut();
-        let model = MODELS.get(model as usize)?;
+        let engine = MODELS.get(model as usize)?;
         let inner = ContextInner {
-            engine: Engine::new(model),
+            engine: Engine::clone(&engine),
             running: AtomicBool::new(false),
             cancel: Mutex::new(CancelFlag::new()),
             last: Mutex::new((String::new(), Vec::new())),
