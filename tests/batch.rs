@@ -112,3 +112,26 @@ fn a_dropped_stream_frees_its_row_and_the_others_go_on() {
     let got: Vec<GenerationOutput> = results.into_iter().map(Result::unwrap).collect();
     assert_same("beside a dropped stream", &got, &want);
 }
+
+fn threads() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
+}
+
+/// An engine's scheduler thread ends with the last handle on it (engine
+/// clones and streams), so engines made and dropped leave no thread behind.
+#[test]
+fn dropping_the_last_handle_stops_the_scheduler_thread() {
+    let model = default_engine().model().clone();
+    let request = GenerationRequest { params: SamplingParams { max_tokens: 3, ..Default::default() }, ..requests()[0].clone() };
+    mlxcel_engine::Engine::new(model.clone()).generate(&request, |_| true).unwrap();
+    let before = threads();
+    for _ in 0..5 {
+        let engine = mlxcel_engine::Engine::new(model.clone());
+        engine.generate(&request, |_| true).unwrap();
+        let stream = mlxcel_engine::GenerationStream::start(&engine.clone(), request.clone());
+        drop(engine);
+        drop(stream);
+    }
+    assert_eq!(threads(), before, "scheduler threads left behind");
+}

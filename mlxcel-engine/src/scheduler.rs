@@ -56,20 +56,20 @@ impl Shared {
 static SHUTTING_DOWN: AtomicBool = AtomicBool::new(false);
 static SCHEDULERS: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
 
-/// The handle of one scheduler thread. Engines and streams share it;
-/// dropping the last one stops the thread (its rows were cancelled by their
-/// streams' drops) and waits for it, so the model is freed by then.
+/// The handle of one scheduler. Engines and streams share it; dropping the
+/// last one stops the scheduler (its rows were cancelled by their streams'
+/// drops) and waits until it has, so the model is freed by then; its thread
+/// then waits to serve the next engine.
 pub(crate) struct Scheduler {
     sender: Option<Sender<Submission>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    stopped: Receiver<()>,
 }
 
 impl Drop for Scheduler {
     fn drop(&mut self) {
         self.sender = None;
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        // Disconnected when the scheduler's loop has returned.
+        let _ = self.stopped.recv();
     }
 }
 
@@ -82,11 +82,12 @@ impl Scheduler {
             all.retain(|w| w.strong_count() > 0);
             all.push(Arc::downgrade(&shared));
         }
-        let thread = std::thread::Builder::new()
-            .name("mlxcel-scheduler".into())
-            .spawn(move || run(model, receiver, shared))
-            .expect("spawning the scheduler thread");
-        Scheduler { sender: Some(sender), thread: Some(thread) }
+        let (done, stopped) = crossbeam_channel::bounded::<()>(0);
+        spawn_reusing(Box::new(move || {
+            run(model, receiver, shared);
+            drop(done);
+        }));
+        Scheduler { sender: Some(sender), stopped }
     }
 
     /// Queues `request`; its events arrive on the returned channel, ending
@@ -129,6 +130,40 @@ pub fn shutdown(timeout: Duration) -> bool {
 struct Client {
     events: Sender<RowEvent>,
     cancel: CancelFlag,
+}
+
+/// Scheduler threads outlive their engines and serve the next one. MLX gives
+/// every thread that evaluates its own default stream, with a worker thread
+/// that outlives it, and streams cannot move between threads: a new thread
+/// per engine (or, before, per call) left one MLX worker behind each time.
+/// Reusing the threads bounds them by the most engines alive at once.
+type Job = Box<dyn FnOnce() + Send>;
+static IDLE_THREADS: Mutex<Vec<Sender<Job>>> = Mutex::new(Vec::new());
+
+/// Runs `job` on an idle scheduler thread, or on a new one.
+fn spawn_reusing(job: Job) {
+    let mut job = Some(job);
+    while let Some(worker) = IDLE_THREADS.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+        match worker.send(job.take().expect("not sent yet")) {
+            Ok(()) => return,
+            Err(failed) => job = Some(failed.0),
+        }
+    }
+    let job = job.expect("not sent yet");
+    std::thread::Builder::new()
+        .name("mlxcel-scheduler".into())
+        .spawn(move || {
+            job();
+            loop {
+                let (sender, receiver) = crossbeam_channel::bounded::<Job>(1);
+                IDLE_THREADS.lock().unwrap_or_else(|e| e.into_inner()).push(sender);
+                match receiver.recv() {
+                    Ok(next) => next(),
+                    Err(_) => return,
+                }
+            }
+        })
+        .expect("spawning a scheduler thread");
 }
 
 fn run(model: Arc<Model>, receiver: Receiver<Submission>, shared: Arc<Shared>) {
