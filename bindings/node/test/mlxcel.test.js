@@ -13,6 +13,10 @@ const { loadModel, Model } = require('..')
 const CAPITAL = 'The capital of France is'
 // A prompt of about 250 tokens: prefill takes several chunks.
 const LONG_PROMPT = 'The quick brown fox jumps over the lazy dog. '.repeat(25)
+// LONG_PROMPT after a number of its own: each call's prompt shares no block
+// with an earlier one, so the prefix cache cannot shorten its prefill.
+let longPrompts = 0
+const freshLongPrompt = () => `${++longPrompts}. ${LONG_PROMPT}`
 
 let model
 
@@ -156,8 +160,11 @@ describe('generate', () => {
     let repeats = 16
     let prompt
     let calibrated = 0
+    // Each prompt starts with a number of its own, so that no run is shortened
+    // by the prefix cache: the measured run below computes what was timed.
+    const fresh = () => `${++longPrompts}. ${sentence.repeat(repeats)}`
     for (;;) {
-      prompt = sentence.repeat(repeats)
+      prompt = fresh()
       const t0 = Date.now()
       await model.generate(prompt, { maxTokens: 8 })
       calibrated = Date.now() - t0
@@ -177,7 +184,7 @@ describe('generate', () => {
     }, 10)
     const started = Date.now()
     try {
-      await model.generate(prompt, { maxTokens: 8 })
+      await model.generate(fresh(), { maxTokens: 8 })
     } finally {
       clearInterval(timer)
     }
@@ -218,7 +225,7 @@ describe('cancellation', () => {
 
   before(async () => {
     assert.ok(model.tokenize(LONG_PROMPT).length > 200)
-    const chunks = await collect(model.stream(LONG_PROMPT, { maxTokens: 1, prefillChunk: 64 }))
+    const chunks = await collect(model.stream(freshLongPrompt(), { maxTokens: 1, prefillChunk: 64 }))
     prefillMs = chunks.at(-1).stats.promptMs
     if (process.env.MLXCEL_TEST_VERBOSE) console.error('prefill ms', prefillMs)
   })
@@ -232,7 +239,7 @@ describe('cancellation', () => {
       controller.abort()
     }, prefillMs / 4)
     const run = (async () => {
-      for await (const chunk of model.stream(LONG_PROMPT, { maxTokens: 4, prefillChunk: 16, signal: controller.signal })) {
+      for await (const chunk of model.stream(freshLongPrompt(), { maxTokens: 4, prefillChunk: 16, signal: controller.signal })) {
         chunks.push(chunk)
       }
     })()
@@ -248,7 +255,7 @@ describe('cancellation', () => {
 
   test('aborting right after the start cancels during the prompt', async () => {
     const controller = new AbortController()
-    const stream = model.stream(LONG_PROMPT, { maxTokens: 4, signal: controller.signal })
+    const stream = model.stream(freshLongPrompt(), { maxTokens: 4, signal: controller.signal })
     const first = stream.next()
     controller.abort()
     await rejectsWith(first, 'CANCELLED', 'AbortError')
@@ -258,7 +265,7 @@ describe('cancellation', () => {
     const controller = new AbortController()
     const reason = new Error('user hit stop')
     setTimeout(() => controller.abort(reason), prefillMs / 4)
-    await assert.rejects(model.generate(LONG_PROMPT, { maxTokens: 4, prefillChunk: 16, signal: controller.signal }), (error) => {
+    await assert.rejects(model.generate(freshLongPrompt(), { maxTokens: 4, prefillChunk: 16, signal: controller.signal }), (error) => {
       assert.equal(error.name, 'AbortError')
       assert.equal(error.code, 'CANCELLED')
       assert.equal(error.cause, reason)

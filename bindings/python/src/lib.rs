@@ -745,6 +745,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &GenerationStats) -> PyResult<Bound<'py, 
     d.set_item("decode_tokens_per_second", s.decode_tokens_per_second())?;
     d.set_item("kv_cache_bytes", s.kv_cache_bytes)?;
     d.set_item("process_peak_memory_bytes", s.process_peak_memory_bytes)?;
+    d.set_item("cached_tokens", s.cached_tokens)?;
     Ok(d)
 }
 

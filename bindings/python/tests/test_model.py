@@ -82,6 +82,7 @@ def test_stream_chunks_concatenate_to_generate(model):
     assert stats["time_to_first_token"] > 0
     assert stats["kv_cache_bytes"] > 0
     assert stats["process_peak_memory_bytes"] >= model.info.bytes
+    assert stats["cached_tokens"] == 0  # a short prompt never uses the prefix cache
     assert list(stream) == []  # exhausted
     assert "Chunk(" in repr(last)
 

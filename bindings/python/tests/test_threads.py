@@ -4,6 +4,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import mlxcel
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -103,3 +105,23 @@ def test_generations_leave_no_threads_behind(model):
         model.generate(f"Count to {i}:", max_tokens=2)
         next(iter(model.stream("Abandoned", max_tokens=8)))
     assert threads() <= before + 1, (before, threads())
+
+
+def test_a_second_turn_reuses_the_cached_prefix(model):
+    system = "You answer in one short sentence. " + "The printing press spread across Europe in fifty years. " * 8
+
+    def turn(question):
+        stream = model.chat_stream([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                                   max_tokens=8)
+        text = "".join(c.text for c in stream)
+        return text, stream.stats
+
+    first, stats = turn("When did it spread?")
+    assert stats["prompt_tokens"] > 64
+    again, stats = turn("How far did it spread?")
+    assert 64 <= stats["cached_tokens"] < stats["prompt_tokens"], stats
+    # A fresh model (empty cache) answers the second question with the same text.
+    fresh = mlxcel.load(progress=False)
+    assert "".join(c.text for c in fresh.chat_stream(
+        [{"role": "system", "content": system}, {"role": "user", "content": "How far did it spread?"}],
+        max_tokens=8)) == again

@@ -78,8 +78,9 @@ class Stream(Iterator[Chunk]):
         """prompt_tokens, generated_tokens, time_to_first_token (s),
         prompt_tokens_per_second, decode_tokens_per_second, kv_cache_bytes
         (this run's KV cache), process_peak_memory_bytes (process-wide: MLX's
-        high-water mark over every run in the process, never reset by a run);
-        None until the stream has ended."""
+        high-water mark over every run in the process, never reset by a run),
+        cached_tokens (prompt tokens taken from the prefix cache); None until
+        the stream has ended."""
 
 class ModelInfo:
     """What a checkpoint is: architecture, size and quantization."""
