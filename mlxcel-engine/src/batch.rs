@@ -88,10 +88,9 @@ struct Row {
     caches: Vec<Box<dyn KvCache>>,
     /// `Prefill` for rows that take part in the prefix cache.
     kernels: RowKernels,
-    /// The hash chain of the prompt's full blocks (prefix-cached rows only).
+    /// The hash chain of the prompt's full blocks, for rows that use the
+    /// prefix cache (empty otherwise): they are stored after the prefill.
     block_hashes: Vec<u64>,
-    /// Whether this row's prompt blocks are stored after its prefill.
-    store_prompt: bool,
     /// Prompt tokens adopted from the prefix cache.
     cached_tokens: usize,
     sampler: Sampler,
@@ -164,11 +163,6 @@ impl BatchEngine {
         BatchEngine { model, prefix, rows: Vec::new(), next_id: 1, pending: Vec::new() }
     }
 
-    /// The prefix cache, when on.
-    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
-        self.prefix.as_ref()
-    }
-
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }
@@ -208,7 +202,6 @@ impl BatchEngine {
         }
         self.rows.push(Row {
             kernels,
-            store_prompt: !block_hashes.is_empty(),
             block_hashes,
             cached_tokens,
             id,
@@ -238,11 +231,6 @@ impl BatchEngine {
     /// The oldest row still prefilling, with its chunk size.
     pub fn next_prefill(&self) -> Option<(RowId, usize)> {
         self.rows.iter().find(|r| r.phase == Phase::Prefilling).map(|r| (r.id, r.prefill_chunk))
-    }
-
-    /// Whether any row decodes (has a token queued or unread).
-    pub fn has_decoding_rows(&self) -> bool {
-        self.rows.iter().any(|r| r.phase == Phase::Decoding)
     }
 
     /// Runs prompt chunks of `row`: at least one, and more while `budget`
@@ -295,7 +283,7 @@ impl BatchEngine {
             async_eval([&next])?;
             r.queued = Some(next);
             r.phase = Phase::Decoding;
-            if let (Some(prefix), true) = (self.prefix.as_mut(), r.store_prompt) {
+            if let (Some(prefix), false) = (self.prefix.as_mut(), r.block_hashes.is_empty()) {
                 // A store that fails costs later rows a cache hit, not this row its output.
                 let _ = prefix.store(&r.prompt, &r.block_hashes, &r.caches);
             }

@@ -71,15 +71,9 @@ impl StandardKvCache {
         Self::default()
     }
 
-    /// A cache holding `keys` and `values` ([1, kv_heads, n, head_dim]) as its
-    /// first n positions, copied into buffers with room to grow (capacity
-    /// n + 1 rounded up to the growth step).
-    pub fn with_prefix(keys: &Array, values: &Array) -> Result<Self> {
-        Self::with_prefix_parts(std::slice::from_ref(keys), std::slice::from_ref(values))
-    }
-
-    /// [`with_prefix`](Self::with_prefix) of the positions of `keys` and
-    /// `values` in order (each [1, kv_heads, n_i, head_dim]), in one copy.
+    /// A cache whose first positions are those of `keys` and `values` in
+    /// order (each [1, kv_heads, n_i, head_dim]), copied once into buffers
+    /// with room to grow (capacity n + 1 rounded up to the growth step).
     pub fn with_prefix_parts(keys: &[Array], values: &[Array]) -> Result<Self> {
         let n: i32 = keys.iter().map(|a| a.dim(2)).sum();
         let room = (n + Self::STEP) / Self::STEP * Self::STEP - n;

@@ -170,25 +170,31 @@ impl Linear {
             LinearWeight::Quantized(q) => Some(q),
             LinearWeight::Dense(_) => None,
         };
-        let y = per_sequence(x, quantized, |rows| self.forward(rows))?;
-        Ok(match (&self.bias, quantized.is_some() && x.dim(0) > 1) {
-            // The bias is added per row either way; `alone` added it already.
-            (Some(b), true) if !prefill_uses_mlx() => y.add(b)?,
-            _ => y,
-        })
+        per_sequence(x, quantized, self.bias.as_ref(), |rows| self.forward(rows))
     }
 }
 
 /// A linear map of `x` [B, L, in] whose every sequence b gets exactly what
-/// `alone(x[b])` gives. Quantized weights (`quantized`, without any bias) run
-/// once over all rows with the kernel chosen for one sequence's L rows: its
-/// loops compute each row independently. Dense weights, whose kernel changes
-/// its loops with the row count, run sequence by sequence.
-fn per_sequence(x: &Array, quantized: Option<&QuantizedWeight>, alone: impl Fn(&Array) -> Result<Array>) -> Result<Array> {
+/// `alone(x[b])` gives. Quantized weights (`quantized`, plus `bias`) run once
+/// over all rows with the kernel chosen for one sequence's L rows: its loops
+/// compute each row independently. Dense weights, whose kernel changes its
+/// loops with the row count, run sequence by sequence.
+fn per_sequence(
+    x: &Array,
+    quantized: Option<&QuantizedWeight>,
+    bias: Option<&Array>,
+    alone: impl Fn(&Array) -> Result<Array>,
+) -> Result<Array> {
     let (b, l) = (x.dim(0), x.dim(1));
     match quantized {
         _ if b == 1 => alone(x),
-        Some(q) if !prefill_uses_mlx() => q.matmul_t_choosing_by(x, l as usize),
+        Some(q) if !prefill_uses_mlx() => {
+            let y = q.matmul_t_choosing_by(x, l as usize)?;
+            Ok(match bias {
+                Some(bias) => y.add(bias)?,
+                None => y,
+            })
+        }
         _ => {
             let rows = (0..b).map(|i| alone(&x.slice_axis(0, i, i + 1)?)).collect::<Result<Vec<_>>>()?;
             Ok(mlx_sys::concatenate(&rows, 0)?)
@@ -242,7 +248,7 @@ impl Embedding {
             Embedding::Quantized(q) => Some(q),
             Embedding::Dense(_) => None,
         };
-        per_sequence(x, quantized, |rows| self.as_linear(rows))
+        per_sequence(x, quantized, None, |rows| self.as_linear(rows))
     }
 }
 
