@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -81,6 +82,10 @@ struct AttnJob {
   float* out = nullptr; // [B, L, H, D]
   int qblocks = 0;
   Isa isa = Isa::Portable;
+  // A paged k and v: pools [blocks, Hkv, block, D], position s of the
+  // sequence at block table[s / block], row s % block (B is 1).
+  const int32_t* table = nullptr;
+  int block = 0;
 };
 
 struct TaskScratch {
@@ -96,11 +101,20 @@ void pack_kv(void* ctx, int t) {
   const float* kb = j.k + b * j.ks.s[0] + h * j.ks.s[1];
   const float* vb = j.v + b * j.vs.s[0] + h * j.vs.s[1];
   for (int s = 0; s < j.S; ++s) {
-    const float* kr = kb + s * j.ks.s[2];
-    const float* vr = vb + s * j.vs.s[2];
+    const float *kr, *vr;
+    int64_t kd = j.ks.s[3], vd = j.vs.s[3];
+    if (j.table) {
+      const size_t at = (((size_t)j.table[s / j.block] * j.Hkv + h) * j.block + s % j.block) * j.D;
+      kr = j.k + at;
+      vr = j.v + at;
+      kd = vd = 1;
+    } else {
+      kr = kb + s * j.ks.s[2];
+      vr = vb + s * j.vs.s[2];
+    }
     for (int d = 0; d < j.D; ++d) {
-      kt[(size_t)d * j.S_pad + s] = kr[d * j.ks.s[3]];
-      vp[(size_t)s * j.D + d] = vr[d * j.vs.s[3]];
+      kt[(size_t)d * j.S_pad + s] = kr[d * kd];
+      vp[(size_t)s * j.D + d] = vr[d * vd];
     }
   }
   for (int d = 0; d < j.D; ++d) {
@@ -271,6 +285,18 @@ Isa attention_isa() {
   return Isa::Portable;
 }
 
+// Runs the attention tasks of `j` (its pointers set) in the evaluating
+// thread's scratch buffers.
+void run_attention(AttnJob& j) {
+  // The packed K and V live in the evaluating thread's buffers, reused
+  // across calls (one evaluation at a time per thread).
+  static thread_local AlignedFloats kt, vv;
+  j.kt = kt.get((size_t)j.B * j.Hkv * j.D * j.S_pad);
+  j.vp = vv.get((size_t)j.B * j.Hkv * j.S * j.D);
+  detail::parallel_for(j.B * j.Hkv, pack_kv, &j);
+  detail::parallel_for(j.B * j.H * j.qblocks, attend_task, &j);
+}
+
 class CausalAttention : public mx::UnaryPrimitive {
  public:
   CausalAttention(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
@@ -308,13 +334,7 @@ class CausalAttention : public mx::UnaryPrimitive {
       j.k = kp;
       j.v = vp;
       j.out = op;
-      // The packed K and V live in the evaluating thread's buffers, reused
-      // across calls (one evaluation at a time per thread).
-      static thread_local AlignedFloats kt, vv;
-      j.kt = kt.get((size_t)j.B * j.Hkv * j.D * j.S_pad);
-      j.vp = vv.get((size_t)j.B * j.Hkv * j.S * j.D);
-      detail::parallel_for(j.B * j.Hkv, pack_kv, &j);
-      detail::parallel_for(j.B * j.H * j.qblocks, attend_task, &j);
+      run_attention(j);
     });
   }
 
@@ -340,6 +360,112 @@ class CausalAttention : public mx::UnaryPrimitive {
   float scale_;
 };
 
+// Inputs q [1, H, L, D], k and v [1, Hkv, L, D] (the new positions), the key
+// and value pools; outputs out [1, L, H, D] and the pools with the new
+// positions written (in place when the pool inputs are dense).
+class PagedCausalAttention : public mx::Primitive {
+ public:
+  PagedCausalAttention(mx::Stream stream, float scale, std::vector<int32_t> table, int offset)
+      : mx::Primitive(stream), scale_(scale), table_(std::move(table)), offset_(offset) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    bool copy[2];
+    for (int c = 0; c < 2; ++c) {
+      const mx::array& in = inputs[3 + c];
+      copy[c] = !(in.flags().row_contiguous && in.data_size() == in.size());
+      if (copy[c]) {
+        outputs[1 + c].set_data(mx::allocator::malloc(outputs[1 + c].nbytes()));
+      } else {
+        outputs[1 + c].copy_shared_buffer(in);
+      }
+    }
+    const mx::array& pool = inputs[3];
+    AttnJob j;
+    j.B = 1;
+    j.H = q.shape(1);
+    j.L = q.shape(2);
+    j.D = q.shape(3);
+    j.Hkv = pool.shape(1);
+    j.S = offset_ + j.L;
+    j.S_pad = (j.S + KC - 1) / KC * KC;
+    j.scale = scale_;
+    j.qblocks = (j.L + QR - 1) / QR;
+    j.isa = attention_isa();
+    j.block = pool.shape(2);
+    for (int d = 0; d < 4; ++d) j.qs.s[d] = q.strides()[d];
+    Strides4 ks, vs, pks, pvs;
+    for (int d = 0; d < 4; ++d) {
+      ks.s[d] = k.strides()[d];
+      vs.s[d] = v.strides()[d];
+      pks.s[d] = inputs[3].strides()[d];
+      pvs.s[d] = inputs[4].strides()[d];
+    }
+    const int pool_shape[4] = {pool.shape(0), pool.shape(1), pool.shape(2), pool.shape(3)};
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    for (auto& a : outputs) enc.set_output_array(a);
+    enc.dispatch([j, table = table_, offset = offset_, ks, vs, pks, pvs, copy_keys = copy[0], copy_values = copy[1],
+                  pool_shape, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
+                  pk_in = inputs[3].data<float>(), pv_in = inputs[4].data<float>(), op = out.data<float>(),
+                  pk = outputs[1].data<float>(), pv = outputs[2].data<float>()]() mutable {
+      if (copy_keys) copy_strided(pk_in, pks, pk, pool_shape);
+      if (copy_values) copy_strided(pv_in, pvs, pv, pool_shape);
+      // The new positions into their blocks.
+      for (int h = 0; h < j.Hkv; ++h) {
+        for (int l = 0; l < j.L; ++l) {
+          const int t = offset + l;
+          const size_t at = (((size_t)table[t / j.block] * j.Hkv + h) * j.block + t % j.block) * j.D;
+          for (int d = 0; d < j.D; ++d) {
+            pk[at + d] = kp[h * ks.s[1] + l * ks.s[2] + d * ks.s[3]];
+            pv[at + d] = vp[h * vs.s[1] + l * vs.s[2] + d * vs.s[3]];
+          }
+        }
+      }
+      j.q = qp;
+      j.k = pk;
+      j.v = pv;
+      j.table = table.data();
+      j.out = op;
+      run_attention(j);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxcel::kernels::PagedCausalAttention] has no GPU evaluation");
+  }
+
+  const char* name() const override { return "MlxcelPagedCausalAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PagedCausalAttention*>(&other);
+    return o && o->scale_ == scale_ && o->table_ == table_ && o->offset_ == offset_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& q = inputs[0];
+    return {mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, inputs[3].shape(), inputs[4].shape()};
+  }
+
+ private:
+  static void copy_strided(const float* src, const Strides4& st, float* dst, const int (&shape)[4]) {
+    for (int a = 0; a < shape[0]; ++a)
+      for (int b = 0; b < shape[1]; ++b)
+        for (int c = 0; c < shape[2]; ++c)
+          for (int d = 0; d < shape[3]; ++d) *dst++ = src[a * st.s[0] + b * st.s[1] + c * st.s[2] + d * st.s[3]];
+  }
+
+  float scale_;
+  std::vector<int32_t> table_;
+  int offset_;
+};
+
+[[noreturn]] void fail(const std::string& message) {
+  throw std::invalid_argument("[mlxcel::kernels::paged_causal_attention] " + message);
+}
+
 }  // namespace
 
 bool causal_attention_supports(const mx::array& q, const mx::array& k, const mx::array& v) {
@@ -364,6 +490,44 @@ mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::arr
   mx::array out(mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, mx::float32,
                 std::make_shared<CausalAttention>(stream, scale), {q, k, v});
   return mx::transpose(out, {0, 2, 1, 3}, stream);
+}
+
+std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                                              const mx::array& pool_keys, const mx::array& pool_values,
+                                              const std::vector<int32_t>& table, int offset, float scale,
+                                              mx::StreamOrDevice s) {
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
+  auto shape = [](const mx::array& a) {
+    std::string out = "[";
+    for (int i = 0; i < (int)a.ndim(); ++i) out += (i ? ", " : "") + std::to_string(a.shape(i));
+    return out + "]";
+  };
+  for (const auto* a : {&q, &k, &v, &pool_keys, &pool_values}) {
+    if (a->dtype() != mx::float32 || a->ndim() != 4) fail("q, k, v and the pools must be float32 of rank 4");
+  }
+  const int H = q.shape(1), L = q.shape(2), D = q.shape(3), Hkv = pool_keys.shape(1), block = pool_keys.shape(2);
+  if (q.shape(0) != 1 || L < 1 || D % 16 != 0) fail("q must be [1, H, L >= 1, D % 16 == 0], got " + shape(q));
+  if (pool_keys.shape() != pool_values.shape() || pool_keys.shape(3) != D || block < 8 || block % 8 != 0 || Hkv < 1 ||
+      H % Hkv != 0) {
+    fail("pools must both be [blocks, kv_heads dividing " + std::to_string(H) + ", block (a multiple of 8), " +
+         std::to_string(D) + "], got " + shape(pool_keys) + " and " + shape(pool_values));
+  }
+  for (const auto* a : {&k, &v}) {
+    if (a->shape() != mx::Shape{1, Hkv, L, D}) fail("k and v must be [1, " + std::to_string(Hkv) + ", " + std::to_string(L) + ", " + std::to_string(D) + "], got " + shape(*a));
+  }
+  if (offset < 0 || (int64_t)table.size() * block < (int64_t)offset + L) {
+    fail("the block table holds " + std::to_string(table.size() * block) + " positions, " +
+         std::to_string(offset + L) + " needed");
+  }
+  for (int32_t id : table) {
+    if (id < 0 || id >= pool_keys.shape(0)) fail("block id " + std::to_string(id) + " is outside the pool");
+  }
+  auto outs = mx::array::make_arrays({mx::Shape{1, L, H, D}, pool_keys.shape(), pool_values.shape()},
+                                     {mx::float32, mx::float32, mx::float32},
+                                     std::make_shared<PagedCausalAttention>(stream, scale, table, offset),
+                                     {q, k, v, pool_keys, pool_values});
+  return {mx::transpose(outs[0], {0, 2, 1, 3}, stream), outs[1], outs[2]};
 }
 
 }  // namespace mlxcel::kernels

@@ -17,6 +17,9 @@
 // by the reciprocal of the sum.
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "mlx/mlx.h"
 
 namespace mlxcel::kernels {
@@ -36,6 +39,26 @@ mlx::core::array causal_attention(
     const mlx::core::array& q,
     const mlx::core::array& k,
     const mlx::core::array& v,
+    float scale,
+    mlx::core::StreamOrDevice s = {});
+
+// causal_attention for one sequence whose keys and values live in a paged
+// pool: k and v [1, H_kv, L, D] are the new positions offset .. offset + L,
+// written into the pools (float32 [blocks, H_kv, block, D], block a multiple
+// of 8; position t at block table[t / block], row t % block) in place when
+// they are dense, and q [1, H, L, D] attends over positions 0 .. offset + L
+// read from the blocks. The same result as causal_attention over the
+// contiguous keys and values. Returns {out [1, H, L, D] as causal_attention
+// does, keys pool, values pool}. CPU only; throws std::invalid_argument
+// naming the input that does not fit.
+std::vector<mlx::core::array> paged_causal_attention(
+    const mlx::core::array& q,
+    const mlx::core::array& k,
+    const mlx::core::array& v,
+    const mlx::core::array& pool_keys,
+    const mlx::core::array& pool_values,
+    const std::vector<int32_t>& table,
+    int offset,
     float scale,
     mlx::core::StreamOrDevice s = {});
 

@@ -218,8 +218,15 @@ struct Projection {
 
 // One sequence's KV cache: its inputs (for the copy when they are not
 // written in place), its outputs and the position of its first new token.
+// A contiguous cache is [1, kv_heads, capacity, D]; a paged one is a pool
+// [blocks, kv_heads, block, D] read through the sequence's block table.
 struct CacheRef {
   int capacity = 0, offset = 0;
+  int kv_heads = 0, dim = 0;
+  // Positions per block: `capacity` for a contiguous cache (one block).
+  int block = 0;
+  // Block ids by position / block; empty for a contiguous cache.
+  std::vector<int32_t> table;
   const float* keys_in = nullptr;
   const float* values_in = nullptr;
   int64_t keys_in_strides[4] = {0, 0, 0, 0};
@@ -227,6 +234,14 @@ struct CacheRef {
   bool copy_keys = false, copy_values = false;
   float* keys = nullptr;
   float* values = nullptr;
+
+  // Offset in floats of position t of KV head g.
+  size_t at(int g, int t) const {
+    if (table.empty()) return ((size_t)g * capacity + t) * dim;
+    return (((size_t)table[t / block] * kv_heads + g) * block + t % block) * dim;
+  }
+  // Positions from t on that are contiguous in memory (to T).
+  int run(int t, int T) const { return table.empty() ? T - t : std::min(block - t % block, T - t); }
 };
 
 struct Pointers {
@@ -239,6 +254,10 @@ struct Pointers {
   VectorRef input_norm, post_norm, q_norm, k_norm, freqs;
   Projection q, k, v, o, gate, up, down;
   std::vector<CacheRef> caches;
+  // A paged layer's pool, when it is copied rather than written in place
+  // (the first cache holds the input pointers).
+  std::optional<CacheRef> pool_copy;
+  int pool_shape[4] = {0, 0, 0, 0};
   float* out = nullptr;
 };
 
@@ -255,6 +274,14 @@ void copy_cache_prefix(const float* src, const int64_t* st, float* dst, int head
       }
     }
   }
+}
+
+// Copies a whole [blocks, kv_heads, block, D] pool into a dense one.
+void copy_pool(const float* src, const int64_t* st, float* dst, const int (&shape)[4]) {
+  for (int b = 0; b < shape[0]; ++b)
+    for (int h = 0; h < shape[1]; ++h)
+      for (int t = 0; t < shape[2]; ++t)
+        for (int i = 0; i < shape[3]; ++i) *dst++ = src[b * st[0] + h * st[1] + t * st[2] + i * st[3]];
 }
 
 // MLX's fast::rms_norm fallback: x * rsqrt(mean(x^2) + eps), then * w.
@@ -382,40 +409,44 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 qk_avx2(const _
   return acc;
 }
 
+// Keys are read 8 positions at a time: a paged cache's blocks are multiples
+// of 8 positions, so the 8 never straddle two blocks.
 template <int NV>
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const float* q, const float* keys,
-                                                                          const float* values, int T, float* scores,
-                                                                          float* out) {
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const float* q, const CacheRef& c, int g,
+                                                                          int T, float* scores, float* out) {
   constexpr int D = 16 * NV;
   __m512 qv[NV];
   for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
   __m256 mv = _mm256_set1_ps(-INFINITY);
   int t = 0;
   for (; t + 8 <= T; t += 8) {
+    const float* keys = c.keys + c.at(g, t);
     __m256 a[8];
-    for (int p = 0; p < 8; ++p) a[p] = qk_avx512<NV>(qv, keys + (size_t)(t + p) * D);
+    for (int p = 0; p < 8; ++p) a[p] = qk_avx512<NV>(qv, keys + (size_t)p * D);
     const __m256 s8 = sum8x8(a);
     _mm256_storeu_ps(scores + t, s8);
     mv = _mm256_max_ps(mv, s8);
   }
   float m = simd::hmax256(mv);
   for (; t < T; ++t) {
-    scores[t] = simd::hsum256(qk_avx512<NV>(qv, keys + (size_t)t * D));
+    scores[t] = simd::hsum256(qk_avx512<NV>(qv, c.keys + c.at(g, t)));
     m = std::max(m, scores[t]);
   }
   softmax_avx512(scores, T, m);
   __m512 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
-  for (t = 0; t < T; ++t) {
-    const float* v = values + (size_t)t * D;
-    const __m512 pt = _mm512_set1_ps(scores[t]);
-    for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * i), o[i]);
+  for (t = 0; t < T;) {
+    const float* values = c.values + c.at(g, t);
+    for (const int end = t + c.run(t, T); t < end; ++t, values += D) {
+      const __m512 pt = _mm512_set1_ps(scores[t]);
+      for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(values + 16 * i), o[i]);
+    }
   }
   for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
 }
 
 template <int NV>
-__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const float* keys, const float* values, int T,
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const CacheRef& c, int g, int T,
                                                      float* scores, float* out) {
   constexpr int D = 8 * NV;
   __m256 qv[NV];
@@ -423,31 +454,34 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const 
   __m256 mv = _mm256_set1_ps(-INFINITY);
   int t = 0;
   for (; t + 8 <= T; t += 8) {
+    const float* keys = c.keys + c.at(g, t);
     __m256 a[8];
-    for (int p = 0; p < 8; ++p) a[p] = qk_avx2<NV>(qv, keys + (size_t)(t + p) * D);
+    for (int p = 0; p < 8; ++p) a[p] = qk_avx2<NV>(qv, keys + (size_t)p * D);
     const __m256 s8 = sum8x8(a);
     _mm256_storeu_ps(scores + t, s8);
     mv = _mm256_max_ps(mv, s8);
   }
   float m = simd::hmax256(mv);
   for (; t < T; ++t) {
-    scores[t] = simd::hsum256(qk_avx2<NV>(qv, keys + (size_t)t * D));
+    scores[t] = simd::hsum256(qk_avx2<NV>(qv, c.keys + c.at(g, t)));
     m = std::max(m, scores[t]);
   }
   softmax_avx2(scores, T, m);
   __m256 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
-  for (t = 0; t < T; ++t) {
-    const float* v = values + (size_t)t * D;
-    const __m256 pt = _mm256_set1_ps(scores[t]);
-    for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), o[i]);
+  for (t = 0; t < T;) {
+    const float* values = c.values + c.at(g, t);
+    for (const int end = t + c.run(t, T); t < end; ++t, values += D) {
+      const __m256 pt = _mm256_set1_ps(scores[t]);
+      for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(values + 8 * i), o[i]);
+    }
   }
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
 #endif  // MLXCEL_X86
 
-using AttendFn = void (*)(const float*, const float*, const float*, int, float*, float*);
+using AttendFn = void (*)(const float*, const CacheRef&, int, int, float*, float*);
 
 // The register-resident loop for this head_dim, when the CPU runs it.
 AttendFn attend_for(int head_dim) {
@@ -491,19 +525,17 @@ void attention_task(void* ctx, int task) {
   const AttendFn attend = attend_for(D);
   for (int h = h0; h < h1; ++h) {
     const int g = h / group;
-    const float* keys = c.keys + (size_t)g * c.capacity * D;
-    const float* values = c.values + (size_t)g * c.capacity * D;
     for (int l = 0; l < p.L; ++l) {
       const size_t row = (size_t)b * p.L + l;
       const float* q = job.q + (row * s.heads + h) * D;
       const int T = c.offset + l + 1;
       if (attend) {
-        attend(q, keys, values, T, scores.data(), job.out + (row * s.heads + h) * D);
+        attend(q, c, g, T, scores.data(), job.out + (row * s.heads + h) * D);
         continue;
       }
       float m = -INFINITY;
       for (int t = 0; t < T; ++t) {
-        scores[t] = ops.dot(q, keys + (size_t)t * D, D);
+        scores[t] = ops.dot(q, c.keys + c.at(g, t), D);
         m = std::max(m, scores[t]);
       }
       float sum = 0.0f;
@@ -514,7 +546,7 @@ void attention_task(void* ctx, int task) {
       const float inv = 1.0f / sum;
       float* o = job.out + (row * s.heads + h) * D;
       std::fill(o, o + D, 0.0f);
-      for (int t = 0; t < T; ++t) ops.axpy(scores[t] * inv, values + (size_t)t * D, o, D);
+      for (int t = 0; t < T; ++t) ops.axpy(scores[t] * inv, c.values + c.at(g, t), o, D);
     }
   }
 }
@@ -540,10 +572,15 @@ void run_layer(const Pointers& p) {
   sc.g.resize((size_t)L * I);
   sc.u.resize((size_t)L * I);
 
-  for (const CacheRef& c : p.caches) {
-    if (c.copy_keys) copy_cache_prefix(c.keys_in, c.keys_in_strides, c.keys, s.kv_heads, c.capacity, D, c.offset);
-    if (c.copy_values) {
-      copy_cache_prefix(c.values_in, c.values_in_strides, c.values, s.kv_heads, c.capacity, D, c.offset);
+  if (p.pool_copy) {
+    copy_pool(p.pool_copy->keys_in, p.pool_copy->keys_in_strides, p.pool_copy->keys, p.pool_shape);
+    copy_pool(p.pool_copy->values_in, p.pool_copy->values_in_strides, p.pool_copy->values, p.pool_shape);
+  } else {
+    for (const CacheRef& c : p.caches) {
+      if (c.copy_keys) copy_cache_prefix(c.keys_in, c.keys_in_strides, c.keys, s.kv_heads, c.capacity, D, c.offset);
+      if (c.copy_values) {
+        copy_cache_prefix(c.values_in, c.values_in_strides, c.values, s.kv_heads, c.capacity, D, c.offset);
+      }
     }
   }
 
@@ -590,11 +627,11 @@ void run_layer(const Pointers& p) {
     rope_row(&sc.q[(size_t)l * qn], s.heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
     rope_row(&sc.k[(size_t)l * kvn], s.kv_heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
   }
-  // New keys and values into each sequence's cache, [1, kv_heads, capacity, D].
+  // New keys and values into each sequence's cache.
   for (int l = 0; l < L; ++l) {
     const CacheRef& c = p.caches[l / p.L];
     for (int g = 0; g < s.kv_heads; ++g) {
-      const size_t at = ((size_t)g * c.capacity + c.offset + l % p.L) * D;
+      const size_t at = c.at(g, c.offset + l % p.L);
       std::memcpy(c.keys + at, &sc.k[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
       std::memcpy(c.values + at, &sc.v[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
     }
@@ -675,12 +712,19 @@ void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots
 class DecoderLayer : public mx::Primitive {
  public:
   DecoderLayer(mx::Stream stream, DecoderLayerSpec spec, Slots slots, std::vector<int> offsets,
-               std::shared_ptr<const PreparedDecoderLayer> prepared = nullptr)
-      : mx::Primitive(stream), spec_(spec), slots_(slots), offsets_(std::move(offsets)), prepared_(std::move(prepared)) {}
+               std::shared_ptr<const PreparedDecoderLayer> prepared = nullptr,
+               std::vector<std::vector<int32_t>> tables = {})
+      : mx::Primitive(stream),
+        spec_(spec),
+        slots_(slots),
+        offsets_(std::move(offsets)),
+        tables_(std::move(tables)),
+        prepared_(std::move(prepared)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Slots& at = slots_;
     const int B = (int)offsets_.size();
+    const bool paged = !tables_.empty();
     Pointers p;
     p.spec = spec_;
     const mx::array& x = inputs[at.x];
@@ -692,14 +736,14 @@ class DecoderLayer : public mx::Primitive {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     // The caches: write the input buffer in place when the caller owns it
     // (spec.cache_in_place), else copy it. (MLX's donation check cannot help
-    // here: each output holds its own copy of the inputs.)
-    for (int b = 0; b < B; ++b) {
+    // here: each output holds its own copy of the inputs.) A paged layer has
+    // one pool for every sequence.
+    const int buffers = paged ? 1 : B;
+    for (int b = 0; b < buffers; ++b) {
       CacheRef& cache = p.caches[b];
-      cache.offset = offsets_[b];
-      cache.capacity = inputs[at.keys + b].shape(2);
       for (int c = 0; c < 2; ++c) {
         const mx::array& in = inputs[(c == 0 ? at.keys : at.values) + b];
-        mx::array& o = outputs[1 + c * B + b];
+        mx::array& o = outputs[1 + c * buffers + b];
         const bool dense = in.flags().row_contiguous && in.data_size() == in.size();
         const bool reuse = dense && spec_.cache_in_place;
         if (reuse) {
@@ -713,6 +757,26 @@ class DecoderLayer : public mx::Primitive {
         (c == 0 ? cache.keys_in : cache.values_in) = in.data<float>();
         (c == 0 ? cache.keys : cache.values) = o.data<float>();
       }
+    }
+    if (paged) {
+      const mx::array& pool = inputs[at.keys];
+      for (int d = 0; d < 4; ++d) p.pool_shape[d] = pool.shape(d);
+      if (p.caches[0].copy_keys || p.caches[0].copy_values) p.pool_copy = p.caches[0];
+      for (int b = 0; b < B; ++b) {
+        CacheRef& cache = p.caches[b];
+        cache = p.caches[0];
+        cache.copy_keys = cache.copy_values = false;
+        cache.block = pool.shape(2);
+        cache.table = tables_[b];
+        cache.capacity = (int)cache.table.size() * cache.block;
+      }
+    } else {
+      for (int b = 0; b < B; ++b) p.caches[b].capacity = p.caches[b].block = inputs[at.keys + b].shape(2);
+    }
+    for (int b = 0; b < B; ++b) {
+      p.caches[b].offset = offsets_[b];
+      p.caches[b].kv_heads = spec_.kv_heads;
+      p.caches[b].dim = spec_.head_dim;
     }
 
     auto& enc = mx::cpu::get_command_encoder(stream());
@@ -747,13 +811,14 @@ class DecoderLayer : public mx::Primitive {
            a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
            a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale &&
            a.cache_in_place == b.cache_in_place && slots_ == o->slots_ && offsets_ == o->offsets_ &&
-           prepared_ == o->prepared_;
+           tables_ == o->tables_ && prepared_ == o->prepared_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     std::vector<mx::Shape> shapes{inputs[slots_.x].shape()};
+    const size_t buffers = tables_.empty() ? offsets_.size() : 1;
     for (int c = 0; c < 2; ++c) {
-      for (size_t b = 0; b < offsets_.size(); ++b) shapes.push_back(inputs[(c == 0 ? slots_.keys : slots_.values) + b].shape());
+      for (size_t b = 0; b < buffers; ++b) shapes.push_back(inputs[(c == 0 ? slots_.keys : slots_.values) + b].shape());
     }
     return shapes;
   }
@@ -763,6 +828,8 @@ class DecoderLayer : public mx::Primitive {
   Slots slots_;
   // Per sequence: the position of its first new token (spec_.offset is unused).
   std::vector<int> offsets_;
+  // Per sequence, for a paged layer: its block table into the one pool.
+  std::vector<std::vector<int32_t>> tables_;
   // The weights, when they are not graph inputs (the inputs are then x,
   // keys and values only).
   std::shared_ptr<const PreparedDecoderLayer> prepared_;
@@ -828,6 +895,15 @@ void check_activations(const mx::array& x, const std::vector<mx::array>& keys, c
   }
 }
 
+void check_prepared_spec(const PreparedDecoderLayer& weights, const DecoderLayerSpec& spec) {
+  const DecoderLayerSpec& w = weights.spec;
+  if (spec.hidden != w.hidden || spec.heads != w.heads || spec.kv_heads != w.kv_heads || spec.head_dim != w.head_dim ||
+      spec.intermediate != w.intermediate || spec.rope_dims != w.rope_dims) {
+    fail("the spec's dimensions differ from those the weights were prepared for");
+  }
+  check_spec(spec, weights.slots.freqs >= 0);
+}
+
 mx::Stream cpu_stream(mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only; GPUs use MLX's ops");
@@ -875,12 +951,7 @@ std::vector<mx::array> decoder_layer_batch(const std::shared_ptr<const PreparedD
                                            const DecoderLayerSpec& spec, mx::StreamOrDevice s) {
   if (!weights) fail("no prepared weights");
   mx::Stream stream = cpu_stream(s);
-  const DecoderLayerSpec& w = weights->spec;
-  if (spec.hidden != w.hidden || spec.heads != w.heads || spec.kv_heads != w.kv_heads || spec.head_dim != w.head_dim ||
-      spec.intermediate != w.intermediate || spec.rope_dims != w.rope_dims) {
-    fail("the spec's dimensions differ from those the weights were prepared for");
-  }
-  check_spec(spec, weights->slots.freqs >= 0);
+  check_prepared_spec(*weights, spec);
   check_activations(x, keys, values, offsets, spec);
   const int B = (int)offsets.size();
   Slots slots;
@@ -898,6 +969,70 @@ std::vector<mx::array> decoder_layer_batch(const std::shared_ptr<const PreparedD
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
                                 std::make_shared<DecoderLayer>(stream, spec, slots, offsets, weights), std::move(inputs));
+}
+
+namespace {
+
+void check_paged(const mx::array& x, const mx::array& pool_keys, const mx::array& pool_values,
+                 const std::vector<std::vector<int32_t>>& tables, const std::vector<int>& offsets,
+                 const DecoderLayerSpec& spec) {
+  const int B = (int)offsets.size();
+  if (B < 1 || (int)tables.size() != B) {
+    fail("one block table per offset, got " + std::to_string(tables.size()) + " for " + std::to_string(B) + " offsets");
+  }
+  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(0) != B || x.shape(1) < 1 || x.shape(2) != spec.hidden) {
+    fail("x must be float32 [" + std::to_string(B) + ", L, " + std::to_string(spec.hidden) + "], got shape " +
+         shape_str(x));
+  }
+  for (const auto& [a, name] : {std::pair{&pool_keys, "keys"}, std::pair{&pool_values, "values"}}) {
+    if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(1) != spec.kv_heads || a->shape(3) != spec.head_dim ||
+        a->shape(2) < 8 || a->shape(2) % 8 != 0 || a->shape() != pool_keys.shape()) {
+      fail(std::string(name) + " pool must be float32 [blocks, " + std::to_string(spec.kv_heads) +
+           ", block (a multiple of 8), " + std::to_string(spec.head_dim) + "] like the keys pool, got shape " +
+           shape_str(*a));
+    }
+  }
+  const int L = x.shape(1), blocks = pool_keys.shape(0), block = pool_keys.shape(2);
+  // Blocks written by this node, each by one sequence only.
+  std::vector<int32_t> written;
+  for (int b = 0; b < B; ++b) {
+    const std::string which = B > 1 ? " of sequence " + std::to_string(b) : "";
+    if (offsets[b] < 0) fail("offset must be non-negative");
+    if ((int64_t)tables[b].size() * block < (int64_t)offsets[b] + L) {
+      fail("the block table" + which + " holds " + std::to_string(tables[b].size() * block) + " positions, " +
+           std::to_string(offsets[b] + L) + " needed");
+    }
+    for (int32_t id : tables[b]) {
+      if (id < 0 || id >= blocks) fail("block id " + std::to_string(id) + which + " is outside the pool of " + std::to_string(blocks));
+    }
+    for (int i = offsets[b] / block; i <= (offsets[b] + L - 1) / block; ++i) written.push_back(tables[b][i]);
+  }
+  std::sort(written.begin(), written.end());
+  if (std::adjacent_find(written.begin(), written.end()) != written.end()) {
+    fail("two sequences write the same block");
+  }
+}
+
+}  // namespace
+
+std::vector<mx::array> decoder_layer_paged(const std::shared_ptr<const PreparedDecoderLayer>& weights,
+                                           const mx::array& x, const mx::array& pool_keys,
+                                           const mx::array& pool_values,
+                                           const std::vector<std::vector<int32_t>>& tables,
+                                           const std::vector<int>& offsets, const DecoderLayerSpec& spec,
+                                           mx::StreamOrDevice s) {
+  if (!weights) fail("no prepared weights");
+  mx::Stream stream = cpu_stream(s);
+  check_prepared_spec(*weights, spec);
+  check_paged(x, pool_keys, pool_values, tables, offsets, spec);
+  Slots slots;
+  slots.x = 0;
+  slots.keys = 1;
+  slots.values = 2;
+  return mx::array::make_arrays({x.shape(), pool_keys.shape(), pool_values.shape()},
+                                {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<DecoderLayer>(stream, spec, slots, offsets, weights, tables),
+                                {x, pool_keys, pool_values});
 }
 
 }  // namespace mlxcel::kernels

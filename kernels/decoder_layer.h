@@ -19,6 +19,7 @@
 // operation order, exact f32 dequantization.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -124,6 +125,24 @@ std::vector<mlx::core::array> decoder_layer_batch(
     const mlx::core::array& x,
     const std::vector<mlx::core::array>& keys,
     const std::vector<mlx::core::array>& values,
+    const std::vector<int>& offsets,
+    const DecoderLayerSpec& spec,
+    mlx::core::StreamOrDevice s = {});
+
+// decoder_layer_batch over a paged KV pool: the keys and values of every
+// sequence live in one pool pair, float32 [blocks, kv_heads, block, head_dim]
+// (block a multiple of 8 positions), and sequence b's position t is at
+// block tables[b][t / block], row t % block. Each table covers at least
+// offsets[b] + L positions, and no two sequences write the same block. The
+// pools are written in place (spec.cache_in_place) or copied whole, and
+// attention reads the blocks where they lie. Every row is computed exactly
+// as with a contiguous cache. Returns {out [B, L, hidden], keys, values}.
+std::vector<mlx::core::array> decoder_layer_paged(
+    const std::shared_ptr<const PreparedDecoderLayer>& weights,
+    const mlx::core::array& x,
+    const mlx::core::array& pool_keys,
+    const mlx::core::array& pool_values,
+    const std::vector<std::vector<int32_t>>& tables,
     const std::vector<int>& offsets,
     const DecoderLayerSpec& spec,
     mlx::core::StreamOrDevice s = {});

@@ -12,6 +12,7 @@
 #include "quantized_matmul.h"
 #include "quantized_gemm.h"
 #include "causal_attention.h"
+#include "kv_pool.h"
 
 namespace mx = mlx::core;
 
@@ -511,6 +512,31 @@ std::unique_ptr<ArrayList> kernels_decoder_layer_batch(const PreparedLayer& weig
                                              std::vector<int>(offsets.begin(), offsets.end()), to_kernel_spec(spec));
   return list;
 }
+std::unique_ptr<ArrayList> kernels_decoder_layer_paged(const PreparedLayer& weights, const array& x, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> tables, rust::Slice<const int32_t> table_lens, rust::Slice<const int32_t> offsets, const DecoderLayerSpec& spec) {
+  std::vector<std::vector<int32_t>> split;
+  size_t at = 0;
+  for (int32_t n : table_lens) {
+    if (n < 0 || at + (size_t)n > tables.size()) throw std::invalid_argument("[kernels_decoder_layer_paged] table lengths exceed the ids given");
+    split.emplace_back(tables.begin() + at, tables.begin() + at + n);
+    at += n;
+  }
+  auto list = std::make_unique<ArrayList>();
+  list->items = kernels::decoder_layer_paged(weights.weights, x, pool_keys, pool_values, split,
+                                             std::vector<int>(offsets.begin(), offsets.end()), to_kernel_spec(spec));
+  return list;
+}
+std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale) {
+  auto list = std::make_unique<ArrayList>();
+  list->items = kernels::paged_causal_attention(q, k, v, pool_keys, pool_values, std::vector<int32_t>(table.begin(), table.end()), offset, scale);
+  return list;
+}
+ArrayPtr kernels_kv_pool_buffer(int32_t blocks, int32_t kv_heads, int32_t block, int32_t head_dim) {
+  return wrap(kernels::kv_pool_buffer(blocks, kv_heads, block, head_dim));
+}
+void kernels_kv_pool_release(const array& pool, rust::Slice<const int32_t> ids) {
+  kernels::kv_pool_release(pool, std::vector<int32_t>(ids.begin(), ids.end()));
+}
+size_t kernels_resident_bytes(const array& a) { return kernels::resident_bytes(a); }
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype) {
   return wrap(kernels::quantized_embedding(ids, w, scales, biases, group_size, bits, to_dtype(dtype)));
 }

@@ -211,6 +211,13 @@ mod bridge {
         fn kernels_decoder_layer_prepared(weights: &PreparedLayer, x: &MlxArray, keys: &MlxArray, values: &MlxArray, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         fn kernels_decoder_layer_batch(weights: &PreparedLayer, x: &MlxArray, keys: &ArrayList, values: &ArrayList, offsets: &[i32], spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         #[allow(clippy::too_many_arguments)]
+        fn kernels_decoder_layer_paged(weights: &PreparedLayer, x: &MlxArray, pool_keys: &MlxArray, pool_values: &MlxArray, tables: &[i32], table_lens: &[i32], offsets: &[i32], spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
+        #[allow(clippy::too_many_arguments)]
+        fn kernels_paged_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, pool_keys: &MlxArray, pool_values: &MlxArray, table: &[i32], offset: i32, scale: f32) -> Result<UniquePtr<ArrayList>>;
+        fn kernels_kv_pool_buffer(blocks: i32, kv_heads: i32, block: i32, head_dim: i32) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_kv_pool_release(pool: &MlxArray, ids: &[i32]) -> Result<()>;
+        fn kernels_resident_bytes(a: &MlxArray) -> Result<usize>;
+        #[allow(clippy::too_many_arguments)]
         fn kernels_quantized_embedding(ids: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_primitive_name(a: &MlxArray) -> String;
         fn array_input_count(a: &MlxArray) -> usize;

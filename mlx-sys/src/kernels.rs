@@ -245,6 +245,81 @@ impl PreparedDecoderLayer {
     }
 }
 
+/// One sequence of a [`PreparedDecoderLayer::forward_paged`]: its block
+/// table (block ids by position / block) and the position of its first new
+/// token.
+pub struct PagedSequence<'a> {
+    pub table: &'a [i32],
+    pub offset: i32,
+}
+
+impl PreparedDecoderLayer {
+    /// [`forward_batch`](Self::forward_batch) over a paged KV pool: every
+    /// sequence's keys and values live in `pool_keys` / `pool_values`
+    /// (`f32 [blocks, kv_heads, block, head_dim]`, block a multiple of 8),
+    /// position `t` of sequence b at block `sequences[b].table[t / block]`.
+    /// Each table covers `offset + L` positions and no two sequences write
+    /// the same block. Attention reads the blocks where they lie; each row is
+    /// computed exactly as with a contiguous cache. Returns the output and
+    /// the pools with the new positions written (in place when
+    /// `spec.cache_in_place`).
+    pub fn forward_paged(
+        &self,
+        x: &Array,
+        pool_keys: &Array,
+        pool_values: &Array,
+        sequences: &[PagedSequence<'_>],
+        spec: &DecoderLayerSpec,
+    ) -> Result<(Array, Array, Array)> {
+        let tables: Vec<i32> = sequences.iter().flat_map(|s| s.table.iter().copied()).collect();
+        let lens: Vec<i32> = sequences.iter().map(|s| s.table.len() as i32).collect();
+        let offsets: Vec<i32> = sequences.iter().map(|s| s.offset).collect();
+        let list = ffi::kernels_decoder_layer_paged(&self.inner, &x.raw, &pool_keys.raw, &pool_values.raw, &tables, &lens, &offsets, spec)?;
+        three_arrays(&list)
+    }
+}
+
+/// [`causal_attention`] for one sequence whose keys and values live in a
+/// paged pool: `k` and `v` (`[1, H_kv, L, D]`) are its positions
+/// `offset..offset + L`, written into the pools (`f32 [blocks, H_kv, block,
+/// D]`, in place when they are dense) at the blocks of `table`, and `q`
+/// (`[1, H, L, D]`) attends over positions `0..offset + L` read from the
+/// blocks. The same result as [`causal_attention`] over contiguous keys and
+/// values. Returns (out `[1, H, L, D]`, keys pool, values pool). CPU only.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_causal_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    pool_keys: &Array,
+    pool_values: &Array,
+    table: &[i32],
+    offset: i32,
+    scale: f32,
+) -> Result<(Array, Array, Array)> {
+    let list = ffi::kernels_paged_causal_attention(&q.raw, &k.raw, &v.raw, &pool_keys.raw, &pool_values.raw, table, offset, scale)?;
+    three_arrays(&list)
+}
+
+/// An evaluated `f32 [blocks, kv_heads, block, head_dim]` pool over an
+/// anonymous mapping: pages are resident only once written, so a pool sized
+/// for a whole byte budget costs only the blocks in use.
+pub fn kv_pool_buffer(blocks: i32, kv_heads: i32, block: i32, head_dim: i32) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_kv_pool_buffer(blocks, kv_heads, block, head_dim))
+}
+
+/// Returns the pages wholly inside blocks `ids` of `pool` (from
+/// [`kv_pool_buffer`]) to the system; they read as zeros afterwards. No
+/// queued evaluation may read those blocks.
+pub fn kv_pool_release(pool: &Array, ids: &[i32]) -> Result<()> {
+    Ok(ffi::kernels_kv_pool_release(&pool.raw, ids)?)
+}
+
+/// Bytes of an evaluated array's buffer that are resident in memory.
+pub fn resident_bytes(a: &Array) -> Result<usize> {
+    Ok(ffi::kernels_resident_bytes(&a.raw)?)
+}
+
 fn three_arrays(list: &ffi::ArrayList) -> Result<(Array, Array, Array)> {
     let mut out = from_array_list(list)?.into_iter();
     match (out.next(), out.next(), out.next()) {

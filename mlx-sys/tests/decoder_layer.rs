@@ -1306,6 +1306,198 @@ fn batched_bad_inputs_are_errors() {
 }
 
 // ---------------------------------------------------------------------------
+// Paged KV pools.
+
+const POOL_BLOCK: i32 = 16;
+
+/// A pool of `blocks` random blocks, with positions `0..upto` of each
+/// contiguous `[1, kv_heads, capacity, D]` cache copied into the blocks of its
+/// table.
+fn pool_holding(seed: u64, blocks: i32, caches: &[&Array], tables: &[Vec<i32>], upto: &[i32]) -> Array {
+    let (h, d) = (caches[0].dim(1), caches[0].dim(3));
+    let bs = POOL_BLOCK;
+    let mut pool = to_f32(&randn(seed, &[blocks, h, bs, d], 1.0));
+    for ((cache, table), &n) in caches.iter().zip(tables).zip(upto) {
+        let cap = cache.dim(2);
+        let data = to_f32(cache);
+        for g in 0..h {
+            for t in 0..n {
+                let src = ((g * cap + t) * d) as usize;
+                let dst = (((table[(t / bs) as usize] * h + g) * bs + t % bs) * d) as usize;
+                pool[dst..dst + d as usize].copy_from_slice(&data[src..src + d as usize]);
+            }
+        }
+    }
+    Array::from_slice(&pool, &[blocks, h, bs, d]).unwrap()
+}
+
+/// Positions `0..upto` of the sequence with `table`, out of a pool, as a
+/// `[1, kv_heads, upto, D]` array.
+fn pool_rows(pool: &Array, table: &[i32], upto: i32) -> Array {
+    let (h, bs, d) = (pool.dim(1), pool.dim(2), pool.dim(3));
+    let data = to_f32(pool);
+    let mut out = Vec::with_capacity((h * upto * d) as usize);
+    for g in 0..h {
+        for t in 0..upto {
+            let at = (((table[(t / bs) as usize] * h + g) * bs + t % bs) * d) as usize;
+            out.extend_from_slice(&data[at..at + d as usize]);
+        }
+    }
+    Array::from_slice(&out, &[1, h, upto, d]).unwrap()
+}
+
+/// Block tables for sequences needing `lengths` positions: distinct blocks,
+/// scattered over a pool of `blocks`.
+fn scattered_tables(lengths: &[i32], blocks: i32) -> Vec<Vec<i32>> {
+    let mut next = 0;
+    lengths
+        .iter()
+        .map(|&n| {
+            (0..(n + POOL_BLOCK - 1) / POOL_BLOCK)
+                .map(|_| {
+                    next += 1;
+                    (next * 7) % blocks
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Sequences whose caches live in a paged pool compute exactly what they
+/// compute over contiguous caches, bit for bit, and their new keys and
+/// values land in their own blocks.
+#[test]
+fn paged_pool_matches_contiguous_caches() {
+    let _g = lock();
+    let wide = Config { hidden: 128, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 128, ..LLAMA };
+    for (seed, c, l) in [(61, LLAMA, 1), (62, wide, 1), (63, wide, 3), (64, Config { qk_norm: true, ..wide }, 2)] {
+        let layer = Layer::new(seed, c);
+        let offsets = [0, 7, 40, 19, 33, 16];
+        let b = offsets.len() as i32;
+        let x = randn(seed ^ 0x9a9e, &[b, l, c.hidden], 1.0);
+        let caches: Vec<(Array, Array)> = offsets
+            .iter()
+            .enumerate()
+            .map(|(i, &o)| (random_cache(seed * 10 + i as u64, &layer, o + l), random_cache(seed * 10 + 5 + i as u64, &layer, o + l)))
+            .collect();
+        let needed: Vec<i32> = offsets.iter().map(|o| o + l).collect();
+        // 7 is prime to the pool size: the blocks are distinct and out of order.
+        let blocks = 61;
+        let tables = scattered_tables(&needed, blocks);
+        let keys: Vec<&Array> = caches.iter().map(|c| &c.0).collect();
+        let values: Vec<&Array> = caches.iter().map(|c| &c.1).collect();
+        let pool_k = pool_holding(seed + 1, blocks, &keys, &tables, &offsets);
+        let pool_v = pool_holding(seed + 2, blocks, &values, &tables, &offsets);
+
+        let spec = layer.spec(0);
+        let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+        let refs: Vec<kernels::SequenceCache<'_>> =
+            caches.iter().zip(offsets).map(|((k, v), offset)| kernels::SequenceCache { keys: k, values: v, offset }).collect();
+        let (want, written) = prepared.forward_batch(&x, &refs, &spec).unwrap();
+        let sequences: Vec<kernels::PagedSequence<'_>> =
+            tables.iter().zip(offsets).map(|(table, offset)| kernels::PagedSequence { table, offset }).collect();
+        let (got, pk, pv) = prepared.forward_paged(&x, &pool_k, &pool_v, &sequences, &spec).unwrap();
+        assert_eq!(to_f32(&got), to_f32(&want), "seed {seed}: paged output differs from contiguous");
+        for (i, table) in tables.iter().enumerate() {
+            let end = needed[i];
+            assert_eq!(to_f32(&pool_rows(&pk, table, end)), to_f32(&written[i].0), "seed {seed}, sequence {i}: keys");
+            assert_eq!(to_f32(&pool_rows(&pv, table, end)), to_f32(&written[i].1), "seed {seed}, sequence {i}: values");
+        }
+    }
+}
+
+/// A prefill chunk whose keys and values live in a paged pool: the same
+/// attention as over the contiguous cache, bit for bit.
+#[test]
+fn paged_causal_attention_matches_contiguous() {
+    let _g = lock();
+    for (seed, heads, kv_heads, d, offset, l) in [(71, 4, 2, 64, 0, 20), (72, 6, 3, 64, 37, 29), (73, 4, 4, 128, 16, 16), (74, 8, 2, 32, 100, 9)] {
+        let q = randn(seed, &[1, heads, l, d], 1.0);
+        let k_new = randn(seed + 1, &[1, kv_heads, l, d], 1.0);
+        let v_new = randn(seed + 2, &[1, kv_heads, l, d], 1.0);
+        let k_old = randn(seed + 3, &[1, kv_heads, offset.max(1), d], 1.0);
+        let v_old = randn(seed + 4, &[1, kv_heads, offset.max(1), d], 1.0);
+        let (k_all, v_all) = if offset == 0 {
+            (k_new.clone(), v_new.clone())
+        } else {
+            (
+                mlx_sys::concatenate(&[k_old.slice_axis(2, 0, offset).unwrap(), k_new.clone()], 2).unwrap(),
+                mlx_sys::concatenate(&[v_old.slice_axis(2, 0, offset).unwrap(), v_new.clone()], 2).unwrap(),
+            )
+        };
+        let want = kernels::causal_attention(&q, &k_all, &v_all, 0.125).unwrap();
+        let blocks = 23;
+        let table = scattered_tables(&[offset + l], blocks).remove(0);
+        let pool_k = pool_holding(seed + 5, blocks, &[&k_old], &[table.clone()], &[offset]);
+        let pool_v = pool_holding(seed + 6, blocks, &[&v_old], &[table.clone()], &[offset]);
+        let (got, pk, pv) = kernels::paged_causal_attention(&q, &k_new, &v_new, &pool_k, &pool_v, &table, offset, 0.125).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        assert_eq!(to_f32(&got), to_f32(&want), "seed {seed}: paged attention differs");
+        assert_eq!(to_f32(&pool_rows(&pk, &table, offset + l)), to_f32(&k_all), "seed {seed}: keys in the pool");
+        assert_eq!(to_f32(&pool_rows(&pv, &table, offset + l)), to_f32(&v_all), "seed {seed}: values in the pool");
+    }
+}
+
+/// Tables that do not cover the new positions, ids outside the pool, two
+/// sequences writing one block and a block size that is not a multiple of 8
+/// are errors that say so.
+#[test]
+fn paged_bad_inputs_are_errors() {
+    let _g = lock();
+    let layer = Layer::new(75, LLAMA);
+    let spec = layer.spec(0);
+    let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+    let pool = randn(751, &[4, 2, 16, 16], 1.0);
+    let x2 = randn(752, &[2, 1, LLAMA.hidden], 1.0);
+    let run = |tables: &[&[i32]], offsets: &[i32], pool: &Array| {
+        let seqs: Vec<kernels::PagedSequence<'_>> =
+            tables.iter().zip(offsets).map(|(t, &offset)| kernels::PagedSequence { table: t, offset }).collect();
+        prepared.forward_paged(&x2, pool, pool, &seqs, &spec).err().expect("an error").to_string()
+    };
+    let e = run(&[&[0], &[1]], &[3, 16], &pool);
+    assert!(e.contains("the block table of sequence 1 holds 16 positions, 17 needed"), "{e}");
+    let e = run(&[&[0], &[9]], &[3, 5], &pool);
+    assert!(e.contains("block id 9 of sequence 1 is outside the pool of 4"), "{e}");
+    let e = run(&[&[2], &[2]], &[3, 5], &pool);
+    assert!(e.contains("two sequences write the same block"), "{e}");
+    let odd = randn(753, &[4, 2, 12, 16], 1.0);
+    let e = run(&[&[0], &[1]], &[3, 5], &odd);
+    assert!(e.contains("block (a multiple of 8)"), "{e}");
+    // Shared prefix blocks may be read by both.
+    let seqs = [kernels::PagedSequence { table: &[2, 0], offset: 16 }, kernels::PagedSequence { table: &[2, 1], offset: 16 }];
+    assert!(prepared.forward_paged(&x2, &pool, &pool, &seqs, &spec).is_ok());
+    let q = randn(754, &[1, 4, 3, 16], 1.0);
+    let k = randn(755, &[1, 2, 3, 16], 1.0);
+    let e = kernels::paged_causal_attention(&q, &k, &k, &pool, &pool, &[0], 14, 0.25).err().expect("short table").to_string();
+    assert!(e.contains("holds 16 positions, 17 needed"), "{e}");
+}
+
+/// A pool's pages are resident once written and handed back on release.
+#[test]
+fn pool_pages_are_resident_only_when_used() {
+    let _g = lock();
+    // 64 blocks of 2 * 16 * 64 floats = 8 KiB each.
+    let block_bytes = 2 * 16 * 64 * 4;
+    let keys = kernels::kv_pool_buffer(64, 2, 16, 64).unwrap();
+    let values = kernels::kv_pool_buffer(64, 2, 16, 64).unwrap();
+    assert_eq!(keys.shape(), vec![64, 2, 16, 64]);
+    assert_eq!(kernels::resident_bytes(&keys).unwrap(), 0, "a fresh pool holds no pages");
+    let layer = Layer::new(76, Config { hidden: 128, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 128, ..LLAMA });
+    let spec = kernels::DecoderLayerSpec { cache_in_place: true, ..layer.spec(0) };
+    let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+    let x = randn(761, &[1, 20, 128], 1.0);
+    let (out, pk, pv) =
+        prepared.forward_paged(&x, &keys, &values, &[kernels::PagedSequence { table: &[5, 9], offset: 0 }], &spec).unwrap();
+    mlx_sys::eval([&out, &pk, &pv]).unwrap();
+    // Written in place: the pools' own pages, two blocks each.
+    assert_eq!(kernels::resident_bytes(&keys).unwrap(), 2 * block_bytes);
+    assert_eq!(kernels::resident_bytes(&pk).unwrap(), 2 * block_bytes);
+    kernels::kv_pool_release(&pk, &[5]).unwrap();
+    assert_eq!(kernels::resident_bytes(&pk).unwrap(), block_bytes);
+    assert!(kernels::kv_pool_release(&pk, &[64]).is_err(), "a block outside the pool");
+}
+
+// ---------------------------------------------------------------------------
 // The exact kernel paths.
 
 /// Reruns every other test of this file in a child process per other kernel

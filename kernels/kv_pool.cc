@@ -1,0 +1,86 @@
+// See kv_pool.h.
+
+#include "kv_pool.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+namespace mx = mlx::core;
+
+namespace mlxcel::kernels {
+namespace {
+
+size_t page_size() {
+  static const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  return page;
+}
+
+}  // namespace
+
+mx::array kv_pool_buffer(int blocks, int kv_heads, int block, int head_dim) {
+  if (blocks <= 0 || kv_heads <= 0 || block <= 0 || head_dim <= 0) {
+    throw std::invalid_argument("[mlxcel::kernels::kv_pool_buffer] dimensions must be positive");
+  }
+  const size_t bytes = (size_t)blocks * kv_heads * block * head_dim * sizeof(float);
+  // An MLX buffer points at the allocator's header, `delta` bytes before the
+  // data (a size on the CPU): the mapping starts one page early, so that
+  // the data, and with it every block, is page aligned.
+  char probe[64];
+  const ptrdiff_t delta = static_cast<char*>(mx::allocator::Buffer(probe).raw_ptr()) - probe;
+  const size_t page = page_size();
+  if (delta < 0 || (size_t)delta + sizeof(size_t) > page) {
+    throw std::runtime_error("[mlxcel::kernels::kv_pool_buffer] unexpected MLX buffer layout");
+  }
+  const size_t mapped = bytes + page;
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) throw std::bad_alloc();
+  char* data = static_cast<char*>(base) + page;
+  char* header = data - delta;
+  if (delta >= (ptrdiff_t)sizeof(size_t)) *reinterpret_cast<size_t*>(header) = bytes;
+  mx::allocator::Data owned(mx::allocator::Buffer(header), [base, mapped](mx::allocator::Buffer) { munmap(base, mapped); });
+  mx::array pool(std::move(owned), mx::Shape{blocks, kv_heads, block, head_dim}, mx::float32);
+  if (pool.data<void>() != data) {
+    throw std::runtime_error("[mlxcel::kernels::kv_pool_buffer] MLX did not take the mapping as it is");
+  }
+  return pool;
+}
+
+void kv_pool_release(const mx::array& pool, const std::vector<int32_t>& ids) {
+  if (pool.ndim() != 4 || pool.dtype() != mx::float32) {
+    throw std::invalid_argument("[mlxcel::kernels::kv_pool_release] not a pool");
+  }
+  const size_t block_bytes = pool.nbytes() / pool.shape(0), page = page_size();
+  char* base = static_cast<char*>(const_cast<void*>(pool.data<void>()));
+  for (int32_t id : ids) {
+    if (id < 0 || id >= pool.shape(0)) throw std::invalid_argument("[mlxcel::kernels::kv_pool_release] block id out of range");
+    const uintptr_t start = (uintptr_t)(base + (size_t)id * block_bytes);
+    const uintptr_t end = start + block_bytes;
+    const uintptr_t first = (start + page - 1) / page * page, last = end / page * page;
+    if (last > first) madvise((void*)first, last - first, MADV_DONTNEED);
+  }
+}
+
+size_t resident_bytes(const mx::array& a) {
+  const size_t page = page_size();
+  const uintptr_t start = (uintptr_t)a.data<void>() / page * page;
+  const uintptr_t end = (uintptr_t)a.data<char>() + a.nbytes();
+  const size_t pages = (end - start + page - 1) / page;
+#ifdef __APPLE__
+  std::vector<char> in_core(pages);
+#else
+  std::vector<unsigned char> in_core(pages);
+#endif
+  if (mincore((void*)start, end - start, in_core.data()) != 0) {
+    throw std::runtime_error("[mlxcel::kernels::resident_bytes] mincore failed");
+  }
+  size_t resident = 0;
+  for (auto c : in_core) resident += (c & 1) ? page : 0;
+  return resident;
+}
+
+}  // namespace mlxcel::kernels
