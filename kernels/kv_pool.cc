@@ -51,7 +51,7 @@ mx::array kv_pool_buffer(int blocks, int kv_heads, int block, int head_dim) {
 }
 
 void kv_pool_release(const mx::array& pool, const std::vector<int32_t>& ids) {
-  if (pool.ndim() != 4 || pool.dtype() != mx::float32) {
+  if (pool.ndim() != 4 || pool.dtype() != mx::float32 || pool.status() == mx::array::unscheduled || !pool.data<void>()) {
     throw std::invalid_argument("[mlxcel::kernels::kv_pool_release] not a pool");
   }
   const size_t block_bytes = pool.nbytes() / pool.shape(0), page = page_size();
@@ -66,6 +66,9 @@ void kv_pool_release(const mx::array& pool, const std::vector<int32_t>& ids) {
 }
 
 size_t resident_bytes(const mx::array& a) {
+  if (a.status() == mx::array::unscheduled || !a.data<void>()) {
+    throw std::invalid_argument("[mlxcel::kernels::resident_bytes] the array is not evaluated");
+  }
   const size_t page = page_size();
   const uintptr_t start = (uintptr_t)a.data<void>() / page * page;
   const uintptr_t end = (uintptr_t)a.data<char>() + a.nbytes();

@@ -25,12 +25,13 @@ use std::time::{Duration, Instant};
 
 use mlx_sys::{async_eval, concatenate, eval, memory, Array, Dtype};
 use mlxcel_models::nn::RowKernels;
+use mlxcel_models::paged::{KvPool, PagedKvCache, ReserveError, RowBlocks};
 use mlxcel_models::{KvCache, Model};
 use mlxcel_tokenizer::StreamDecodeState;
 
 use crate::error::{Error, Result};
 use crate::generate::{CancelFlag, FinishReason, GenerationOutput, GenerationStats};
-use crate::prefix_cache::{self, PrefixCache, BLOCK_TOKENS, MIN_PROMPT_TOKENS};
+use crate::prefix_cache::{self, BLOCK_TOKENS, MIN_PROMPT_TOKENS};
 use crate::sampling::{recent_tokens, Sampler, SamplingParams};
 use crate::stop::{StopMatcher, StopOutcome};
 
@@ -86,6 +87,9 @@ struct Row {
     prefill_chunk: usize,
     phase: Phase,
     caches: Vec<Box<dyn KvCache>>,
+    /// The pool blocks reserved for a row whose caches are not paged (its
+    /// paged caches hold their blocks themselves).
+    _reserved: Option<RowBlocks>,
     /// `Prefill` for rows that take part in the prefix cache.
     kernels: RowKernels,
     /// The hash chain of the prompt's full blocks, for rows that use the
@@ -146,8 +150,9 @@ impl Row {
 /// Rows of one model; see the module docs.
 pub struct BatchEngine {
     model: Arc<Model>,
-    /// None when the model's prefill is not chunking invariant.
-    prefix: Option<PrefixCache>,
+    pool: Arc<KvPool>,
+    /// Whether full prompt blocks are cached and adopted.
+    prefix_caching: bool,
     rows: Vec<Row>,
     next_id: RowId,
     /// Events of rows that ended outside `finish_rows` (prefill, cancel).
@@ -155,12 +160,48 @@ pub struct BatchEngine {
 }
 
 impl BatchEngine {
-    /// An engine whose prefix cache holds up to `prefix_cache_bytes` (0
-    /// turns it off).
-    pub fn new(model: Arc<Model>, prefix_cache_bytes: usize) -> Self {
-        let prefix = (prefix_cache_bytes > 0 && model.network.chunking_invariant_prefill())
-            .then(|| PrefixCache::new(prefix_cache_bytes));
-        BatchEngine { model, prefix, rows: Vec::new(), next_id: 1, pending: Vec::new() }
+    /// An engine whose rows keep their keys and values in `pool` (see
+    /// [`pool_for`](Self::pool_for)). Prompt blocks are cached when
+    /// `prefix_caching` is on and the pool is paged.
+    pub fn new(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool) -> Self {
+        let prefix_caching = prefix_caching && pool.is_paged() && model.network.chunking_invariant_prefill();
+        BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new() }
+    }
+
+    /// A pool of `bytes` for `model`'s rows: paged when its kernels read a
+    /// paged pool, accounting only otherwise.
+    pub fn pool_for(model: &Model, bytes: usize) -> Arc<KvPool> {
+        KvPool::new(model.network.shape(), bytes, model.network.reads_paged_kv())
+    }
+
+    /// The KV pool of this engine's rows.
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+
+    /// Pool blocks a row of `request` may need: its prompt and `max_tokens`,
+    /// within the model's context.
+    fn blocks_needed(&self, request: &RowRequest) -> usize {
+        let mut positions = request.prompt.len() + request.params.max_tokens;
+        if let Some(context) = self.model.network.shape().max_position_embeddings {
+            positions = positions.min(context.max(request.prompt.len()));
+        }
+        KvPool::blocks_for(positions)
+    }
+
+    /// Whether [`open`](Self::open) can take `request` now: false while the
+    /// pool's blocks are held or reserved by other rows (the request should
+    /// wait), an error when it needs more than the whole pool.
+    pub fn fits(&self, request: &RowRequest) -> Result<bool> {
+        let needed = self.blocks_needed(request);
+        let usage = self.pool.usage();
+        if needed > usage.total {
+            return Err(Error::KvPoolTooSmall {
+                needed_bytes: needed * self.pool.block_bytes(),
+                budget_bytes: self.pool.budget_bytes(),
+            });
+        }
+        Ok(needed <= usage.available())
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -183,23 +224,41 @@ impl BatchEngine {
     pub fn open(&mut self, request: RowRequest, opened: Instant) -> Result<RowId> {
         let sampler = Sampler::new(&request.params)?;
         validate_prompt(&self.model, &request.prompt, request.prefill_chunk)?;
-        let id = self.next_id;
-        self.next_id += 1;
-        let (mut caches, mut kernels, mut block_hashes, mut cached_tokens) =
-            (None, RowKernels::ByCount, Vec::new(), 0);
-        if self.prefix.is_some() && request.prompt.len() > MIN_PROMPT_TOKENS {
+        let needed = self.blocks_needed(&request);
+        let (mut kernels, mut block_hashes, mut adopted) = (RowKernels::ByCount, Vec::new(), Vec::new());
+        if self.prefix_caching && request.prompt.len() > MIN_PROMPT_TOKENS {
             // The same kernels with or without the cache, so the tokens are too.
             kernels = RowKernels::Prefill;
-        }
-        if let Some(prefix) = self.prefix.as_mut().filter(|_| kernels == RowKernels::Prefill && request.cache_prompt) {
-            block_hashes = prefix_cache::block_hashes(&request.prompt);
-            // At least one prompt token is left to prefill, for the logits.
-            let max_blocks = (request.prompt.len() - 1) / BLOCK_TOKENS;
-            if let Some((adopted, tokens)) = prefix.adopt(&request.prompt, &block_hashes, max_blocks)? {
-                caches = Some(adopted);
-                cached_tokens = tokens;
+            if request.cache_prompt {
+                block_hashes = prefix_cache::block_hashes(&request.prompt);
+                // At least one prompt token is left to prefill, for the logits.
+                let max_blocks = (request.prompt.len() - 1) / BLOCK_TOKENS;
+                adopted = prefix_cache::adopt(&self.pool, &request.prompt, &block_hashes, max_blocks);
             }
         }
+        let cached_tokens = adopted.len() * BLOCK_TOKENS;
+        // `fits` was true: the pool has room for every block beyond the adopted ones.
+        let reservation = match self.pool.reserve(needed - adopted.len()) {
+            Ok(reservation) => reservation,
+            Err(reason) => {
+                drop(RowBlocks::new(self.pool.clone(), adopted, Default::default()));
+                return Err(match reason {
+                    ReserveError::TooLarge { .. } | ReserveError::Busy => Error::KvPoolTooSmall {
+                        needed_bytes: needed * self.pool.block_bytes(),
+                        budget_bytes: self.pool.budget_bytes(),
+                    },
+                });
+            }
+        };
+        let blocks = RowBlocks::new(self.pool.clone(), adopted, reservation);
+        let layers = self.model.network.shape().num_layers;
+        let (caches, reserved) = if self.pool.is_paged() {
+            (PagedKvCache::for_row(blocks, layers, cached_tokens), None)
+        } else {
+            (self.model.network.new_caches(), Some(blocks))
+        };
+        let id = self.next_id;
+        self.next_id += 1;
         self.rows.push(Row {
             kernels,
             block_hashes,
@@ -210,7 +269,8 @@ impl BatchEngine {
             prefilled: cached_tokens,
             prefill_chunk: request.prefill_chunk,
             phase: Phase::Prefilling,
-            caches: caches.unwrap_or_else(|| self.model.network.new_caches()),
+            caches,
+            _reserved: reserved,
             sampler,
             stops: StopMatcher::new(&request.params.stop),
             params: request.params,
@@ -283,9 +343,12 @@ impl BatchEngine {
             async_eval([&next])?;
             r.queued = Some(next);
             r.phase = Phase::Decoding;
-            if let (Some(prefix), false) = (self.prefix.as_mut(), r.block_hashes.is_empty()) {
-                // A store that fails costs later rows a cache hit, not this row its output.
-                let _ = prefix.store(&r.prompt, &r.block_hashes, &r.caches);
+            if !r.block_hashes.is_empty() {
+                if let Some(paged) = r.caches.first_mut().and_then(|c| c.as_paged()) {
+                    let mut blocks = paged.row_blocks().lock().unwrap_or_else(|e| e.into_inner());
+                    prefix_cache::store(&self.pool, &r.prompt, &r.block_hashes, blocks.table());
+                    blocks.seal(r.block_hashes.len() * BLOCK_TOKENS);
+                }
             }
         }
         r.prefilled = end;

@@ -14,6 +14,13 @@ pub enum Error {
     EmptyPrompt,
     #[error("the prompt has {prompt} tokens, more than the model's context of {context}")]
     PromptTooLong { prompt: usize, context: usize },
+    /// The request could never fit the model's KV pool, even alone.
+    #[error(
+        "the request needs up to {} MiB of KV cache (its prompt plus max_tokens), more than the KV pool's budget of {} MiB",
+        needed_bytes.div_ceil(1 << 20),
+        budget_bytes >> 20
+    )]
+    KvPoolTooSmall { needed_bytes: usize, budget_bytes: usize },
     /// The process is exiting ([`shutdown`](crate::shutdown) ran): no new generation starts.
     #[error("the engine is shutting down")]
     ShuttingDown,

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 use mlxcel_models::chat_template::Message;
-use mlxcel_models::{runtime, Model};
+use mlxcel_models::{runtime, KvPool, Model};
 
-use crate::batch::{validate_prompt, RowEvent, RowRequest};
+use crate::batch::{validate_prompt, BatchEngine, RowEvent, RowRequest};
 use crate::error::{Error, Result};
 use crate::sampling::SamplingParams;
 use crate::scheduler::Scheduler;
@@ -155,7 +155,29 @@ pub struct GenerationOutput {
 #[derive(Clone)]
 pub struct Engine {
     model: Arc<Model>,
+    limits: EngineLimits,
+    pool: Arc<KvPool>,
     scheduler: Arc<Scheduler>,
+}
+
+/// What an engine may hold, fixed when it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineLimits {
+    /// Byte budget of the KV pool that every row's keys and values live in
+    /// (default [`DEFAULT_POOL_BYTES`](mlxcel_models::paged::DEFAULT_POOL_BYTES),
+    /// 1 GiB; only blocks in use are resident). A request that does not fit
+    /// next to the running ones waits; one that could never fit fails with
+    /// [`Error::KvPoolTooSmall`].
+    pub kv_pool_bytes: usize,
+    /// Cache full prompt blocks and reuse them for later prompts with the
+    /// same prefix (default on).
+    pub prefix_caching: bool,
+}
+
+impl Default for EngineLimits {
+    fn default() -> Self {
+        EngineLimits { kv_pool_bytes: mlxcel_models::paged::DEFAULT_POOL_BYTES, prefix_caching: true }
+    }
 }
 
 impl Engine {
@@ -165,7 +187,24 @@ impl Engine {
     /// environment at the first model load unless
     /// [`runtime::init`](crate::runtime::init) came first.
     pub fn new(model: Arc<Model>) -> Self {
-        Engine { scheduler: Arc::new(Scheduler::start(model.clone())), model }
+        Engine::with_limits(model, EngineLimits::default())
+    }
+
+    /// [`new`](Self::new) with its KV pool and prefix cache set by `limits`.
+    pub fn with_limits(model: Arc<Model>, limits: EngineLimits) -> Self {
+        let pool = BatchEngine::pool_for(&model, limits.kv_pool_bytes);
+        let scheduler = Arc::new(Scheduler::start(model.clone(), pool.clone(), limits.prefix_caching));
+        Engine { scheduler, model, limits, pool }
+    }
+
+    pub fn limits(&self) -> EngineLimits {
+        self.limits
+    }
+
+    /// The KV pool every row of this engine keeps its keys and values in
+    /// (its usage and resident bytes).
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.pool
     }
 
     pub fn load(dir: &Path) -> Result<Self> {

@@ -22,7 +22,7 @@ mod stop;
 mod stream;
 
 pub use error::{Error, Result};
-pub use generate::{CancelFlag, Engine, FinishReason, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt};
+pub use generate::{CancelFlag, Engine, EngineLimits, FinishReason, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt};
 pub use mlxcel_tokenizer::Message;
 pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
 pub use sampling::SamplingParams;

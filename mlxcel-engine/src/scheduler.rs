@@ -2,7 +2,10 @@
 //! [`BatchEngine`] and decides, tick by tick, what runs. Requests arrive from
 //! any thread over a `crossbeam-channel`; each tick the scheduler
 //!
-//! 1. admits waiting requests as rows (up to [`MAX_ROWS`]);
+//! 1. admits waiting requests as rows, first come first served, while fewer
+//!    than [`MAX_ROWS`] run and the KV pool has room for the next one's
+//!    prompt and `max_tokens` (a request too large for the whole pool fails
+//!    with [`Error::KvPoolTooSmall`]);
 //! 2. ends rows whose cancel flag is set or whose client went away;
 //! 3. queues one decode step over every decoding row;
 //! 4. runs one prefill chunk of the oldest prefilling row, so a long prompt
@@ -18,6 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
+use mlxcel_models::paged::KvPool;
 use mlxcel_models::Model;
 
 use crate::batch::{BatchEngine, RowEvent, RowId, RowRequest};
@@ -74,7 +78,7 @@ impl Drop for Scheduler {
 }
 
 impl Scheduler {
-    pub fn start(model: Arc<Model>) -> Scheduler {
+    pub fn start(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool) -> Scheduler {
         let (sender, receiver) = unbounded();
         let shared = Arc::new(Shared { busy: Mutex::new(false), idle: Condvar::new() });
         {
@@ -84,7 +88,7 @@ impl Scheduler {
         }
         let (done, stopped) = crossbeam_channel::bounded::<()>(0);
         spawn_reusing(Box::new(move || {
-            run(model, receiver, shared);
+            run(model, pool, prefix_caching, receiver, shared);
             drop(done);
         }));
         Scheduler { sender: Some(sender), stopped }
@@ -166,8 +170,8 @@ fn spawn_reusing(job: Job) {
         .expect("spawning a scheduler thread");
 }
 
-fn run(model: Arc<Model>, receiver: Receiver<Submission>, shared: Arc<Shared>) {
-    let mut engine = BatchEngine::new(model, crate::prefix_cache::DEFAULT_BUDGET_BYTES);
+fn run(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, receiver: Receiver<Submission>, shared: Arc<Shared>) {
+    let mut engine = BatchEngine::new(model, pool, prefix_caching);
     let mut clients: HashMap<RowId, Client> = HashMap::new();
     let mut waiting: VecDeque<Submission> = VecDeque::new();
     loop {
@@ -193,7 +197,18 @@ fn run(model: Arc<Model>, receiver: Receiver<Submission>, shared: Arc<Shared>) {
             continue;
         }
         while engine.len() < MAX_ROWS {
-            let Some(submission) = waiting.pop_front() else { break };
+            let Some(next) = waiting.front() else { break };
+            match engine.fits(&next.request) {
+                Ok(true) => {}
+                // First come, first served: the queue waits for rows to end.
+                Ok(false) => break,
+                Err(error) => {
+                    let submission = waiting.pop_front().expect("front");
+                    let _ = submission.events.send(RowEvent::Failed { row: 0, error });
+                    continue;
+                }
+            }
+            let submission = waiting.pop_front().expect("front");
             match engine.open(submission.request, submission.submitted) {
                 Ok(row) => {
                     clients.insert(row, Client { events: submission.events, cancel: submission.client_cancel });

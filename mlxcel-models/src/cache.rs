@@ -53,6 +53,18 @@ pub trait KvCache: Send {
     /// Takes back the buffers from [`append_buffers`](Self::append_buffers)
     /// with `length` new positions written at its offset.
     fn commit_append(&mut self, _keys: Array, _values: Array, _length: usize) {}
+    /// Appends `k`/`v` ([1, kv_heads, L, D]) and returns causal attention of
+    /// `q` ([1, heads, L, D]) over every cached position, for caches that
+    /// attend themselves (paged ones, whose kernels read the blocks in
+    /// place); None, with the cache unchanged, for the others.
+    fn attend(&mut self, _q: &Array, _k: &Array, _v: &Array, _scale: f32) -> Result<Option<Array>> {
+        Ok(None)
+    }
+    /// This cache as a paged one, for the kernels that serve several rows
+    /// of one pool in a node.
+    fn as_paged(&mut self) -> Option<&mut crate::paged::PagedKvCache> {
+        None
+    }
 }
 
 /// A growable cache: buffers grow in steps of `STEP` positions and new

@@ -9,11 +9,13 @@ pub mod cache;
 pub mod error;
 pub mod model;
 pub mod nn;
+pub mod paged;
 pub mod quantization;
 pub mod runtime;
 pub mod weights;
 
 pub use cache::{KvCache, StandardKvCache};
+pub use paged::{KvPool, PagedKvCache, RowBlocks};
 pub use mlxcel_tokenizer::{chat_template, tokenizer};
 pub use error::{Error, Result};
 pub use model::{LanguageModel, Model, ModelInfo, ModelShape};

@@ -55,6 +55,12 @@ pub trait LanguageModel: Send + Sync {
     }
     /// One empty cache per layer.
     fn new_caches(&self) -> Vec<Box<dyn KvCache>>;
+    /// Whether this model's kernels read a paged KV pool
+    /// ([`crate::paged`]) in place; rows then keep their keys and values in
+    /// the pool's blocks instead of [`new_caches`](Self::new_caches).
+    fn reads_paged_kv(&self) -> bool {
+        false
+    }
     fn shape(&self) -> &ModelShape;
 }
 

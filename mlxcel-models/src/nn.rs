@@ -6,7 +6,10 @@ use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, PreparedDeco
 use mlx_sys::{Array, Dtype};
 use mlxcel_gguf::rope::Llama3Scaling;
 
+use std::sync::Arc;
+
 use crate::cache::{CacheLayout, KvCache};
+use crate::paged::PagedKvCache;
 use crate::error::{Error, Result};
 use crate::quantization::QuantParams;
 use crate::weights::Scope;
@@ -435,13 +438,16 @@ impl Attention {
         let offset = cache.offset();
         let q = self.rope.forward(&q, offset)?;
         let k = self.rope.forward(&k, offset)?;
-        let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let out = if !prefill_uses_mlx() {
+        let out = if let Some(out) = cache.attend(&q, &k, &v, self.scale)? {
+            out
+        } else if !prefill_uses_mlx() {
+            let (k, v) = cache.update_and_fetch(&k, &v)?;
             // Our causal attention kernel (MLX's for what it does not handle),
             // for decode steps too: MLX's CPU attention is a BLAS matmul. Its
             // result transposes back to [B, L, H, D] without a copy.
             kernels::causal_attention(&q, &k, &v, self.scale)?
         } else {
+            let (k, v) = cache.update_and_fetch(&k, &v)?;
             let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
             fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask)?
         };
@@ -597,6 +603,9 @@ impl FusedBlock {
     /// The block for `x` ([1, L, hidden]), or None when the cache cannot be
     /// written in place.
     fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Option<Array>> {
+        if let Some(paged) = cache.as_paged() {
+            return self.forward_paged(x, &mut [paged]).map(Some);
+        }
         let layout = CacheLayout { kv_heads: self.spec.kv_heads, head_dim: self.spec.head_dim, dtype: Dtype::Float32 };
         let mut out = None;
         let appended = cache.append_with(x.dim(1) as usize, layout, &mut |keys, values, offset| {
@@ -611,6 +620,12 @@ impl FusedBlock {
     /// The block for `x` ([B, L, hidden]) over B caches in one node, or None
     /// (every cache unchanged) when one of them cannot be written in place.
     fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Option<Array>> {
+        let rows = caches.len();
+        let mut paged: Vec<&mut PagedKvCache> = caches.iter_mut().filter_map(|c| c.as_paged()).collect();
+        if paged.len() == rows && paged.iter().all(|p| Arc::ptr_eq(p.pool(), paged[0].pool())) {
+            return self.forward_paged(x, &mut paged).map(Some);
+        }
+        drop(paged);
         let layout = CacheLayout { kv_heads: self.spec.kv_heads, head_dim: self.spec.head_dim, dtype: Dtype::Float32 };
         let length = x.dim(1) as usize;
         let mut buffers = Vec::with_capacity(caches.len());
@@ -631,6 +646,27 @@ impl FusedBlock {
             cache.commit_append(keys, values, length);
         }
         Ok(Some(out))
+    }
+}
+
+impl FusedBlock {
+    /// The block for `x` ([B, L, hidden]) over B paged caches of one pool,
+    /// in one node that writes the pool in place.
+    fn forward_paged(&self, x: &Array, caches: &mut [&mut PagedKvCache]) -> Result<Array> {
+        let length = x.dim(1) as usize;
+        let tables = caches.iter().map(|c| c.table_for(length)).collect::<Result<Vec<_>>>()?;
+        let sequences: Vec<kernels::PagedSequence<'_>> = tables
+            .iter()
+            .zip(caches.iter())
+            .map(|(table, c)| kernels::PagedSequence { table, offset: c.offset() as i32 })
+            .collect();
+        let (pool_keys, pool_values) = caches[0].layer_pools()?;
+        let (out, keys, values) = self.weights.forward_paged(x, &pool_keys, &pool_values, &sequences, &self.spec)?;
+        caches[0].set_layer_pools(keys, values);
+        for cache in caches.iter_mut() {
+            cache.advance(length);
+        }
+        Ok(out)
     }
 }
 

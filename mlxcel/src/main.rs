@@ -175,11 +175,32 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
 }
 
 fn inspect(dir: &Path) -> AnyResult<()> {
-    let (_, info) = load_network(dir)?;
+    let (network, info) = load_network(dir)?;
     let (config, _) = read_config(dir)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     print_info(dir, &info, &config, &tokenizer);
+    print_engine(network.as_ref());
     Ok(())
+}
+
+/// The engine's limits for this model: its KV pool and batch size.
+fn print_engine(network: &dyn mlxcel_models::LanguageModel) {
+    let shape = network.shape();
+    let limits = mlxcel_engine::EngineLimits::default();
+    let paged = network.reads_paged_kv();
+    let pool_kind = if paged { "paged: the kernels read its blocks in place" } else { "accounting only: these kernels read contiguous caches" };
+    println!(
+        "KV pool:         {} in {}-token blocks, {} tokens over all rows ({pool_kind})",
+        human_bytes(limits.kv_pool_bytes as u64),
+        mlxcel_engine::prefix_cache::BLOCK_TOKENS,
+        limits.kv_pool_bytes / shape.kv_bytes_per_token().max(1),
+    );
+    let prefix = limits.prefix_caching && paged && network.chunking_invariant_prefill();
+    println!(
+        "engine:          batches up to {} rows; prefix cache {}",
+        mlxcel_engine::scheduler::MAX_ROWS,
+        if prefix { "on (prompts over 32 tokens)" } else { "off" }
+    );
 }
 
 fn print_info(dir: &Path, info: &ModelInfo, config: &serde_json::Value, tokenizer: &Tokenizer) {
@@ -198,14 +219,6 @@ fn print_info(dir: &Path, info: &ModelInfo, config: &serde_json::Value, tokenize
         println!("context:         {context} tokens");
     }
     println!("tokenizer:       {}, vocab {}", tokenizer.kind(), tokenizer.vocab_size());
-    let budget = mlxcel_engine::prefix_cache::DEFAULT_BUDGET_BYTES;
-    println!(
-        "engine:          batches up to {} rows; prefix cache {} in {}-token blocks ({} prompt tokens at most)",
-        mlxcel_engine::scheduler::MAX_ROWS,
-        human_bytes(budget as u64),
-        mlxcel_engine::prefix_cache::BLOCK_TOKENS,
-        budget / shape.kv_bytes_per_token().max(1)
-    );
     let loops = machine::KernelLoops::for_bits(info.main_weight_bits());
     println!("cpu:             {}", machine::cpu_model());
     println!(

@@ -193,6 +193,13 @@ impl LanguageModel for DecoderModel {
         mlx_sys::Device::default_device() == mlx_sys::Device::Cpu && self.layers.iter().all(|l| l.is_fused())
     }
 
+    fn reads_paged_kv(&self) -> bool {
+        // The paged prefill attention takes head sizes that are multiples of 16.
+        self.chunking_invariant_prefill()
+            && self.shape.head_dim % 16 == 0
+            && crate::runtime::current().prefill != crate::runtime::PrefillBackend::Mlx
+    }
+
     fn forward_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
         if caches.len() != tokens.dim(0) as usize {
             return Err(Error::Mlx(format!("{} cache sets given for a batch of {}", caches.len(), tokens.dim(0))));

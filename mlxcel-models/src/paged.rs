@@ -1,0 +1,460 @@
+//! The paged KV pool: every row's keys and values live in fixed-size blocks
+//! of one pool per model, read and written in place by the CPU kernels
+//! through each row's block table.
+//!
+//! - A block holds [`BLOCK_TOKENS`] positions of every layer: block `i` is
+//!   slice `i` of each layer's key and value pools, `f32 [blocks, kv_heads,
+//!   BLOCK_TOKENS, head_dim]`.
+//! - The pool has a byte budget, fixed when it is made. Its memory is an
+//!   anonymous mapping: pages become resident when a block is first written
+//!   and are handed back when a block is freed, so the resident bytes follow
+//!   the blocks in use, not the budget.
+//! - Blocks are reference counted. A full prompt block can be *cached* under
+//!   its hash-chain key (see the engine's prefix cache): rows that share the
+//!   prefix point at the same block, and an unreferenced cached block stays
+//!   until the pool needs room (least recently used first).
+//! - Rows reserve the blocks they may need before they start
+//!   ([`KvPool::reserve`]), so a running row never finds the pool empty.
+//!
+//! Models whose kernels cannot read a paged pool (GPUs, dense checkpoints)
+//! get an accounting-only pool: the same budget, reservations and errors,
+//! over their contiguous caches.
+//!
+//! Thread safety: `KvPool` is `Send + Sync` (one mutex); the engine's
+//! scheduler thread is its only user in practice.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use mlx_sys::{kernels, Array};
+
+use crate::cache::{AppendWriter, CacheLayout, KvCache};
+use crate::model::ModelShape;
+
+/// Positions per block: a multiple of 8 (the kernels read keys 8 at a time
+/// and never across a block), small enough that a row wastes at most 15
+/// positions and a shared prefix loses at most 15 tokens of reuse, large
+/// enough that a table stays short (a 4,096-token row has 256 entries) and
+/// each block is whole pages for common head sizes (SmolLM2: 12 KiB per
+/// layer and tensor).
+pub const BLOCK_TOKENS: usize = 16;
+
+/// The default byte budget of a model's pool: 1 GiB, about 23,000
+/// positions of SmolLM2-135M or 18,700 of Qwen2.5-1.5B in f32. Only the
+/// blocks in use are resident.
+pub const DEFAULT_POOL_BYTES: usize = 1 << 30;
+
+pub type BlockId = i32;
+
+/// How much a pool holds, in blocks of [`KvPool::block_bytes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolUsage {
+    /// Blocks in the pool.
+    pub total: usize,
+    /// Blocks referenced by rows.
+    pub in_use: usize,
+    /// Cached blocks no row references (evicted first when room is needed).
+    pub cached_idle: usize,
+    /// Blocks promised to rows and not yet taken.
+    pub reserved: usize,
+}
+
+impl PoolUsage {
+    /// Blocks a new reservation can take.
+    pub fn available(&self) -> usize {
+        self.total - self.in_use - self.reserved
+    }
+}
+
+struct Cached {
+    hash: u64,
+    tokens: Vec<u32>,
+    last_used: u64,
+    /// Position of the block in its prompt: deeper blocks go first among equals.
+    depth: usize,
+}
+
+struct PoolState {
+    /// Each layer's (keys, values) pool as the latest kernel node returned
+    /// it (possibly not evaluated yet); empty for an accounting-only pool.
+    layers: Vec<(Array, Array)>,
+    /// The same pools as first mapped (evaluated, the same memory), for
+    /// handing pages back and counting resident ones.
+    mapped: Vec<Array>,
+    refs: Vec<u32>,
+    free: BTreeSet<BlockId>,
+    cached: HashMap<BlockId, Cached>,
+    by_hash: HashMap<u64, BlockId>,
+    reserved: usize,
+    clock: u64,
+}
+
+/// One model's KV block pool; see the module docs.
+pub struct KvPool {
+    state: Mutex<PoolState>,
+    total: usize,
+    block_bytes: usize,
+    shape: PoolShape,
+    paged: bool,
+}
+
+#[derive(Clone, Copy)]
+struct PoolShape {
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Why a reservation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReserveError {
+    /// Not now: rows hold the blocks; wait for them to finish.
+    Busy,
+    /// Never: more blocks than the whole pool.
+    TooLarge { needed: usize, total: usize },
+}
+
+impl KvPool {
+    /// A pool of `budget_bytes` for `shape`'s layers. `paged` pools hold the
+    /// keys and values themselves (CPU kernels); others only account for the
+    /// contiguous caches of their rows.
+    pub fn new(shape: &ModelShape, budget_bytes: usize, paged: bool) -> Arc<KvPool> {
+        let block_bytes = 2 * shape.num_layers * shape.kv_heads * BLOCK_TOKENS * shape.head_dim * std::mem::size_of::<f32>();
+        let total = (budget_bytes / block_bytes.max(1)).min(i32::MAX as usize);
+        let state = PoolState {
+            layers: Vec::new(),
+            mapped: Vec::new(),
+            refs: vec![0; total],
+            free: (0..total as BlockId).collect(),
+            cached: HashMap::new(),
+            by_hash: HashMap::new(),
+            reserved: 0,
+            clock: 0,
+        };
+        let shape = PoolShape { layers: shape.num_layers, kv_heads: shape.kv_heads, head_dim: shape.head_dim };
+        Arc::new(KvPool { state: Mutex::new(state), total, block_bytes, shape, paged: paged && total > 0 })
+    }
+
+    /// Whether rows keep their keys and values in this pool.
+    pub fn is_paged(&self) -> bool {
+        self.paged
+    }
+
+    /// Bytes of one block: every layer's keys and values for
+    /// [`BLOCK_TOKENS`] positions.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    pub fn budget_bytes(&self) -> usize {
+        self.total * self.block_bytes
+    }
+
+    /// Blocks for `positions` positions.
+    pub fn blocks_for(positions: usize) -> usize {
+        positions.div_ceil(BLOCK_TOKENS)
+    }
+
+    pub fn usage(&self) -> PoolUsage {
+        let s = self.lock();
+        let in_use = s.refs.iter().filter(|&&r| r > 0).count();
+        let cached_idle = s.cached.keys().filter(|&&b| s.refs[b as usize] == 0).count();
+        PoolUsage { total: self.total, in_use, cached_idle, reserved: s.reserved }
+    }
+
+    /// Bytes of the pool's memory that are resident (0 for an
+    /// accounting-only pool).
+    pub fn resident_bytes(&self) -> crate::Result<usize> {
+        let s = self.lock();
+        let mut bytes = 0;
+        for pool in &s.mapped {
+            bytes += kernels::resident_bytes(pool)?;
+        }
+        Ok(bytes)
+    }
+
+    /// Promises `blocks` blocks to a row (taken later by its tables).
+    /// Unreferenced cached blocks count as room: they are evicted when taken.
+    pub fn reserve(&self, blocks: usize) -> Result<Reservation, ReserveError> {
+        if blocks > self.total {
+            return Err(ReserveError::TooLarge { needed: blocks, total: self.total });
+        }
+        let mut s = self.lock();
+        let in_use = s.refs.iter().filter(|&&r| r > 0).count();
+        if in_use + s.reserved + blocks > self.total {
+            return Err(ReserveError::Busy);
+        }
+        s.reserved += blocks;
+        Ok(Reservation { blocks })
+    }
+
+    /// Gives back what is left of a reservation.
+    pub fn unreserve(&self, reservation: &mut Reservation) {
+        let mut s = self.lock();
+        s.reserved -= reservation.blocks;
+        reservation.blocks = 0;
+    }
+
+    /// A block for a row: from its reservation when it has one left, the
+    /// lowest free block first, else the least recently used idle cached
+    /// block. None when the pool is full.
+    fn take(&self, reservation: &mut Reservation) -> crate::Result<Option<BlockId>> {
+        let mut s = self.lock();
+        if self.paged && s.layers.is_empty() {
+            // Mapped on first use; pages become resident as blocks are written.
+            let PoolShape { layers, kv_heads, head_dim } = self.shape;
+            let pool = || kernels::kv_pool_buffer(self.total as i32, kv_heads as i32, BLOCK_TOKENS as i32, head_dim as i32);
+            s.layers = (0..layers).map(|_| Ok((pool()?, pool()?))).collect::<mlx_sys::Result<Vec<_>>>()?;
+            s.mapped = s.layers.iter().flat_map(|(k, v)| [k.clone(), v.clone()]).collect();
+        }
+        Ok(self.take_locked(&mut s, reservation))
+    }
+
+    fn take_locked(&self, s: &mut PoolState, reservation: &mut Reservation) -> Option<BlockId> {
+        let unreserved_room = self.total - s.refs.iter().filter(|&&r| r > 0).count() - s.reserved;
+        if reservation.blocks == 0 && unreserved_room == 0 {
+            return None;
+        }
+        let id = match s.free.pop_first() {
+            Some(id) => id,
+            None => {
+                let (&id, _) = s
+                    .cached
+                    .iter()
+                    .filter(|(&b, _)| s.refs[b as usize] == 0)
+                    .min_by_key(|(_, c)| (c.last_used, std::cmp::Reverse(c.depth)))?;
+                let evicted = s.cached.remove(&id).expect("found above");
+                s.by_hash.remove(&evicted.hash);
+                id
+            }
+        };
+        if reservation.blocks > 0 {
+            reservation.blocks -= 1;
+            s.reserved -= 1;
+        }
+        s.refs[id as usize] = 1;
+        Some(id)
+    }
+
+    /// Drops one reference to each of `blocks`; a block no row references
+    /// is freed (its pages handed back) unless it is cached.
+    fn release(&self, blocks: &[BlockId]) {
+        let mut s = self.lock();
+        let mut freed = Vec::new();
+        for &b in blocks {
+            let r = &mut s.refs[b as usize];
+            *r -= 1;
+            if *r == 0 && !s.cached.contains_key(&b) {
+                s.free.insert(b);
+                freed.push(b);
+            }
+        }
+        if !freed.is_empty() {
+            // Later nodes that write these blocks come after every node that
+            // read them (each node takes the pool its predecessor returned).
+            for pool in &s.mapped {
+                let _ = kernels::kv_pool_release(pool, &freed);
+            }
+        }
+    }
+
+    /// The cached block under `hash` holding `tokens`, with a new reference
+    /// to it.
+    pub fn lookup(&self, hash: u64, tokens: &[u32]) -> Option<BlockId> {
+        let mut s = self.lock();
+        let id = *s.by_hash.get(&hash)?;
+        s.clock += 1;
+        let clock = s.clock;
+        let cached = s.cached.get_mut(&id).expect("indexed");
+        if cached.tokens != tokens {
+            return None;
+        }
+        cached.last_used = clock;
+        s.refs[id as usize] += 1;
+        Some(id)
+    }
+
+    /// Whether a block is cached under `hash`.
+    pub fn is_cached(&self, hash: u64) -> bool {
+        self.lock().by_hash.contains_key(&hash)
+    }
+
+    /// Caches `block` (full, written, referenced by the caller) under `hash`.
+    pub fn cache(&self, hash: u64, block: BlockId, tokens: &[u32], depth: usize) {
+        let mut s = self.lock();
+        if s.by_hash.contains_key(&hash) || s.cached.contains_key(&block) {
+            return;
+        }
+        s.clock += 1;
+        let last_used = s.clock;
+        s.by_hash.insert(hash, block);
+        s.cached.insert(block, Cached { hash, tokens: tokens.to_vec(), last_used, depth });
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Blocks promised to a row by [`KvPool::reserve`].
+#[derive(Debug, Default)]
+pub struct Reservation {
+    blocks: usize,
+}
+
+impl Reservation {
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+}
+
+/// One row's blocks: its table, shared by the row's layer caches, and what
+/// is left of its reservation. Dropping it releases both.
+pub struct RowBlocks {
+    pool: Arc<KvPool>,
+    table: Vec<BlockId>,
+    reservation: Reservation,
+    /// Positions at the start of the table that other rows may share (cached
+    /// or adopted blocks): never written again.
+    sealed: usize,
+}
+
+impl RowBlocks {
+    /// A table starting with `adopted` (referenced already, e.g. by
+    /// [`KvPool::lookup`]), drawing further blocks from `reservation`.
+    pub fn new(pool: Arc<KvPool>, adopted: Vec<BlockId>, reservation: Reservation) -> Self {
+        let sealed = adopted.len() * BLOCK_TOKENS;
+        RowBlocks { pool, table: adopted, reservation, sealed }
+    }
+
+    pub fn table(&self) -> &[BlockId] {
+        &self.table
+    }
+
+    /// Extends the table to cover `positions` positions.
+    fn cover(&mut self, positions: usize) -> crate::Result<()> {
+        while self.table.len() * BLOCK_TOKENS < positions {
+            let Some(id) = self.pool.take(&mut self.reservation)? else {
+                let usage = self.pool.usage();
+                return Err(crate::Error::Mlx(format!(
+                    "the KV pool is full: {} of {} blocks in use and {} reserved by other rows",
+                    usage.in_use, usage.total, usage.reserved
+                )));
+            };
+            self.table.push(id);
+        }
+        Ok(())
+    }
+
+    /// Marks the first `positions` positions as shared (their full blocks
+    /// are cached): trimming stops there.
+    pub fn seal(&mut self, positions: usize) {
+        self.sealed = self.sealed.max(positions / BLOCK_TOKENS * BLOCK_TOKENS);
+    }
+}
+
+impl Drop for RowBlocks {
+    fn drop(&mut self) {
+        self.pool.release(&self.table);
+        self.pool.unreserve(&mut self.reservation);
+    }
+}
+
+/// One layer's view of a row's blocks: a [`KvCache`] that the fused decoder
+/// block and the paged attention kernel write in place.
+pub struct PagedKvCache {
+    pool: Arc<KvPool>,
+    layer: usize,
+    blocks: Arc<Mutex<RowBlocks>>,
+    offset: usize,
+}
+
+impl PagedKvCache {
+    /// The caches of every layer of one row, over `blocks`, with `offset`
+    /// positions already in them (adopted blocks).
+    pub fn for_row(blocks: RowBlocks, layers: usize, offset: usize) -> Vec<Box<dyn KvCache>> {
+        let pool = blocks.pool.clone();
+        let blocks = Arc::new(Mutex::new(blocks));
+        (0..layers)
+            .map(|layer| Box::new(PagedKvCache { pool: pool.clone(), layer, blocks: blocks.clone(), offset }) as Box<dyn KvCache>)
+            .collect()
+    }
+
+    /// The row's blocks (shared by its layers).
+    pub fn row_blocks(&self) -> &Arc<Mutex<RowBlocks>> {
+        &self.blocks
+    }
+
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+
+    /// The block table after extending it to `offset + length` positions.
+    pub fn table_for(&self, length: usize) -> crate::Result<Vec<BlockId>> {
+        let mut blocks = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
+        blocks.cover(self.offset + length)?;
+        Ok(blocks.table.clone())
+    }
+
+    /// This layer's (keys, values) pools.
+    pub fn layer_pools(&self) -> crate::Result<(Array, Array)> {
+        let s = self.pool.lock();
+        s.layers.get(self.layer).cloned().ok_or_else(|| crate::Error::Mlx("the KV pool holds no blocks yet".into()))
+    }
+
+    /// Takes the pools a kernel returned (with `length` new positions of
+    /// every row it served written) as this layer's current ones.
+    pub fn set_layer_pools(&self, keys: Array, values: Array) {
+        self.pool.lock().layers[self.layer] = (keys, values);
+    }
+
+    /// Counts `length` positions written at the offset.
+    pub fn advance(&mut self, length: usize) {
+        self.offset += length;
+    }
+}
+
+impl KvCache for PagedKvCache {
+    fn update_and_fetch(&mut self, _keys: &Array, _values: &Array) -> mlx_sys::Result<(Array, Array)> {
+        Err(mlx_sys::Error::new("a paged KV cache is read by the CPU kernels in place; use KvCache::attend"))
+    }
+
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn trim(&mut self, n: usize) -> usize {
+        let sealed = self.blocks.lock().unwrap_or_else(|e| e.into_inner()).sealed;
+        let n = n.min(self.offset.saturating_sub(sealed));
+        self.offset -= n;
+        n
+    }
+
+    fn state(&self) -> Vec<Array> {
+        self.layer_pools().map(|(k, v)| vec![k, v]).unwrap_or_default()
+    }
+
+    fn nbytes(&self) -> usize {
+        // This layer's share of the row's blocks.
+        let blocks = self.blocks.lock().unwrap_or_else(|e| e.into_inner()).table.len();
+        blocks * self.pool.block_bytes / self.pool.shape.layers.max(1)
+    }
+
+    fn attend(&mut self, q: &Array, k: &Array, v: &Array, scale: f32) -> mlx_sys::Result<Option<Array>> {
+        let length = k.dim(2) as usize;
+        let table = self.table_for(length).map_err(|e| mlx_sys::Error::new(e.to_string()))?;
+        let (pool_k, pool_v) = self.layer_pools().map_err(|e| mlx_sys::Error::new(e.to_string()))?;
+        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale)?;
+        self.set_layer_pools(pool_k, pool_v);
+        self.offset += length;
+        Ok(Some(out))
+    }
+
+    fn append_with(&mut self, _length: usize, _layout: CacheLayout, _write: &mut AppendWriter<'_>) -> mlx_sys::Result<bool> {
+        Ok(false)
+    }
+
+    fn as_paged(&mut self) -> Option<&mut PagedKvCache> {
+        Some(self)
+    }
+}
