@@ -87,10 +87,7 @@ impl Scheduler {
             all.push(Arc::downgrade(&shared));
         }
         let (done, stopped) = crossbeam_channel::bounded::<()>(0);
-        spawn_reusing(Box::new(move || {
-            run(model, pool, prefix_caching, receiver, shared);
-            drop(done);
-        }));
+        spawn_reusing(Job { work: Box::new(move || run(model, pool, prefix_caching, receiver, shared)), finished: done });
         Scheduler { sender: Some(sender), stopped }
     }
 
@@ -141,7 +138,13 @@ struct Client {
 /// that outlives it, and streams cannot move between threads: a new thread
 /// per engine (or, before, per call) left one MLX worker behind each time.
 /// Reusing the threads bounds them by the most engines alive at once.
-type Job = Box<dyn FnOnce() + Send>;
+/// Work for a scheduler thread, and the channel it closes once the thread
+/// is idle again (so an engine's drop returns only when its thread can be
+/// reused by the next engine).
+struct Job {
+    work: Box<dyn FnOnce() + Send>,
+    finished: Sender<()>,
+}
 static IDLE_THREADS: Mutex<Vec<Sender<Job>>> = Mutex::new(Vec::new());
 
 /// Runs `job` on an idle scheduler thread, or on a new one.
@@ -153,18 +156,17 @@ fn spawn_reusing(job: Job) {
             Err(failed) => job = Some(failed.0),
         }
     }
-    let job = job.expect("not sent yet");
+    let mut job = job.expect("not sent yet");
     std::thread::Builder::new()
         .name("mlxcel-scheduler".into())
-        .spawn(move || {
-            job();
-            loop {
-                let (sender, receiver) = crossbeam_channel::bounded::<Job>(1);
-                IDLE_THREADS.lock().unwrap_or_else(|e| e.into_inner()).push(sender);
-                match receiver.recv() {
-                    Ok(next) => next(),
-                    Err(_) => return,
-                }
+        .spawn(move || loop {
+            (job.work)();
+            let (sender, receiver) = crossbeam_channel::bounded::<Job>(1);
+            IDLE_THREADS.lock().unwrap_or_else(|e| e.into_inner()).push(sender);
+            drop(job.finished);
+            match receiver.recv() {
+                Ok(next) => job = next,
+                Err(_) => return,
             }
         })
         .expect("spawning a scheduler thread");
