@@ -6,6 +6,8 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use mlxcel_engine::ErrorKind;
+
 use crate::shutdown::{self, Inside};
 
 /// The status every fallible function returns: `MLXCEL_OK` (0), a positive
@@ -104,54 +106,25 @@ impl CError {
     pub fn null(name: &str) -> Self {
         CError::new(MLXCEL_ERR_NULL_POINTER, format!("`{name}` is NULL"))
     }
-    pub fn invalid(name: &str, message: impl std::fmt::Display) -> Self {
-        CError::new(
-            MLXCEL_ERR_INVALID_ARGUMENT,
-            format!("invalid argument `{name}`: {message}"),
-        )
+}
+
+/// The status of each engine error kind: the C ABI's one error table.
+fn status_of(kind: ErrorKind) -> mlxcel_status {
+    match kind {
+        ErrorKind::InvalidParameter => MLXCEL_ERR_INVALID_ARGUMENT,
+        ErrorKind::EmptyPrompt => MLXCEL_ERR_EMPTY_PROMPT,
+        ErrorKind::PromptTooLong => MLXCEL_ERR_PROMPT_TOO_LONG,
+        ErrorKind::ModelLoad => MLXCEL_ERR_MODEL_LOAD,
+        ErrorKind::Tokenizer => MLXCEL_ERR_TOKENIZER,
+        ErrorKind::Mlx => MLXCEL_ERR_MLX,
+        ErrorKind::ShuttingDown => MLXCEL_ERR_EXITING,
+        _ => MLXCEL_ERR_INTERNAL,
     }
 }
 
 impl From<mlxcel_engine::Error> for CError {
     fn from(e: mlxcel_engine::Error) -> Self {
-        use mlxcel_engine::Error as E;
-        let status = match &e {
-            E::Model(m) => model_status(m),
-            E::Mlx(_) => MLXCEL_ERR_MLX,
-            E::InvalidParameter { .. } => MLXCEL_ERR_INVALID_ARGUMENT,
-            E::EmptyPrompt => MLXCEL_ERR_EMPTY_PROMPT,
-            E::PromptTooLong { .. } => MLXCEL_ERR_PROMPT_TOO_LONG,
-            _ => MLXCEL_ERR_INTERNAL,
-        };
-        CError::new(status, e.to_string())
-    }
-}
-
-/// The status of a model error raised after loading (tokenizing, rendering, running).
-fn model_status(e: &mlxcel_models::Error) -> mlxcel_status {
-    use mlxcel_models::Error as M;
-    match e {
-        M::Tokenizer(_) | M::ChatTemplate(_) => MLXCEL_ERR_TOKENIZER,
-        M::Mlx(_) => MLXCEL_ERR_MLX,
-        _ => MLXCEL_ERR_MODEL_LOAD,
-    }
-}
-
-impl From<mlxcel_models::Error> for CError {
-    fn from(e: mlxcel_models::Error) -> Self {
-        CError::new(model_status(&e), e.to_string())
-    }
-}
-
-impl From<mlxcel_tokenizer::Error> for CError {
-    fn from(e: mlxcel_tokenizer::Error) -> Self {
-        mlxcel_models::Error::from(e).into()
-    }
-}
-
-impl From<mlx_sys::Error> for CError {
-    fn from(e: mlx_sys::Error) -> Self {
-        CError::new(MLXCEL_ERR_MLX, format!("MLX: {e}"))
+        CError::new(status_of(e.code()), e.to_string())
     }
 }
 

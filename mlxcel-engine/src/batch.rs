@@ -158,7 +158,7 @@ impl BatchEngine {
     /// An engine whose prefix cache holds up to `prefix_cache_bytes` (0
     /// turns it off).
     pub fn new(model: Arc<Model>, prefix_cache_bytes: usize) -> Self {
-        let prefix = (prefix_cache_bytes > 0 && model.network.chunking_invariant_prefill())
+        let prefix = (prefix_cache_bytes > 0 && model.network().chunking_invariant_prefill())
             .then(|| PrefixCache::new(prefix_cache_bytes));
         BatchEngine { model, prefix, rows: Vec::new(), next_id: 1, pending: Vec::new() }
     }
@@ -210,7 +210,7 @@ impl BatchEngine {
             prefilled: cached_tokens,
             prefill_chunk: request.prefill_chunk,
             phase: Phase::Prefilling,
-            caches: caches.unwrap_or_else(|| self.model.network.new_caches()),
+            caches: caches.unwrap_or_else(|| self.model.network().new_caches()),
             sampler,
             stops: StopMatcher::new(&request.params.stop),
             params: request.params,
@@ -265,7 +265,7 @@ impl BatchEngine {
 
     /// The next prompt chunk of row `index`; returns its length.
     fn prefill_chunk(&mut self, index: usize) -> Result<usize> {
-        let network = &self.model.network;
+        let network = self.model.network();
         let r = &mut self.rows[index];
         let total = r.prompt.len();
         // The last chunk holds the remainder: 1..=chunk tokens, as alone.
@@ -341,7 +341,7 @@ impl BatchEngine {
                 for &(i, _) in rows {
                     caches.push(&mut by_index[i].take().expect("each row once").caches);
                 }
-                self.model.network.forward_batch(&tokens, &mut caches)?
+                self.model.network().forward_batch(&tokens, &mut caches)?
             };
             let mut next = Vec::with_capacity(rows.len());
             for (b, (i, input)) in rows.iter().enumerate() {
@@ -428,7 +428,7 @@ impl BatchEngine {
 
     /// Processes one read-back token; `Some` when the row ends.
     fn read_token(&mut self, index: usize, current: &Array, events: &mut Vec<RowEvent>) -> Result<Option<Ending>> {
-        let tokenizer = &self.model.tokenizer;
+        let tokenizer = self.model.tokenizer();
         let r = &mut self.rows[index];
         let token = current.astype(Dtype::Uint32)?.item::<u32>()?;
         if r.prompt_time.is_none() {
@@ -465,7 +465,7 @@ impl BatchEngine {
     /// The last events of row `index`: the text its decoder and stop matcher
     /// still hold (when `end.flush`), then `Finished`.
     fn finished_events(&mut self, index: usize, end: Ending) -> Vec<RowEvent> {
-        let tokenizer = &self.model.tokenizer;
+        let tokenizer = self.model.tokenizer();
         let r = &mut self.rows[index];
         let mut events = Vec::new();
         if end.flush {
@@ -523,7 +523,7 @@ pub(crate) fn validate_prompt(model: &Model, prompt: &[u32], prefill_chunk: usiz
     if prompt.is_empty() {
         return Err(Error::EmptyPrompt);
     }
-    let shape = model.network.shape();
+    let shape = model.network().shape();
     if let Some(bad) = prompt.iter().find(|&&id| id as usize >= shape.vocab_size) {
         return Err(Error::InvalidParameter {
             name: "prompt",
