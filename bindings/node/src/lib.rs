@@ -61,8 +61,6 @@ impl From<Status> for Code {
     }
 }
 
-type CodedResult<T> = napi::Result<T, Code>;
-
 fn coded(e: EngineError) -> Error<Code> {
     Error::new(Code::Public(code_of(e.code())), e.to_string())
 }
@@ -256,13 +254,13 @@ fn messages(list: Vec<NativeMessage>) -> Vec<Message> {
 }
 
 /// The engine's options with the given ones set: integers must be whole numbers.
-fn generation_options(o: &NativeOptions) -> CodedResult<GenerationOptions> {
+fn generation_options(o: &NativeOptions) -> Result<GenerationOptions, Code> {
     let d = GenerationOptions::default();
-    let integer = |name: &'static str, value: Option<f64>| -> CodedResult<Option<i128>> {
+    let integer = |name: &'static str, value: Option<f64>| -> Result<Option<i128>, Code> {
         value.map(|v| GenerationOptions::whole_number(name, v)).transpose().map_err(coded)
     };
     // Wider than every integer option's range, so the engine reports the value.
-    let count = |name, value, default: i64| -> CodedResult<i64> {
+    let count = |name, value, default: i64| -> Result<i64, Code> {
         Ok(integer(name, value)?.map_or(default, |v| v.clamp(i64::MIN as i128, i64::MAX as i128) as i64))
     };
     let options = GenerationOptions {
@@ -331,12 +329,12 @@ impl NativeModel {
     }
 
     #[napi]
-    pub fn tokenize(&self, text: String, add_special_tokens: Option<bool>) -> CodedResult<Vec<u32>> {
+    pub fn tokenize(&self, text: String, add_special_tokens: Option<bool>) -> Result<Vec<u32>, Code> {
         self.engine.tokenize(&text, add_special_tokens.unwrap_or(true)).map_err(coded)
     }
 
     #[napi]
-    pub fn detokenize(&self, ids: Vec<u32>, skip_special_tokens: Option<bool>) -> CodedResult<String> {
+    pub fn detokenize(&self, ids: Vec<u32>, skip_special_tokens: Option<bool>) -> Result<String, Code> {
         self.engine.detokenize(&ids, skip_special_tokens.unwrap_or(false)).map_err(coded)
     }
 
@@ -345,7 +343,7 @@ impl NativeModel {
         &self,
         list: Vec<NativeMessage>,
         add_generation_prompt: Option<bool>,
-    ) -> CodedResult<String> {
+    ) -> Result<String, Code> {
         self.engine
             .apply_chat_template(&messages(list), add_generation_prompt.unwrap_or(true))
             .map_err(coded)
@@ -353,13 +351,13 @@ impl NativeModel {
 
     /// Checks options as `start` would, without generating.
     #[napi]
-    pub fn validate_options(&self, options: NativeOptions) -> CodedResult<()> {
+    pub fn validate_options(&self, options: NativeOptions) -> Result<(), Code> {
         generation_options(&options).map(|_| ())
     }
 
     /// Queues a generation; read its events with `next()`.
     #[napi]
-    pub fn start(&self, prompt: NativePrompt, options: NativeOptions) -> CodedResult<NativeGeneration> {
+    pub fn start(&self, prompt: NativePrompt, options: NativeOptions) -> Result<NativeGeneration, Code> {
         let prompt = match (prompt.text, prompt.messages, prompt.tokens) {
             (Some(text), None, None) => Prompt::Text(text),
             (None, Some(list), None) => Prompt::Chat(messages(list)),
