@@ -18,7 +18,8 @@ use std::sync::{Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use mlxcel_engine::{
-    Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats, GenerationStream,
+    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats,
+    GenerationStream,
     ModelSummary, Prompt, Quantization, StreamEvent,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
