@@ -34,12 +34,12 @@
 // function's signature or a struct's layout changes incompatibly; a program
 // must only run against a library with the same major version. It is also
 // the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
-#define MLXCEL_ABI_VERSION_MAJOR 1
+#define MLXCEL_ABI_VERSION_MAJOR 2
 
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
 // same major version and minor >= N.
-#define MLXCEL_ABI_VERSION_MINOR 1
+#define MLXCEL_ABI_VERSION_MINOR 0
 
 // The named values of `mlxcel_status`. Functions return `mlxcel_status`
 // (an `int32_t`), not this enum, so that the ABI does not depend on the
@@ -85,6 +85,9 @@ enum mlxcel_status_code
     // The process is exiting (`exit()` was called or `main` returned): no new
     // work starts. Freeing handles still succeeds. Since ABI 1.1.
     MLXCEL_ERR_EXITING = -13,
+    // The request (its prompt plus max_tokens) needs more KV cache than the
+    // model's whole KV pool; the message gives both sizes. Since ABI 2.0.
+    MLXCEL_ERR_KV_POOL_TOO_SMALL = -14,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -194,7 +197,8 @@ typedef struct mlxcel_generate_params {
     float repetition_penalty;
     // How many recent tokens the repetition penalty looks at, >= 0 (default 20).
     int32_t repetition_context_size;
-    // Prompt tokens evaluated per forward pass, >= 1 (default 64).
+    // Prompt tokens evaluated per forward pass, >= 1 (default 512, the
+    // engine's `DEFAULT_PREFILL_CHUNK`).
     // Cancellation is checked between chunks, so smaller chunks cancel sooner.
     int32_t prefill_chunk;
     // The sampling seed, used when `has_seed` is true.
@@ -233,6 +237,9 @@ typedef struct mlxcel_generation_result {
     size_t prompt_tokens;
     // Tokens generated, including an end-of-sequence token.
     size_t generated_tokens;
+    // Prompt tokens whose keys and values came from the prefix cache instead
+    // of being prefilled (included in `prompt_tokens`). Since ABI 2.0.
+    size_t cached_tokens;
     // The length in bytes of the whole generated text (without the NUL):
     // when it is >= `out_cap` the text in `out` was truncated; the whole text
     // is available from `mlxcel_context_text`.
@@ -373,9 +380,9 @@ mlxcel_status mlxcel_context_new(const struct mlxcel_model *model,
 // Thread-safe.
 mlxcel_status mlxcel_context_free(struct mlxcel_context *ctx);
 
-// The default generation parameters: greedy, 256 tokens, no filters, no
-// repetition penalty (context 20), prefill chunks of 64 tokens, no stop
-// strings, seed from the clock.
+// The default generation parameters, the engine's (`GenerationOptions`):
+// greedy, 256 tokens, no filters, no repetition penalty (context 20),
+// prefill chunks of 512 tokens, no stop strings, seed from the clock.
 struct mlxcel_generate_params mlxcel_generate_default_params(void);
 
 // Generates a continuation of the NUL-terminated UTF-8 `prompt` (tokenized

@@ -20,7 +20,7 @@ fn request(prompt: Prompt, max_tokens: usize, prefill_chunk: usize) -> Generatio
 fn concurrent_runs_report_their_own_stats_and_never_reset_the_process_peak() {
     let engine = default_engine();
     let model = engine.model();
-    let fox = model.tokenizer.encode("the quick brown fox jumps over the lazy dog. ", false).unwrap();
+    let fox = model.tokenizer().encode("the quick brown fox jumps over the lazy dog. ", false).unwrap();
     // A long prompt in one chunk: the run with the highest MLX peak.
     let big = request(Prompt::Tokens(fox.iter().copied().cycle().take(1500).collect()), 4, 1500);
     let small = request(Prompt::Text("The capital of France is".into()), 8, 64);
@@ -31,7 +31,7 @@ fn concurrent_runs_report_their_own_stats_and_never_reset_the_process_peak() {
     // A run after the big one reports at least the big one's peak: runs
     // never reset the process-wide figure.
     let peak = big_alone.stats.process_peak_memory_bytes;
-    assert!(peak >= model.info.weight_bytes as usize, "{peak}");
+    assert!(peak >= model.info().weight_bytes as usize, "{peak}");
     assert!(small_alone.stats.process_peak_memory_bytes >= peak, "{:?} after {:?}", small_alone.stats, big_alone.stats);
 
     let requests = [&big, &small, &small, &small];
@@ -50,7 +50,7 @@ fn concurrent_runs_report_their_own_stats_and_never_reset_the_process_peak() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
 
-    let kv_per_token = model.info.shape.kv_bytes_per_token();
+    let kv_per_token = model.info().shape.kv_bytes_per_token();
     for (out, alone) in outputs.iter().zip([&big_alone, &small_alone, &small_alone, &small_alone]) {
         let (s, a) = (&out.stats, &alone.stats);
         assert_eq!(out.tokens, alone.tokens, "greedy tokens differ when run concurrently");

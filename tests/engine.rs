@@ -27,11 +27,11 @@ fn greedy_continuation_is_coherent_and_streams_exactly_the_output() {
     assert_eq!(streamed, out.text);
     assert_eq!(out.tokens.len(), 12);
     assert_eq!(out.finish_reason, FinishReason::Length);
-    assert_eq!(out.text, engine.model().tokenizer.decode(&out.tokens, true).unwrap());
+    assert_eq!(out.text, engine.model().tokenizer().decode(&out.tokens, true).unwrap());
     assert_eq!(out.stats.prompt_tokens, 5);
     assert!(out.stats.process_peak_memory_bytes > 0);
     let positions = out.stats.prompt_tokens + out.stats.generated_tokens - 1;
-    assert!(out.stats.kv_cache_bytes >= engine.model().info.shape.kv_bytes_per_token() * positions, "{:?}", out.stats);
+    assert!(out.stats.kv_cache_bytes >= engine.model().info().shape.kv_bytes_per_token() * positions, "{:?}", out.stats);
 }
 
 #[test]
@@ -43,11 +43,11 @@ fn chat_prompt_stops_at_eos() {
     };
     let out = engine.generate(&req, |_| true).unwrap();
     assert_eq!(out.finish_reason, FinishReason::Stop);
-    assert!(engine.model().tokenizer.is_eos(*out.tokens.last().unwrap()));
+    assert!(engine.model().tokenizer().is_eos(*out.tokens.last().unwrap()));
     assert!(out.text.contains("Paris"), "{:?}", out.text);
     // The template inserted SmolLM2's default system prompt.
     let ids = engine.tokenize_prompt(&req.prompt).unwrap();
-    let rendered = engine.model().tokenizer.decode(&ids, false).unwrap();
+    let rendered = engine.model().tokenizer().decode(&ids, false).unwrap();
     assert!(rendered.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"), "{rendered}");
 }
 

@@ -27,11 +27,11 @@ fn greedy(prompt: &str, max_tokens: usize) -> GenerationRequest {
 /// kernels the engine picks for the prompt (its prefill in one chunk).
 fn contiguous_greedy(engine: &Engine, prompt: &str, max_tokens: usize) -> Vec<u32> {
     let model = engine.model();
-    let ids = model.tokenizer.encode(prompt, true).unwrap();
+    let ids = model.tokenizer().encode(prompt, true).unwrap();
     let kernels = if ids.len() > mlxcel_engine::prefix_cache::MIN_PROMPT_TOKENS { RowKernels::Prefill } else { RowKernels::ByCount };
-    let mut caches = model.network.new_caches();
+    let mut caches = model.network().new_caches();
     let input: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-    let mut logits = model.network.forward_last_with(&Array::from_slice(&input, &[1, input.len() as i32]).unwrap(), &mut caches, kernels).unwrap();
+    let mut logits = model.network().forward_last_with(&Array::from_slice(&input, &[1, input.len() as i32]).unwrap(), &mut caches, kernels).unwrap();
     let mut out = Vec::new();
     loop {
         let token = logits.reshape(&[-1]).unwrap().argmax(0, false).unwrap().astype(Dtype::Uint32).unwrap().item::<u32>().unwrap();
@@ -40,14 +40,14 @@ fn contiguous_greedy(engine: &Engine, prompt: &str, max_tokens: usize) -> Vec<u3
             return out;
         }
         let next = Array::from_slice(&[token as i32], &[1, 1]).unwrap();
-        logits = model.network.forward_last(&next, &mut caches).unwrap();
+        logits = model.network().forward_last(&next, &mut caches).unwrap();
     }
 }
 
 #[test]
 fn paged_rows_match_contiguous_caches() {
     let engine = default_engine();
-    assert!(engine.model().network.reads_paged_kv(), "the default model runs on the paged pool");
+    assert!(engine.model().network().reads_paged_kv(), "the default model runs on the paged pool");
     for prompt in ["The capital of France is", PASSAGE] {
         let want = contiguous_greedy(&engine, prompt, 24);
         let got = engine.generate(&greedy(prompt, 24), |_| true).unwrap().tokens;

@@ -17,20 +17,20 @@ fn to_vec(a: &Array) -> Vec<f32> {
 fn prefill_kernels_do_not_depend_on_chunking() {
     let engine = default_engine();
     let model = engine.model();
-    assert!(model.network.chunking_invariant_prefill());
+    assert!(model.network().chunking_invariant_prefill());
     let text = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg \
                 combined movable metal type, oil-based ink and a wooden press adapted from wine making. \
                 Within fifty years, presses were running in more than two hundred European cities.";
-    let ids = model.tokenizer.encode(text, true).unwrap();
+    let ids = model.tokenizer().encode(text, true).unwrap();
     assert!(ids.len() > 40, "{}", ids.len());
     let run = |cuts: &[usize]| -> (Vec<f32>, Vec<Vec<f32>>) {
-        let mut caches = model.network.new_caches();
+        let mut caches = model.network().new_caches();
         let mut start = 0;
         let mut logits = None;
         for &end in cuts.iter().chain(std::iter::once(&ids.len())) {
             let chunk: Vec<i32> = ids[start..end].iter().map(|&t| t as i32).collect();
             let tokens = Array::from_slice(&chunk, &[1, chunk.len() as i32]).unwrap();
-            let l = model.network.forward_last_with(&tokens, &mut caches, RowKernels::Prefill).unwrap();
+            let l = model.network().forward_last_with(&tokens, &mut caches, RowKernels::Prefill).unwrap();
             eval(caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter()).unwrap();
             logits = Some(l);
             start = end;

@@ -66,7 +66,7 @@ fn greedy_tokens_match_the_reference() {
 /// `max_positions` positions as one forward pass.
 fn teacher_forced_errors(max_positions: usize) -> Vec<(String, f32, f32)> {
     let engine = default_engine();
-    let network = &engine.model().network;
+    let network = engine.model().network();
     let mut out = Vec::new();
     for case in goldens()["prompts"].as_array().unwrap() {
         let mut ids = u32s(&case["input_ids"]);

@@ -6,7 +6,7 @@ export interface Message {
   content: string
 }
 
-/** Options of generate(), stream(), chat() and chatStream(). All are optional. */
+/** Options of generate(), stream(), chat() and chatStream(). All are optional; an absent one takes the engine's default (see `generationDefaults`), and the engine checks every value. */
 export interface GenerateOptions {
   /** Most tokens to generate (default 256). */
   maxTokens?: number
@@ -22,13 +22,13 @@ export interface GenerateOptions {
   repetitionPenalty?: number
   /** How many recent tokens the repetition penalty looks at (default 20). */
   repetitionContextSize?: number
-  /** Seed for reproducible sampling: an integer in [0, 2^53). Without one, each call draws a seed. */
+  /** Seed for reproducible sampling: an integer in [0, 2^64) (exact up to 2^53). Without one, each call draws a seed. */
   seed?: number
   /** Stop before the first occurrence of any of these strings (not included in the output). */
   stop?: string | string[]
   /** Aborting cancels the generation (in the prompt too) and rejects with an AbortError (code 'CANCELLED'). */
   signal?: AbortSignal
-  /** Prompt tokens evaluated per forward pass (default 64); smaller makes aborts during a long prompt land sooner. */
+  /** Prompt tokens evaluated per forward pass (default 512); smaller makes aborts during a long prompt land sooner. */
   prefillChunk?: number
 }
 
@@ -84,6 +84,8 @@ export interface ModelInfo {
   readonly eosTokenIds: readonly number[]
   readonly bosTokenId?: number
   readonly hasChatTemplate: boolean
+  /** The quantization covering most parameters; absent when the model is not quantized. */
+  readonly quantization?: { readonly bits: number; readonly groupSize: number }
 }
 
 /**
@@ -92,9 +94,10 @@ export interface ModelInfo {
  * - INVALID_ARGUMENT: an argument has the wrong type (the error is a TypeError).
  * - INVALID_PARAMETER: a value is out of range (`param` names the option).
  * - EMPTY_PROMPT, PROMPT_TOO_LONG: the prompt tokenizes to nothing / past the context window.
+ * - KV_POOL_TOO_SMALL: the prompt plus maxTokens needs more KV cache than the model's whole pool.
  * - CANCELLED: the signal was aborted (the error's name is 'AbortError', `cause` the abort reason).
  * - GENERATION: the model failed while generating.
- * - TOKENIZER, CHAT_TEMPLATE: tokenize()/detokenize() or applyChatTemplate() failed.
+ * - TOKENIZER: the tokenizer or the chat template failed (tokenize(), applyChatTemplate(), or a chat prompt).
  * - ADDON_LOAD: the native addon is missing or could not be loaded (thrown by require()).
  */
 export type ErrorCode =
@@ -103,10 +106,10 @@ export type ErrorCode =
   | 'INVALID_PARAMETER'
   | 'EMPTY_PROMPT'
   | 'PROMPT_TOO_LONG'
+  | 'KV_POOL_TOO_SMALL'
   | 'CANCELLED'
   | 'GENERATION'
   | 'TOKENIZER'
-  | 'CHAT_TEMPLATE'
   | 'ADDON_LOAD'
 
 export interface MlxcelError extends Error {
@@ -116,7 +119,7 @@ export interface MlxcelError extends Error {
 }
 
 /**
- * A loaded model. Generations run on native threads, never on the event loop;
+ * A loaded model. Generations run on the engine's scheduler threads, never on the event loop;
  * several may run at once on one model.
  */
 export declare class Model {
@@ -157,5 +160,8 @@ export interface LoadOptions {
  * directory ($MLXCEL_CACHE_DIR or ~/.cache/mlxcel) on first use.
  * Rejects with code MODEL_LOAD on failure (INVALID_ARGUMENT for bad arguments).
  */
+/** The engine's defaults of the generation options: what an absent option means (the same in C and Python). */
+export declare const generationDefaults: Readonly<Required<Omit<GenerateOptions, 'signal' | 'seed' | 'stop'>> & { seed: number | null; stop: string[] }>
+
 export declare function loadModel(path?: string | null, options?: LoadOptions): Promise<Model>
 export declare function loadModel(options: LoadOptions): Promise<Model>

@@ -2,9 +2,10 @@
 //
 // This file loads the native addon (mlxcel.<platform>.node, built by
 // scripts/build.js or `napi build --platform`) and builds the public API on
-// it: promises, async iterators, AbortSignal support, argument checking and
-// error codes. The model runs on native threads; nothing here blocks the
-// event loop.
+// it: promises, async iterators, AbortSignal support and type checks.
+// Defaults, range checks, model info and error codes are the engine's (the
+// addon passes them through); the model runs on the engine's scheduler
+// threads, and nothing here blocks the event loop.
 'use strict'
 
 const path = require('node:path')
@@ -48,10 +49,10 @@ function argumentError(message) {
 
 const camel = (name) => name.replace(/_([a-z])/g, (_, c) => c.toUpperCase())
 
-// An error thrown by the addon's synchronous calls: napi puts its status in
-// `code` ('InvalidArg' for a bad parameter).
-function fromNative(error, code) {
-  if (error && error.code === 'InvalidArg') code = 'INVALID_PARAMETER'
+// An error thrown by the addon: engine errors carry their public code
+// (upper case); anything else (a failure of the bridge itself) is GENERATION.
+function fromNative(error) {
+  const code = error && /^[A-Z_]+$/.test(error.code) ? error.code : 'GENERATION'
   return withParam(codedError(code, error && error.message ? error.message : String(error)))
 }
 
@@ -71,15 +72,18 @@ function abortError(signal) {
 
 // ------------------------------------------------------------ arguments
 
-const INTEGER_OPTIONS = {
-  maxTokens: [1, 0xffffffff],
-  topK: [0, 0xffffffff],
-  repetitionContextSize: [0, 0xffffffff],
-  seed: [0, Number.MAX_SAFE_INTEGER],
-  prefillChunk: [1, 0xffffffff],
-}
-const NUMBER_OPTIONS = ['temperature', 'topP', 'minP', 'repetitionPenalty']
-const KNOWN_OPTIONS = new Set([...Object.keys(INTEGER_OPTIONS), ...NUMBER_OPTIONS, 'stop', 'signal'])
+const NUMBER_OPTIONS = [
+  'maxTokens',
+  'temperature',
+  'topP',
+  'topK',
+  'minP',
+  'repetitionPenalty',
+  'repetitionContextSize',
+  'seed',
+  'prefillChunk',
+]
+const KNOWN_OPTIONS = new Set([...NUMBER_OPTIONS, 'stop', 'signal'])
 
 function isAbortSignal(value) {
   return (
@@ -91,8 +95,8 @@ function isAbortSignal(value) {
   )
 }
 
-// Checks generation options (types here, ranges in the engine) and splits
-// them into the addon's options and the AbortSignal.
+// Checks the types of generation options (the engine checks their values)
+// and splits them into the addon's options and the AbortSignal.
 function parseOptions(model, opts) {
   if (opts === undefined || opts === null) opts = {}
   if (typeof opts !== 'object' || Array.isArray(opts)) throw argumentError('options must be an object')
@@ -114,19 +118,13 @@ function parseOptions(model, opts) {
       options.stop = stop
     } else {
       if (typeof value !== 'number') throw argumentError(`option \`${key}\` must be a number, got ${typeof value}`)
-      if (key in INTEGER_OPTIONS) {
-        const [min, max] = INTEGER_OPTIONS[key]
-        if (!Number.isInteger(value) || value < min || value > max) {
-          throw codedError('INVALID_PARAMETER', `invalid parameter \`${key}\`: must be an integer in [${min}, ${max}], got ${value}`, RangeError, { param: key })
-        }
-      }
       options[key] = value
     }
   }
   try {
     model.validateOptions(options)
   } catch (error) {
-    throw fromNative(error, 'INVALID_PARAMETER')
+    throw fromNative(error)
   }
   return { options, signal }
 }
@@ -160,57 +158,49 @@ function textPrompt(prompt) {
 
 // ------------------------------------------------------------ generation
 
-// Generations whose native thread may still be running. When the process
-// exits (process.exit(), or the loop ends with a generation abandoned), they
-// are cancelled and joined first: tearing MLX and OpenBLAS down while another
-// thread is inside them can hang or crash the exit.
-const running = new Set()
+// At process exit (process.exit(), or the loop ending with a generation
+// abandoned) the engines end every generation and stop their scheduler
+// threads, so none is inside MLX or OpenBLAS while they are torn down.
 const EXIT_WAIT_MS = 10_000
-
-function stopAllOnExit() {
-  for (const handle of running) handle.cancel()
-  const deadline = Date.now() + EXIT_WAIT_MS
-  for (const handle of running) {
-    if (!handle.waitFinished(Math.max(0, deadline - Date.now()))) break
-  }
-  running.clear()
-  // Then the engines' scheduler threads, so none is inside MLX at teardown.
-  native.shutdownEngines(Math.max(0, deadline - Date.now()))
-}
-process.once('exit', stopAllOnExit)
+process.once('exit', () => native.shutdownEngines(EXIT_WAIT_MS))
 
 // Starts one native generation. `onPiece(text, token)` gets each piece;
-// `onEnd(error, done)` is called once, when the native thread has stopped.
+// `onEnd(error, done)` is called once, when the generation has ended.
 // An aborted signal cancels it; it then ends with an AbortError.
 function startGeneration(model, prompt, options, signal, onPiece, onEnd) {
   if (signal && signal.aborted) {
     onEnd(abortError(signal))
     return { cancel() {} }
   }
-  let handle = null
-  let ended = false
-  const onAbort = () => handle && handle.cancel()
-  const onEvent = (event) => {
-    if (ended) return
-    if (event.kind === 'piece') {
-      onPiece(event.text, event.token)
-      return
-    }
-    ended = true
-    running.delete(handle)
-    if (signal) signal.removeEventListener('abort', onAbort)
-    if (signal && signal.aborted) onEnd(abortError(signal))
-    else if (event.kind === 'error') onEnd(withParam(codedError(event.code || 'GENERATION', event.message)))
-    else onEnd(null, event)
-  }
+  let handle
   try {
-    handle = model.start(prompt, options, onEvent)
+    handle = model.start(prompt, options)
   } catch (error) {
-    onEnd(fromNative(error, 'GENERATION'))
+    onEnd(fromNative(error))
     return { cancel() {} }
   }
-  if (!ended) running.add(handle)
+  const onAbort = () => handle.cancel()
+  const end = (error, done) => {
+    if (signal) signal.removeEventListener('abort', onAbort)
+    if (signal && signal.aborted) onEnd(abortError(signal))
+    else onEnd(error, done)
+  }
+  // Reads the engine's events until the generation's last one.
+  const pump = () =>
+    handle.next().then(
+      (events) => {
+        for (const event of events) {
+          if (event.kind === 'piece') onPiece(event.text, event.token)
+          else if (event.kind === 'error') return end(withParam(codedError(event.code, event.message)))
+          else return end(null, event)
+        }
+        if (events.length === 0) return end(codedError('GENERATION', 'the generation ended without a result'))
+        return pump()
+      },
+      (error) => end(fromNative(error)),
+    )
   if (signal) signal.addEventListener('abort', onAbort, { once: true })
+  pump()
   return handle
 }
 
@@ -348,7 +338,7 @@ class Model {
     try {
       return this.#native.tokenize(text, Boolean(addSpecialTokens))
     } catch (error) {
-      throw fromNative(error, 'TOKENIZER')
+      throw fromNative(error)
     }
   }
 
@@ -357,7 +347,7 @@ class Model {
     try {
       return this.#native.detokenize(list, Boolean(skipSpecialTokens))
     } catch (error) {
-      throw fromNative(error, 'TOKENIZER')
+      throw fromNative(error)
     }
   }
 
@@ -366,7 +356,7 @@ class Model {
     try {
       return this.#native.applyChatTemplate(list, Boolean(addGenerationPrompt))
     } catch (error) {
-      throw fromNative(error, 'CHAT_TEMPLATE')
+      throw fromNative(error)
     }
   }
 
@@ -434,4 +424,8 @@ async function loadModel(modelPath, opts) {
   return new Model(nativeModel)
 }
 
-module.exports = { loadModel, Model }
+/** The engine's defaults of every generation option (what an absent option means). */
+const nativeDefaults = native.generationDefaults()
+const generationDefaults = Object.freeze({ ...nativeDefaults, seed: nativeDefaults.seed ?? null })
+
+module.exports = { loadModel, Model, generationDefaults }

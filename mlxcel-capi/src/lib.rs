@@ -25,9 +25,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, FinishReason, GenerationRequest, Message, Prompt, SamplingParams,
+    CancelFlag, Engine, Error as EngineError, FinishReason, GenerationOptions, GenerationOutput,
+    GenerationRequest, GenerationStats, Message, Prompt,
 };
-use mlxcel_models::Model;
 
 use handles::Registry;
 use status::*;
@@ -125,7 +125,8 @@ pub struct mlxcel_generate_params {
     pub repetition_penalty: f32,
     /// How many recent tokens the repetition penalty looks at, >= 0 (default 20).
     pub repetition_context_size: i32,
-    /// Prompt tokens evaluated per forward pass, >= 1 (default 64).
+    /// Prompt tokens evaluated per forward pass, >= 1 (default 512, the
+    /// engine's `DEFAULT_PREFILL_CHUNK`).
     /// Cancellation is checked between chunks, so smaller chunks cancel sooner.
     pub prefill_chunk: i32,
     /// The sampling seed, used when `has_seed` is true.
@@ -149,6 +150,9 @@ pub struct mlxcel_generation_result {
     pub prompt_tokens: usize,
     /// Tokens generated, including an end-of-sequence token.
     pub generated_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache instead
+    /// of being prefilled (included in `prompt_tokens`). Since ABI 2.0.
+    pub cached_tokens: usize,
     /// The length in bytes of the whole generated text (without the NUL):
     /// when it is >= `out_cap` the text in `out` was truncated; the whole text
     /// is available from `mlxcel_context_text`.
@@ -325,78 +329,118 @@ unsafe fn output_tokens(
     }
 }
 
-unsafe fn token_ids(tokens: *const i32, n: usize, vocab: usize) -> CResult<Vec<u32>> {
+/// `n` token ids from C, checked against the model's vocabulary by the engine.
+unsafe fn token_ids(
+    tokens: *const i32,
+    n: usize,
+    engine: &Engine,
+    name: &'static str,
+) -> CResult<Vec<u32>> {
     if n == 0 {
         return Ok(Vec::new());
     }
     if tokens.is_null() {
-        return Err(CError::null("tokens"));
+        return Err(CError::null(name));
     }
-    std::slice::from_raw_parts(tokens, n)
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| {
-            if t < 0 || t as usize >= vocab {
-                Err(CError::invalid(
-                    "tokens",
-                    format!("tokens[{i}] = {t} is outside the vocabulary of {vocab}"),
-                ))
-            } else {
-                Ok(t as u32)
-            }
-        })
-        .collect()
+    let ids = std::slice::from_raw_parts(tokens, n);
+    engine.check_vocabulary(ids, name)?;
+    Ok(ids.iter().map(|&id| id as u32).collect())
 }
 
-fn model_vocab(model: &Model) -> usize {
-    model
-        .info
-        .shape
-        .vocab_size
-        .max(model.tokenizer.vocab_size())
-}
-
-unsafe fn sampling_params(p: &mlxcel_generate_params) -> CResult<(SamplingParams, usize)> {
-    let non_negative = |v: i32, name: &str| -> CResult<usize> {
-        usize::try_from(v).map_err(|_| CError::invalid(name, format!("must be >= 0, got {v}")))
-    };
-    if p.max_tokens < 1 {
-        return Err(CError::invalid(
-            "max_tokens",
-            format!("must be at least 1, got {}", p.max_tokens),
-        ));
-    }
-    if p.prefill_chunk < 1 {
-        return Err(CError::invalid(
-            "prefill_chunk",
-            format!("must be at least 1, got {}", p.prefill_chunk),
-        ));
-    }
-    let params = SamplingParams {
-        temperature: p.temperature,
-        top_p: p.top_p,
-        top_k: non_negative(p.top_k, "top_k")? as u32,
-        min_p: p.min_p,
-        repetition_penalty: p.repetition_penalty,
-        repetition_context_size: non_negative(
-            p.repetition_context_size,
-            "repetition_context_size",
-        )?,
-        seed: p.has_seed.then_some(p.seed),
-        max_tokens: p.max_tokens as usize,
+/// The caller's parameters as the engine's options (the engine checks them).
+unsafe fn generation_options(p: &mlxcel_generate_params) -> CResult<GenerationOptions> {
+    Ok(GenerationOptions {
+        max_tokens: p.max_tokens.into(),
+        temperature: p.temperature.into(),
+        top_p: p.top_p.into(),
+        top_k: p.top_k.into(),
+        min_p: p.min_p.into(),
+        repetition_penalty: p.repetition_penalty.into(),
+        repetition_context_size: p.repetition_context_size.into(),
+        seed: p.has_seed.then_some(p.seed.into()),
         stop: c_str_array(p.stop, p.n_stop, "stop")?,
-    };
-    params.validate()?;
-    Ok((params, p.prefill_chunk as usize))
+        prefill_chunk: p.prefill_chunk.into(),
+    })
 }
 
-/// Clears the context's busy flag however the run ends.
-struct RunGuard<'a>(&'a AtomicBool);
+/// A run in progress on a context: set busy when made, cleared when dropped
+/// however the run ends.
+struct Running(Arc<ContextInner>);
 
-impl Drop for RunGuard<'_> {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+impl Running {
+    fn begin(ctx: Arc<ContextInner>) -> CResult<Running> {
+        if ctx.running.swap(true, Ordering::AcqRel) {
+            return Err(CError::new(
+                MLXCEL_ERR_BUSY,
+                "this context is already generating on another thread",
+            ));
+        }
+        Ok(Running(ctx))
     }
+
+    /// The context's request for `prompt`: checked options and its cancel flag.
+    fn request(
+        &self,
+        options: &GenerationOptions,
+        prompt: Prompt,
+    ) -> CResult<GenerationRequest> {
+        let mut request = options.request(prompt)?;
+        request.cancel = Some(lock(&self.0.cancel).clone());
+        Ok(request)
+    }
+
+    /// Records a run's outcome in the context (its last text and tokens;
+    /// `streamed` is the text a failed run had streamed) and returns the
+    /// caller's result and status.
+    fn finish(
+        self,
+        outcome: Result<GenerationOutput, EngineError>,
+        streamed: String,
+        stopped_by_callback: bool,
+    ) -> (mlxcel_generation_result, CResult<mlxcel_status>) {
+        // A cancel that arrived during this run is spent; later ones apply to the next run.
+        *lock(&self.0.cancel) = CancelFlag::new();
+        let mut res = empty_result();
+        let status = match outcome {
+            Ok(output) => {
+                fill_stats(&mut res, &output.stats);
+                res.text_len = output.text.len();
+                let (finish, status) = match output.finish_reason {
+                    FinishReason::Stop => (MLXCEL_FINISH_STOP, MLXCEL_OK),
+                    FinishReason::Length => (MLXCEL_FINISH_LENGTH, MLXCEL_OK),
+                    FinishReason::Cancelled if stopped_by_callback => {
+                        (MLXCEL_FINISH_CALLBACK, MLXCEL_CANCELLED)
+                    }
+                    FinishReason::Cancelled => (MLXCEL_FINISH_CANCELLED, MLXCEL_CANCELLED),
+                };
+                res.finish_reason = finish;
+                *lock(&self.0.last) = (output.text, output.tokens);
+                Ok(status)
+            }
+            Err(e) => {
+                res.text_len = streamed.len();
+                *lock(&self.0.last) = (streamed, Vec::new());
+                Err(CError::from(e))
+            }
+        };
+        shutdown::register_after_first_generation();
+        (res, status)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.store(false, Ordering::Release);
+    }
+}
+
+fn fill_stats(res: &mut mlxcel_generation_result, stats: &GenerationStats) {
+    res.prompt_tokens = stats.prompt_tokens;
+    res.generated_tokens = stats.generated_tokens;
+    res.cached_tokens = stats.cached_tokens;
+    res.prompt_seconds = stats.prompt_time.as_secs_f64();
+    res.decode_seconds = stats.decode_time.as_secs_f64();
+    res.process_peak_memory_bytes = stats.process_peak_memory_bytes as u64;
 }
 
 fn empty_result() -> mlxcel_generation_result {
@@ -404,6 +448,7 @@ fn empty_result() -> mlxcel_generation_result {
         finish_reason: MLXCEL_FINISH_ERROR,
         prompt_tokens: 0,
         generated_tokens: 0,
+        cached_tokens: 0,
         text_len: 0,
         prompt_seconds: 0.0,
         decode_seconds: 0.0,
@@ -416,7 +461,7 @@ fn empty_result() -> mlxcel_generation_result {
 #[allow(clippy::too_many_arguments)]
 unsafe fn generate_with(
     ctx: *mut mlxcel_context,
-    prompt: impl FnOnce(&Model) -> CResult<Prompt>,
+    prompt: impl FnOnce(&Engine) -> CResult<Prompt>,
     params: &mlxcel_generate_params,
     callback: mlxcel_piece_callback,
     user_data: *mut c_void,
@@ -433,30 +478,18 @@ unsafe fn generate_with(
     guard(|_| {
         let ctx = CONTEXTS.get(ctx as usize)?;
         check_buffer(out, out_cap, "out")?;
-        let (sampling, prefill_chunk) = sampling_params(params)?;
-        let prompt = prompt(ctx.engine.model())?;
-        if ctx.running.swap(true, Ordering::AcqRel) {
-            return Err(CError::new(
-                MLXCEL_ERR_BUSY,
-                "this context is already generating on another thread",
-            ));
-        }
-        let _running = RunGuard(&ctx.running);
-        let cancel = lock(&ctx.cancel).clone();
-        let request = GenerationRequest {
-            prompt,
-            params: sampling,
-            prefill_chunk,
-            cancel: Some(cancel),
-            ignore_eos: false,
-            cache_prompt: true,
-        };
+        let options = generation_options(params)?;
+        options.validate()?;
+        let prompt = prompt(&ctx.engine)?;
+        let engine = ctx.engine.clone();
+        let run = Running::begin(ctx)?;
+        let request = run.request(&options, prompt)?;
 
-        let mut text = String::new();
+        let mut streamed = String::new();
         let mut piece_buf: Vec<u8> = Vec::new();
         let mut stopped_by_callback = false;
-        let outcome = ctx.engine.generate(&request, |piece| {
-            text.push_str(piece.text);
+        let outcome = engine.generate(&request, |piece| {
+            streamed.push_str(piece.text);
             let Some(cb) = callback else { return true };
             piece_buf.clear();
             piece_buf.extend_from_slice(piece.text.as_bytes());
@@ -470,41 +503,12 @@ unsafe fn generate_with(
             stopped_by_callback |= !go_on;
             go_on
         });
-        // A cancel that arrived during this run is spent; later ones apply to the next run.
-        *lock(&ctx.cancel) = CancelFlag::new();
-
-        let mut res = empty_result();
-        res.text_len = text.len();
-        write_str(&text, out, out_cap);
-        let status = match outcome {
-            Ok(output) => {
-                let stats = &output.stats;
-                res.prompt_tokens = stats.prompt_tokens;
-                res.generated_tokens = stats.generated_tokens;
-                res.prompt_seconds = stats.prompt_time.as_secs_f64();
-                res.decode_seconds = stats.decode_time.as_secs_f64();
-                res.process_peak_memory_bytes = stats.process_peak_memory_bytes as u64;
-                let (finish, status) = match output.finish_reason {
-                    FinishReason::Stop => (MLXCEL_FINISH_STOP, Ok(MLXCEL_OK)),
-                    FinishReason::Length => (MLXCEL_FINISH_LENGTH, Ok(MLXCEL_OK)),
-                    FinishReason::Cancelled if stopped_by_callback => {
-                        (MLXCEL_FINISH_CALLBACK, Ok(MLXCEL_CANCELLED))
-                    }
-                    FinishReason::Cancelled => (MLXCEL_FINISH_CANCELLED, Ok(MLXCEL_CANCELLED)),
-                };
-                res.finish_reason = finish;
-                *lock(&ctx.last) = (text, output.tokens);
-                status
-            }
-            Err(e) => {
-                *lock(&ctx.last) = (text, Vec::new());
-                Err(CError::from(e))
-            }
-        };
+        let ctx = run.0.clone();
+        let (res, status) = run.finish(outcome, streamed, stopped_by_callback);
+        write_str(&lock(&ctx.last).0, out, out_cap);
         if !result.is_null() {
             *result = res;
         }
-        shutdown::register_after_first_generation();
         status
     })
 }
@@ -579,15 +583,12 @@ pub unsafe extern "C" fn mlxcel_model_load(
         }
         *out_model = std::ptr::null_mut();
         let dir = if params.path.is_null() {
-            mlxcel_hub::default_model_dir().map_err(|e| {
-                CError::new(MLXCEL_ERR_MODEL_LOAD, format!("the default model: {e}"))
-            })?
+            mlxcel_hub::default_model_dir()
+                .map_err(|e| EngineError::load(format!("the default model: {e}")))?
         } else {
             path_from_c(params.path)
         };
-        let model =
-            Model::load(&dir).map_err(|e| CError::new(MLXCEL_ERR_MODEL_LOAD, e.to_string()))?;
-        *out_model = MODELS.insert(Arc::new(Engine::new(Arc::new(model)))) as *mut mlxcel_model;
+        *out_model = MODELS.insert(Arc::new(Engine::load(&dir)?)) as *mut mlxcel_model;
         // MLX's statics exist now: the exit handler must run before their destructors.
         shutdown::register_exit_handler();
         Ok(MLXCEL_OK)
@@ -631,21 +632,6 @@ fn fill_c_chars(dst: &mut [c_char], s: &str) {
     dst[n] = 0;
 }
 
-/// The quantization covering most parameters.
-fn main_quantization(model: &Model) -> Option<mlxcel_models::quantization::QuantParams> {
-    let mut by_params: Vec<(u64, Option<mlxcel_models::quantization::QuantParams>)> = Vec::new();
-    for g in &model.info.groups {
-        match by_params.iter_mut().find(|(_, q)| *q == g.quantization) {
-            Some(entry) => entry.0 += g.parameters,
-            None => by_params.push((g.parameters, g.quantization)),
-        }
-    }
-    by_params
-        .into_iter()
-        .max_by_key(|(p, _)| *p)
-        .and_then(|(_, q)| q)
-}
-
 /// Fills `*out_info` with a summary of the model. Fails with
 /// `MLXCEL_ERR_NULL_POINTER` or `MLXCEL_ERR_INVALID_HANDLE`, leaving
 /// `*out_info` unchanged. Thread-safe.
@@ -655,37 +641,32 @@ pub unsafe extern "C" fn mlxcel_model_get_info(
     out_info: *mut mlxcel_model_info,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?.model().clone();
+        let summary = MODELS.get(model as usize)?.summary();
         if out_info.is_null() {
             return Err(CError::null("out_info"));
         }
-        let info = &model.info;
-        let shape = &info.shape;
-        let quant = main_quantization(&model);
+        let narrow = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        let quant = summary.main_quantization;
         let mut out = mlxcel_model_info {
             architecture: [0; 32],
             dtype: [0; 16],
             tokenizer_kind: [0; 32],
-            parameters: info.parameters,
-            weight_bytes: info.weight_bytes,
-            num_layers: shape.num_layers as u32,
-            hidden_size: shape.hidden_size as u32,
-            num_kv_heads: shape.kv_heads as u32,
-            head_dim: shape.head_dim as u32,
-            vocab_size: shape.vocab_size as u32,
-            tokenizer_vocab_size: model.tokenizer.vocab_size() as u32,
-            context_length: shape.max_position_embeddings.unwrap_or(0) as u32,
+            parameters: summary.parameters,
+            weight_bytes: summary.weight_bytes,
+            num_layers: narrow(summary.num_layers),
+            hidden_size: narrow(summary.hidden_size),
+            num_kv_heads: narrow(summary.num_kv_heads),
+            head_dim: narrow(summary.head_dim),
+            vocab_size: narrow(summary.vocab_size),
+            tokenizer_vocab_size: narrow(summary.tokenizer.vocab_size),
+            context_length: narrow(summary.context_length.unwrap_or(0)),
             quant_bits: quant.map_or(0, |q| q.bits as u32),
             quant_group_size: quant.map_or(0, |q| q.group_size as u32),
-            bits_per_weight: if info.parameters > 0 {
-                info.weight_bytes as f64 * 8.0 / info.parameters as f64
-            } else {
-                0.0
-            },
+            bits_per_weight: summary.bits_per_weight,
         };
-        fill_c_chars(&mut out.architecture, &info.model_type);
-        fill_c_chars(&mut out.dtype, shape.dtype.name());
-        fill_c_chars(&mut out.tokenizer_kind, &model.tokenizer.kind().to_string());
+        fill_c_chars(&mut out.architecture, &summary.architecture);
+        fill_c_chars(&mut out.dtype, &summary.dtype);
+        fill_c_chars(&mut out.tokenizer_kind, &summary.tokenizer.kind);
         *out_info = out;
         Ok(MLXCEL_OK)
     })
@@ -706,48 +687,9 @@ pub unsafe extern "C" fn mlxcel_model_info_json(
     needed: *mut usize,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?.model().clone();
+        let summary = MODELS.get(model as usize)?.summary();
         check_buffer(out, out_cap, "out")?;
-        let info = &model.info;
-        let shape = &info.shape;
-        let tok = &model.tokenizer;
-        let groups: Vec<_> = info
-            .groups
-            .iter()
-            .map(|g| {
-                serde_json::json!({
-                    "name": g.name,
-                    "count": g.count,
-                    "dtype": g.dtype.name(),
-                    "parameters": g.parameters,
-                    "quantization": g.quantization.map(|q| serde_json::json!({"bits": q.bits, "group_size": q.group_size})),
-                })
-            })
-            .collect();
-        let json = serde_json::json!({
-            "architecture": info.model_type,
-            "directory": model.dir.display().to_string(),
-            "parameters": info.parameters,
-            "weight_bytes": info.weight_bytes,
-            "dtype": shape.dtype.name(),
-            "num_layers": shape.num_layers,
-            "hidden_size": shape.hidden_size,
-            "num_kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "vocab_size": shape.vocab_size,
-            "context_length": shape.max_position_embeddings,
-            "kv_bytes_per_token": shape.kv_bytes_per_token(),
-            "groups": groups,
-            "tokenizer": {
-                "kind": tok.kind().to_string(),
-                "vocab_size": tok.vocab_size(),
-                "bos_token": tok.bos_token(),
-                "eos_token": tok.eos_token(),
-                "eos_token_ids": tok.eos_token_ids(),
-                "chat_templates": tok.chat_template_names().collect::<Vec<_>>(),
-            },
-        });
-        output_str(&json.to_string(), out, out_cap, needed)
+        output_str(&summary.to_json(), out, out_cap, needed)
     })
 }
 
@@ -773,13 +715,13 @@ pub unsafe extern "C" fn mlxcel_tokenize(
     n_tokens: *mut usize,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?.model().clone();
+        let engine = MODELS.get(model as usize)?;
         let text = c_str(text, "text")?;
         check_buffer(out, out_cap, "out")?;
         if n_tokens.is_null() {
             return Err(CError::null("n_tokens"));
         }
-        let ids = model.tokenizer.encode(text, add_special)?;
+        let ids = engine.tokenize(text, add_special)?;
         output_tokens(&ids, out, out_cap, n_tokens)
     })
 }
@@ -804,10 +746,10 @@ pub unsafe extern "C" fn mlxcel_detokenize(
     needed: *mut usize,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?.model().clone();
+        let engine = MODELS.get(model as usize)?;
         check_buffer(out, out_cap, "out")?;
-        let ids = token_ids(tokens, n_tokens, model_vocab(&model))?;
-        let text = model.tokenizer.decode(&ids, skip_special)?;
+        let ids = token_ids(tokens, n_tokens, &engine, "tokens")?;
+        let text = engine.detokenize(&ids, skip_special)?;
         output_str(&text, out, out_cap, needed)
     })
 }
@@ -832,12 +774,10 @@ pub unsafe extern "C" fn mlxcel_apply_chat_template(
     needed: *mut usize,
 ) -> mlxcel_status {
     guard(|_| {
-        let model = MODELS.get(model as usize)?.model().clone();
+        let engine = MODELS.get(model as usize)?;
         check_buffer(out, out_cap, "out")?;
         let messages = messages(roles, contents, n_messages)?;
-        let text = model
-            .tokenizer
-            .apply_chat_template(&messages, add_generation_prompt)?;
+        let text = engine.apply_chat_template(&messages, add_generation_prompt)?;
         output_str(&text, out, out_cap, needed)
     })
 }
@@ -892,25 +832,26 @@ pub extern "C" fn mlxcel_context_free(ctx: *mut mlxcel_context) -> mlxcel_status
     guard_or(|_| free(false), || free(true))
 }
 
-/// The default generation parameters: greedy, 256 tokens, no filters, no
-/// repetition penalty (context 20), prefill chunks of 64 tokens, no stop
-/// strings, seed from the clock.
+/// The default generation parameters, the engine's (`GenerationOptions`):
+/// greedy, 256 tokens, no filters, no repetition penalty (context 20),
+/// prefill chunks of 512 tokens, no stop strings, seed from the clock.
 #[no_mangle]
 pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
-    let d = SamplingParams::default();
+    let d = GenerationOptions::default();
+    let narrow = |v: i64| i32::try_from(v).expect("the defaults fit the C fields");
     mlxcel_generate_params {
-        max_tokens: d.max_tokens as i32,
-        temperature: d.temperature,
-        top_p: d.top_p,
-        top_k: d.top_k as i32,
-        min_p: d.min_p,
-        repetition_penalty: d.repetition_penalty,
-        repetition_context_size: d.repetition_context_size as i32,
-        prefill_chunk: 64,
+        max_tokens: narrow(d.max_tokens),
+        temperature: d.temperature as f32,
+        top_p: d.top_p as f32,
+        top_k: narrow(d.top_k),
+        min_p: d.min_p as f32,
+        repetition_penalty: d.repetition_penalty as f32,
+        repetition_context_size: narrow(d.repetition_context_size),
+        prefill_chunk: narrow(d.prefill_chunk),
         seed: 0,
         stop: std::ptr::null(),
         n_stop: 0,
-        has_seed: false,
+        has_seed: d.seed.is_some(),
     }
 }
 
@@ -1014,13 +955,7 @@ pub unsafe extern "C" fn mlxcel_generate_tokens(
 ) -> mlxcel_status {
     generate_with(
         ctx,
-        |model| {
-            Ok(Prompt::Tokens(token_ids(
-                tokens,
-                n_tokens,
-                model_vocab(model),
-            )?))
-        },
+        |engine| Ok(Prompt::Tokens(token_ids(tokens, n_tokens, engine, "prompt")?)),
         &params,
         callback,
         user_data,
@@ -1082,33 +1017,47 @@ pub unsafe extern "C" fn mlxcel_generate_batch(
     if rows != MLXCEL_OK || n == 0 {
         return rows;
     }
-    // One waiting thread per row: each blocks in `generate_with` while the
-    // model's scheduler runs all rows as one batch.
-    let outcomes: Vec<(mlxcel_status, String)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..n)
+    let mut outcomes: Vec<(mlxcel_status, String)> = Vec::with_capacity(n);
+    let ran = guard(|_| {
+        // Each row's run (or why it cannot run), in order.
+        let prepared: Vec<CResult<(Running, GenerationRequest)>> = (0..n)
             .map(|i| {
-                let (ctx, prompt) = (*contexts.add(i) as usize, *prompts.add(i) as usize);
-                let result = if results.is_null() { 0 } else { results.add(i) as usize };
-                let params = SharedParams(&params);
-                scope.spawn(move || {
-                    let params = params;
-                    let status = generate_with(
-                        ctx as *mut mlxcel_context,
-                        |_| Ok(Prompt::Text(c_str(prompt as *const c_char, "prompts[i]")?.to_owned())),
-                        params.0,
-                        None,
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                        0,
-                        result as *mut mlxcel_generation_result,
-                    );
-                    let message = std::ffi::CStr::from_ptr(status::last_error_ptr()).to_string_lossy().into_owned();
-                    (status, message)
-                })
+                let ctx = CONTEXTS.get(*contexts.add(i) as usize)?;
+                let options = generation_options(&params)?;
+                options.validate()?;
+                let prompt = Prompt::Text(c_str(*prompts.add(i), "prompts[i]")?.to_owned());
+                let run = Running::begin(ctx)?;
+                let request = run.request(&options, prompt)?;
+                Ok((run, request))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or((MLXCEL_ERR_INTERNAL, "internal error (panic)".into()))).collect()
+        let rows: Vec<(&Engine, &GenerationRequest)> = prepared
+            .iter()
+            .flatten()
+            .map(|(run, request)| (&run.0.engine, request))
+            .collect();
+        let mut outputs = mlxcel_engine::generate_batch(&rows).into_iter();
+        for (i, row) in prepared.into_iter().enumerate() {
+            let (res, status) = match row {
+                Ok((run, _)) => {
+                    let output = outputs.next().expect("one output per queued row");
+                    run.finish(output, String::new(), false)
+                }
+                Err(e) => (empty_result(), Err(e)),
+            };
+            if !results.is_null() {
+                *results.add(i) = res;
+            }
+            outcomes.push(match status {
+                Ok(status) => (status, String::new()),
+                Err(e) => (e.status, e.message),
+            });
+        }
+        Ok(MLXCEL_OK)
     });
+    if ran != MLXCEL_OK {
+        return ran;
+    }
     if !statuses.is_null() {
         for (i, (status, _)) in outcomes.iter().enumerate() {
             *statuses.add(i) = *status;
@@ -1122,15 +1071,6 @@ pub unsafe extern "C" fn mlxcel_generate_batch(
         None => MLXCEL_OK,
     }
 }
-
-/// The caller's parameters, read (never written) by the batch's row threads
-/// while the caller waits for them.
-#[derive(Clone, Copy)]
-struct SharedParams<'a>(&'a mlxcel_generate_params);
-
-// SAFETY: the parameters (and the stop strings they point to) are only read,
-// and outlive the scoped threads that read them.
-unsafe impl Send for SharedParams<'_> {}
 
 /// Asks the generation running on `ctx` to stop. Safe to call from any
 /// thread (e.g. a UI or signal-watching thread) at any time. The run stops at

@@ -6,6 +6,8 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use mlxcel_engine::ErrorKind;
+
 use crate::shutdown::{self, Inside};
 
 /// The status every fallible function returns: `MLXCEL_OK` (0), a positive
@@ -55,6 +57,9 @@ pub enum mlxcel_status_code {
     /// The process is exiting (`exit()` was called or `main` returned): no new
     /// work starts. Freeing handles still succeeds. Since ABI 1.1.
     MLXCEL_ERR_EXITING = -13,
+    /// The request (its prompt plus max_tokens) needs more KV cache than the
+    /// model's whole KV pool; the message gives both sizes. Since ABI 2.0.
+    MLXCEL_ERR_KV_POOL_TOO_SMALL = -14,
 }
 
 pub(crate) const MLXCEL_OK: mlxcel_status = mlxcel_status_code::MLXCEL_OK as mlxcel_status;
@@ -86,6 +91,8 @@ pub(crate) const MLXCEL_ERR_INTERNAL: mlxcel_status =
     mlxcel_status_code::MLXCEL_ERR_INTERNAL as mlxcel_status;
 pub(crate) const MLXCEL_ERR_EXITING: mlxcel_status =
     mlxcel_status_code::MLXCEL_ERR_EXITING as mlxcel_status;
+pub(crate) const MLXCEL_ERR_KV_POOL_TOO_SMALL: mlxcel_status =
+    mlxcel_status_code::MLXCEL_ERR_KV_POOL_TOO_SMALL as mlxcel_status;
 
 /// An error on its way to the caller: a status and a message for `mlxcel_last_error`.
 #[derive(Debug)]
@@ -104,54 +111,26 @@ impl CError {
     pub fn null(name: &str) -> Self {
         CError::new(MLXCEL_ERR_NULL_POINTER, format!("`{name}` is NULL"))
     }
-    pub fn invalid(name: &str, message: impl std::fmt::Display) -> Self {
-        CError::new(
-            MLXCEL_ERR_INVALID_ARGUMENT,
-            format!("invalid argument `{name}`: {message}"),
-        )
+}
+
+/// The status of each engine error kind: the C ABI's one error table.
+fn status_of(kind: ErrorKind) -> mlxcel_status {
+    match kind {
+        ErrorKind::InvalidParameter => MLXCEL_ERR_INVALID_ARGUMENT,
+        ErrorKind::EmptyPrompt => MLXCEL_ERR_EMPTY_PROMPT,
+        ErrorKind::PromptTooLong => MLXCEL_ERR_PROMPT_TOO_LONG,
+        ErrorKind::ModelLoad => MLXCEL_ERR_MODEL_LOAD,
+        ErrorKind::Tokenizer => MLXCEL_ERR_TOKENIZER,
+        ErrorKind::Mlx => MLXCEL_ERR_MLX,
+        ErrorKind::ShuttingDown => MLXCEL_ERR_EXITING,
+        ErrorKind::KvPoolTooSmall => MLXCEL_ERR_KV_POOL_TOO_SMALL,
+        _ => MLXCEL_ERR_INTERNAL,
     }
 }
 
 impl From<mlxcel_engine::Error> for CError {
     fn from(e: mlxcel_engine::Error) -> Self {
-        use mlxcel_engine::Error as E;
-        let status = match &e {
-            E::Model(m) => model_status(m),
-            E::Mlx(_) => MLXCEL_ERR_MLX,
-            E::InvalidParameter { .. } => MLXCEL_ERR_INVALID_ARGUMENT,
-            E::EmptyPrompt => MLXCEL_ERR_EMPTY_PROMPT,
-            E::PromptTooLong { .. } => MLXCEL_ERR_PROMPT_TOO_LONG,
-            _ => MLXCEL_ERR_INTERNAL,
-        };
-        CError::new(status, e.to_string())
-    }
-}
-
-/// The status of a model error raised after loading (tokenizing, rendering, running).
-fn model_status(e: &mlxcel_models::Error) -> mlxcel_status {
-    use mlxcel_models::Error as M;
-    match e {
-        M::Tokenizer(_) | M::ChatTemplate(_) => MLXCEL_ERR_TOKENIZER,
-        M::Mlx(_) => MLXCEL_ERR_MLX,
-        _ => MLXCEL_ERR_MODEL_LOAD,
-    }
-}
-
-impl From<mlxcel_models::Error> for CError {
-    fn from(e: mlxcel_models::Error) -> Self {
-        CError::new(model_status(&e), e.to_string())
-    }
-}
-
-impl From<mlxcel_tokenizer::Error> for CError {
-    fn from(e: mlxcel_tokenizer::Error) -> Self {
-        mlxcel_models::Error::from(e).into()
-    }
-}
-
-impl From<mlx_sys::Error> for CError {
-    fn from(e: mlx_sys::Error) -> Self {
-        CError::new(MLXCEL_ERR_MLX, format!("MLX: {e}"))
+        CError::new(status_of(e.code()), e.to_string())
     }
 }
 
@@ -234,6 +213,7 @@ pub(crate) fn status_name(status: mlxcel_status) -> &'static str {
         MLXCEL_ERR_BUSY => "context busy\0",
         MLXCEL_ERR_INTERNAL => "internal error\0",
         MLXCEL_ERR_EXITING => "process exiting\0",
+        MLXCEL_ERR_KV_POOL_TOO_SMALL => "KV pool too small\0",
         _ => "unknown status\0",
     }
 }

@@ -15,15 +15,22 @@ use std::process::{Command, Output};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-/// The folder cargo put libmlxcel.{so,a} in: the parent of this test's `deps/`.
+/// The folder with the libmlxcel.{so,a} that cargo built for this test run:
+/// `deps/` beside this test (where `cargo test` puts them), or the profile
+/// folder above it (`cargo build`) when its copy is the newer one.
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let deps = exe.parent().unwrap();
     let profile = deps.parent().unwrap();
-    for dir in [profile, deps] {
-        if dir.join("libmlxcel.so").is_file() && dir.join("libmlxcel.a").is_file() {
-            return dir.to_path_buf();
-        }
+    let built = |dir: &Path| -> Option<std::time::SystemTime> {
+        let (so, a) = (dir.join("libmlxcel.so"), dir.join("libmlxcel.a"));
+        (so.is_file() && a.is_file()).then(|| std::fs::metadata(so).and_then(|m| m.modified()).ok()).flatten()
+    };
+    match (built(deps), built(profile)) {
+        (Some(d), Some(p)) if p > d => return profile.to_path_buf(),
+        (Some(_), _) => return deps.to_path_buf(),
+        (None, Some(_)) => return profile.to_path_buf(),
+        (None, None) => {}
     }
     panic!(
         "libmlxcel.so / libmlxcel.a not found next to {}",
@@ -165,9 +172,23 @@ fn binaries() -> &'static Binaries {
     })
 }
 
+/// A command for a test program, finding this run's libmlxcel first:
+/// `cargo test` puts the whole build tree on LD_LIBRARY_PATH, which wins
+/// over the programs' runpath and may hold an older `cargo build` copy.
+fn test_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut path = std::ffi::OsString::from(lib_dir());
+    if let Some(rest) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.push(":");
+        path.push(rest);
+    }
+    let mut cmd = Command::new(program);
+    cmd.env("LD_LIBRARY_PATH", path);
+    cmd
+}
+
 fn run(program: &Path, args: &[&str]) -> Output {
     let start = Instant::now();
-    let output = Command::new(program).args(args).output().unwrap();
+    let output = test_command(program).args(args).output().unwrap();
     eprintln!(
         "{} {:?}: {:.1} s",
         program.display(),
@@ -182,7 +203,7 @@ fn run(program: &Path, args: &[&str]) -> Output {
 /// Like [`run`], failing when the program runs past `limit` (a hang at exit).
 fn run_with_timeout(program: &Path, args: &[&str], limit: Duration) -> Output {
     let start = Instant::now();
-    let mut child = Command::new(program)
+    let mut child = test_command(program)
         .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -323,7 +344,7 @@ fn c_example_has_no_leaks_under_valgrind() {
     let b = binaries();
     let _serial = serial();
     let start = Instant::now();
-    let output = Command::new("valgrind")
+    let output = test_command("valgrind")
         .args([
             "--leak-check=full",
             "--show-leak-kinds=definite",

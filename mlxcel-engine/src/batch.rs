@@ -164,14 +164,14 @@ impl BatchEngine {
     /// [`pool_for`](Self::pool_for)). Prompt blocks are cached when
     /// `prefix_caching` is on and the pool is paged.
     pub fn new(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool) -> Self {
-        let prefix_caching = prefix_caching && pool.is_paged() && model.network.chunking_invariant_prefill();
+        let prefix_caching = prefix_caching && pool.is_paged() && model.network().chunking_invariant_prefill();
         BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new() }
     }
 
     /// A pool of `bytes` for `model`'s rows: paged when its kernels read a
     /// paged pool, accounting only otherwise.
     pub fn pool_for(model: &Model, bytes: usize) -> Arc<KvPool> {
-        KvPool::new(model.network.shape(), bytes, model.network.reads_paged_kv())
+        KvPool::new(model.network().shape(), bytes, model.network().reads_paged_kv())
     }
 
     /// The KV pool of this engine's rows.
@@ -183,7 +183,7 @@ impl BatchEngine {
     /// within the model's context.
     fn blocks_needed(&self, request: &RowRequest) -> usize {
         let mut positions = request.prompt.len() + request.params.max_tokens;
-        if let Some(context) = self.model.network.shape().max_position_embeddings {
+        if let Some(context) = self.model.network().shape().max_position_embeddings {
             positions = positions.min(context.max(request.prompt.len()));
         }
         KvPool::blocks_for(positions)
@@ -251,11 +251,11 @@ impl BatchEngine {
             }
         };
         let blocks = RowBlocks::new(self.pool.clone(), adopted, reservation);
-        let layers = self.model.network.shape().num_layers;
+        let layers = self.model.network().shape().num_layers;
         let (caches, reserved) = if self.pool.is_paged() {
             (PagedKvCache::for_row(blocks, layers, cached_tokens), None)
         } else {
-            (self.model.network.new_caches(), Some(blocks))
+            (self.model.network().new_caches(), Some(blocks))
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -325,7 +325,7 @@ impl BatchEngine {
 
     /// The next prompt chunk of row `index`; returns its length.
     fn prefill_chunk(&mut self, index: usize) -> Result<usize> {
-        let network = &self.model.network;
+        let network = self.model.network();
         let r = &mut self.rows[index];
         let total = r.prompt.len();
         // The last chunk holds the remainder: 1..=chunk tokens, as alone.
@@ -404,7 +404,7 @@ impl BatchEngine {
                 for &(i, _) in rows {
                     caches.push(&mut by_index[i].take().expect("each row once").caches);
                 }
-                self.model.network.forward_batch(&tokens, &mut caches)?
+                self.model.network().forward_batch(&tokens, &mut caches)?
             };
             let mut next = Vec::with_capacity(rows.len());
             for (b, (i, input)) in rows.iter().enumerate() {
@@ -491,7 +491,7 @@ impl BatchEngine {
 
     /// Processes one read-back token; `Some` when the row ends.
     fn read_token(&mut self, index: usize, current: &Array, events: &mut Vec<RowEvent>) -> Result<Option<Ending>> {
-        let tokenizer = &self.model.tokenizer;
+        let tokenizer = self.model.tokenizer();
         let r = &mut self.rows[index];
         let token = current.astype(Dtype::Uint32)?.item::<u32>()?;
         if r.prompt_time.is_none() {
@@ -528,7 +528,7 @@ impl BatchEngine {
     /// The last events of row `index`: the text its decoder and stop matcher
     /// still hold (when `end.flush`), then `Finished`.
     fn finished_events(&mut self, index: usize, end: Ending) -> Vec<RowEvent> {
-        let tokenizer = &self.model.tokenizer;
+        let tokenizer = self.model.tokenizer();
         let r = &mut self.rows[index];
         let mut events = Vec::new();
         if end.flush {
@@ -586,7 +586,7 @@ pub(crate) fn validate_prompt(model: &Model, prompt: &[u32], prefill_chunk: usiz
     if prompt.is_empty() {
         return Err(Error::EmptyPrompt);
     }
-    let shape = model.network.shape();
+    let shape = model.network().shape();
     if let Some(bad) = prompt.iter().find(|&&id| id as usize >= shape.vocab_size) {
         return Err(Error::InvalidParameter {
             name: "prompt",

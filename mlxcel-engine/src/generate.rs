@@ -12,8 +12,10 @@ use mlxcel_models::{runtime, KvPool, Model};
 
 use crate::batch::{validate_prompt, BatchEngine, RowEvent, RowRequest};
 use crate::error::{Error, Result};
+use crate::options::DEFAULT_PREFILL_CHUNK;
 use crate::sampling::SamplingParams;
 use crate::scheduler::Scheduler;
+use crate::summary::ModelSummary;
 
 /// What to continue.
 #[derive(Debug, Clone)]
@@ -31,7 +33,8 @@ pub enum Prompt {
 pub struct GenerationRequest {
     pub prompt: Prompt,
     pub params: SamplingParams,
-    /// Prompt tokens evaluated per forward pass during prefill.
+    /// Prompt tokens evaluated per forward pass during prefill
+    /// ([`DEFAULT_PREFILL_CHUNK`](crate::DEFAULT_PREFILL_CHUNK) by default).
     pub prefill_chunk: usize,
     /// Set from any thread to stop between prefill chunks or decode steps.
     pub cancel: Option<CancelFlag>,
@@ -50,7 +53,7 @@ impl GenerationRequest {
         GenerationRequest {
             prompt,
             params: SamplingParams::default(),
-            prefill_chunk: 512,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
             cancel: None,
             ignore_eos: false,
             cache_prompt: true,
@@ -207,26 +210,73 @@ impl Engine {
         &self.pool
     }
 
+    /// Loads a checkpoint; any failure is [`ErrorKind::ModelLoad`](crate::ErrorKind::ModelLoad).
     pub fn load(dir: &Path) -> Result<Self> {
-        Ok(Engine::new(Arc::new(Model::load(dir)?)))
+        if !dir.is_dir() {
+            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
+            return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
+        }
+        Ok(Engine::new(Arc::new(Model::load(dir).map_err(Error::load)?)))
     }
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }
 
+    /// What the model is, as every front end reports it.
+    pub fn summary(&self) -> ModelSummary {
+        ModelSummary::new(&self.model)
+    }
+
+    /// Token ids are below this: the rows of the model's output layer.
+    pub fn vocab_size(&self) -> usize {
+        self.model.network().shape().vocab_size
+    }
+
+    /// Fails with `InvalidParameter { name }` naming the first id outside
+    /// the vocabulary (ids come signed from front ends such as C).
+    pub fn check_vocabulary<T: Copy + Into<i128> + std::fmt::Display>(&self, ids: &[T], name: &'static str) -> Result<()> {
+        let vocab = self.vocab_size();
+        match ids.iter().position(|&id| !(0..vocab as i128).contains(&id.into())) {
+            Some(i) => Err(Error::InvalidParameter {
+                name,
+                message: format!("{name}[{i}] = {} is outside the vocabulary of {vocab}", ids[i]),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// `text`'s token ids; `add_special` adds e.g. BOS as for a text prompt.
+    pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        Ok(self.model.tokenizer().encode(text, add_special)?)
+    }
+
+    /// The text of `ids`, which must be inside the vocabulary.
+    pub fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.check_vocabulary(ids, "tokens")?;
+        Ok(self.model.tokenizer().decode(ids, skip_special)?)
+    }
+
+    /// `messages` (a [`Message`] or any serializable message, e.g. JSON with
+    /// `tool_calls`) rendered with the model's chat template.
+    pub fn apply_chat_template<M: serde::Serialize>(&self, messages: &[M], add_generation_prompt: bool) -> Result<String> {
+        Ok(self.model.tokenizer().apply_chat_template(messages, add_generation_prompt)?)
+    }
+
+    /// The prompt tokens of a conversation: rendered with the generation
+    /// prompt and tokenized without adding special tokens again.
+    pub fn chat_tokens<M: serde::Serialize>(&self, messages: &[M]) -> Result<Vec<u32>> {
+        self.tokenize(&self.apply_chat_template(messages, true)?, false)
+    }
+
     /// The token ids a prompt becomes.
     pub fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        let tokenizer = &self.model.tokenizer;
         let ids = match prompt {
-            Prompt::Text(text) => tokenizer.encode(text, true)?,
-            Prompt::Chat(messages) => tokenizer.encode(&tokenizer.apply_chat_template(messages, true)?, false)?,
+            Prompt::Text(text) => self.tokenize(text, true)?,
+            Prompt::Chat(messages) => self.chat_tokens(messages)?,
             Prompt::Tokens(ids) => ids.clone(),
         };
-        let vocab = self.model.network.shape().vocab_size;
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(Error::InvalidParameter { name: "prompt", message: format!("token id {bad} is outside the vocabulary of {vocab}") });
-        }
+        self.check_vocabulary(&ids, "prompt")?;
         Ok(ids)
     }
 
@@ -298,20 +348,28 @@ impl Engine {
     /// is the request's own (an invalid request fails alone), and each
     /// output is token for token what the request gets alone.
     pub fn generate_batch(&self, requests: &[GenerationRequest]) -> Vec<Result<GenerationOutput>> {
-        let queued: Vec<Result<Receiver<RowEvent>>> =
-            requests.iter().map(|request| self.submit(request, CancelFlag::new())).collect();
-        queued
-            .into_iter()
-            .map(|events| {
-                for event in events?.iter() {
-                    match event {
-                        RowEvent::Piece { .. } => {}
-                        RowEvent::Finished { output, .. } => return Ok(output),
-                        RowEvent::Failed { error, .. } => return Err(error),
-                    }
-                }
-                Err(Error::ShuttingDown)
-            })
-            .collect()
+        let rows: Vec<(&Engine, &GenerationRequest)> = requests.iter().map(|request| (self, request)).collect();
+        generate_batch(&rows)
     }
+}
+
+/// [`Engine::generate_batch`] over rows that may belong to different
+/// engines: every row is queued before any is waited for, so each model
+/// batches its own rows and the models run at the same time.
+pub fn generate_batch(rows: &[(&Engine, &GenerationRequest)]) -> Vec<Result<GenerationOutput>> {
+    let queued: Vec<Result<Receiver<RowEvent>>> =
+        rows.iter().map(|(engine, request)| engine.submit(request, CancelFlag::new())).collect();
+    queued
+        .into_iter()
+        .map(|events| {
+            for event in events?.iter() {
+                match event {
+                    RowEvent::Piece { .. } => {}
+                    RowEvent::Finished { output, .. } => return Ok(output),
+                    RowEvent::Failed { error, .. } => return Err(error),
+                }
+            }
+            Err(Error::ShuttingDown)
+        })
+        .collect()
 }

@@ -15,16 +15,22 @@
 pub mod batch;
 mod error;
 mod generate;
+mod options;
 mod sampling;
 pub mod prefix_cache;
 pub mod scheduler;
 mod stop;
 mod stream;
+mod summary;
 
-pub use error::{Error, Result};
-pub use generate::{CancelFlag, Engine, EngineLimits, FinishReason, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt};
+pub use error::{Error, ErrorKind, Result};
+pub use generate::{
+    generate_batch, CancelFlag, Engine, EngineLimits, FinishReason, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt,
+};
+pub use options::{GenerationOptions, DEFAULT_PREFILL_CHUNK};
 pub use mlxcel_tokenizer::Message;
 pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
 pub use sampling::SamplingParams;
 pub use scheduler::shutdown;
 pub use stream::{GenerationStream, StreamEvent};
+pub use summary::{GroupSummary, ModelSummary, Quantization, TokenizerSummary};

@@ -46,10 +46,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         mlx_sys::memory::set_cache_limit(0)?;
     }
     let model = Model::load(&dir)?;
-    let text_ids = model.tokenizer.encode(PROMPT_TEXT, false)?;
+    let text_ids = model.tokenizer().encode(PROMPT_TEXT, false)?;
     let ids: Vec<i32> = text_ids.iter().cycle().take(tokens).map(|&t| t as i32).collect();
     let input = Array::from_slice(&ids, &[1, tokens as i32])?;
-    let network = &model.network;
+    let network = model.network();
     let run = || -> Result<(f64, f64), Box<dyn std::error::Error>> {
         let mut caches = network.new_caches();
         let (start, cpu) = (Instant::now(), cpu_seconds());

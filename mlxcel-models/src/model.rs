@@ -125,10 +125,10 @@ impl ModelInfo {
 /// `Model` is `Send + Sync`: share it behind an `Arc` and run one generation
 /// per thread, each with its own caches.
 pub struct Model {
-    pub network: Box<dyn LanguageModel>,
-    pub tokenizer: Tokenizer,
-    pub info: ModelInfo,
-    pub dir: PathBuf,
+    network: Box<dyn LanguageModel>,
+    tokenizer: Tokenizer,
+    info: ModelInfo,
+    dir: PathBuf,
 }
 
 /// Reads `config.json`.
@@ -147,6 +147,23 @@ impl Model {
         info.tokenizer_kind = tokenizer.kind().to_string();
         info.tokenizer_vocab_size = tokenizer.vocab_size();
         Ok(Model { network, tokenizer, info, dir: dir.to_path_buf() })
+    }
+
+    pub fn network(&self) -> &dyn LanguageModel {
+        self.network.as_ref()
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// The checkpoint directory it was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 }
 

@@ -14,7 +14,7 @@ use mlxcel_models::Model;
 
 fn logits(model: &Model, tokens: &[i32], caches: &mut [Box<dyn mlxcel_models::KvCache>]) -> (Vec<i32>, Vec<f32>) {
     let input = Array::from_slice(tokens, &[1, tokens.len() as i32]).unwrap();
-    let out = model.network.forward(&input, caches).unwrap();
+    let out = model.network().forward(&input, caches).unwrap();
     (out.shape(), out.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap())
 }
 
@@ -25,19 +25,19 @@ fn convert_load_and_run(tmp: &TempDir, name: &str, gguf: &GgufBuilder, expected_
     let report = convert_gguf(&path, &out, &ConvertOptions::default()).unwrap_or_else(|e| panic!("{name}: convert: {e}"));
     assert_eq!(report.model_type, expected_type);
     let model = Model::load(&out).unwrap_or_else(|e| panic!("{name}: load: {e}"));
-    assert_eq!(model.info.model_type, expected_type);
+    assert_eq!(model.info().model_type, expected_type);
 
     let vocab = vocab().len();
-    let prompt = model.tokenizer.encode("ab ab", false).unwrap();
+    let prompt = model.tokenizer().encode("ab ab", false).unwrap();
     let prompt: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
     assert!(prompt.len() >= 2, "{name}: prompt {prompt:?}");
-    let (shape, full) = logits(&model, &prompt, &mut model.network.new_caches());
+    let (shape, full) = logits(&model, &prompt, &mut model.network().new_caches());
     assert_eq!(shape, [1, prompt.len() as i32, vocab as i32], "{name}");
     assert!(full.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
     assert!(full.iter().any(|&v| v != 0.0), "{name}: all-zero logits");
 
     // The same last position through the cache, one token at a time.
-    let mut caches = model.network.new_caches();
+    let mut caches = model.network().new_caches();
     logits(&model, &prompt[..prompt.len() - 1], &mut caches);
     let (shape, step) = logits(&model, &prompt[prompt.len() - 1..], &mut caches);
     assert_eq!(shape, [1, 1, vocab as i32], "{name}");
@@ -78,7 +78,7 @@ fn llama3_rope_freqs_change_the_logits() {
     let mut plain = tiny_llama3(&mut Rng(14), 32.0);
     plain.tensors.retain(|t| t.0 != "rope_freqs.weight");
     let tokens: Vec<i32> = (0..64).map(|i| (i * 37 % 256) as i32).collect();
-    let run = |model: &Model| logits(model, &tokens, &mut model.network.new_caches()).1;
+    let run = |model: &Model| logits(model, &tokens, &mut model.network().new_caches()).1;
     let (scaled, unscaled) = (run(&convert_and_load(&tmp, "llama3", &llama3)), run(&convert_and_load(&tmp, "plain", &plain)));
     let last = |v: &[f32]| v[v.len() - vocab().len()..].to_vec();
     let (scaled, unscaled) = (last(&scaled), last(&unscaled));

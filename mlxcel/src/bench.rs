@@ -121,7 +121,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let loaded_rss = rss_bytes("VmRSS:");
     reset_peak_rss();
     let model = engine.model();
-    let shape = &model.info.shape;
+    let shape = &model.info().shape;
     if let Some(context) = shape.max_position_embeddings {
         if args.prompt_tokens > context {
             return Err(format!(
@@ -137,7 +137,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             );
         }
     }
-    let ids = prompt_ids(&model.tokenizer, args.prompt_tokens)?;
+    let ids = prompt_ids(model.tokenizer(), args.prompt_tokens)?;
     if args.prefix_reuse {
         return prefix_reuse(args, &engine, &ids);
     }
@@ -172,7 +172,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let ttft_s = median(runs.iter().map(|r| r.ttft_s));
     let process_peak_mlx_bytes = runs.iter().map(|r| r.process_peak_mlx_bytes).max().unwrap_or(0);
     let peak_rss = peak_rss_bytes();
-    let weight_bytes = model.info.weight_bytes;
+    let weight_bytes = model.info().weight_bytes;
     // The KV cache of a run holds prompt + generated positions (the last
     // token is never fed back; one position of slack keeps the figure simple).
     let kv_positions = args.prompt_tokens + args.gen_tokens;
@@ -181,7 +181,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let blas_threads = mlx_sys::blas_threads();
     let blas_library = mlx_sys::blas_library();
     let cpu = crate::machine::cpu_model();
-    let loops = crate::machine::KernelLoops::for_bits(model.info.main_weight_bits());
+    let loops = crate::machine::KernelLoops::for_bits(model.info().main_weight_bits());
     let (gemm_loop, matvec_loop) = (loops.gemm, loops.matvec);
 
     if args.json {
@@ -308,7 +308,7 @@ fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> A
 fn prefix_reuse(args: &BenchArgs, engine: &Engine, ids: &[u32]) -> AnyResult<()> {
     use mlxcel_engine::Message;
     let model = engine.model();
-    let document = model.tokenizer.decode(ids, true)?;
+    let document = model.tokenizer().decode(ids, true)?;
     let system = Message::system(format!("Answer questions about this text.\n\n{document}"));
     let (q1, q2) = ("What is this text about, in one sentence?", "Which details support that?");
     let request = |messages: Vec<Message>| GenerationRequest {
@@ -340,7 +340,7 @@ fn prefix_reuse(args: &BenchArgs, engine: &Engine, ids: &[u32]) -> AnyResult<()>
     let (ttft_cold_s, ttft_cached_s) = (median(cold.into_iter()), median(cached.into_iter()));
     if args.json {
         let report = json!({
-            "model": model.dir.to_string_lossy(),
+            "model": model.dir().to_string_lossy(),
             "prefix_reuse": true,
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,

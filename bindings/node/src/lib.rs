@@ -1,63 +1,69 @@
 //! Node bindings for mlxcel: the native half of `require('mlxcel')`.
 //!
-//! This layer is deliberately small; `index.js` builds the public API
-//! (promises, async iterators, AbortSignal, error codes) on top of it:
+//! A translation layer over the engine facade; `index.js` builds the public
+//! API (promises, async iterators, AbortSignal) on top of it:
 //!
 //! - `loadModel(path?)` loads a checkpoint on the libuv thread pool
 //!   (an `AsyncTask`) and resolves to a `NativeModel`.
-//! - `NativeModel.start(prompt, options, onEvent)` runs one generation on its
-//!   own thread and reports each piece, then one `done` or `error` event,
-//!   through a thread-safe function, so no JS thread ever waits on the model.
-//!   It returns a `NativeGeneration` whose `cancel()` stops the generation
-//!   between prefill chunks or decode steps.
+//! - `NativeModel.start(prompt, options)` queues one generation as a row of
+//!   the engine's scheduler and returns a `NativeGeneration`, the engine's
+//!   `GenerationStream`: `next()` resolves (on the thread pool, off the
+//!   event loop) to the events that have arrived, pieces then one `done` or
+//!   `error`; `cancel()` stops it between prefill chunks or decode steps.
+//!   No thread of this addon's own runs a generation.
 //!
-//! Errors thrown synchronously use napi's status as `code`: `InvalidArg` for
-//! bad parameters, `GenericFailure` otherwise; `index.js` maps them to the
-//! public codes. Generation errors arrive as `error` events carrying the
-//! public code directly.
+//! Defaults and checks are the engine's (`GenerationOptions`), and so are
+//! the error kinds: every error, thrown or as an `error` event, carries the
+//! public code of its `Error::code()` (see [`code_of`]).
 
 use std::io::{IsTerminal, Write};
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use mlxcel_engine::{
-    CancelFlag, Engine, Error as EngineError, GenerationRequest, Message, Prompt, SamplingParams,
+    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream, Message, Prompt,
+    StreamEvent,
 };
 use napi::bindgen_prelude::*;
-use napi::threadsafe_function::{
-    ThreadsafeFunction, ThreadsafeFunctionCallMode, UnknownReturnValue,
-};
 use napi_derive::napi;
 
-/// Prompt tokens evaluated per forward pass when the caller does not say:
-/// small, so a cancel during a long prompt lands within one short chunk.
-const DEFAULT_PREFILL_CHUNK: usize = 64;
-
-fn invalid_arg(message: impl Into<String>) -> Error {
-    Error::new(Status::InvalidArg, message.into())
-}
-
-fn failure(message: impl Into<String>) -> Error {
-    Error::new(Status::GenericFailure, message.into())
-}
-
-/// The public error code for an engine error.
-fn engine_code(e: &EngineError) -> &'static str {
-    match e {
-        EngineError::InvalidParameter { .. } => "INVALID_PARAMETER",
-        EngineError::EmptyPrompt => "EMPTY_PROMPT",
-        EngineError::PromptTooLong { .. } => "PROMPT_TOO_LONG",
+/// The public error code of each engine error kind: Node's one error table.
+fn code_of(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::InvalidParameter => "INVALID_PARAMETER",
+        ErrorKind::EmptyPrompt => "EMPTY_PROMPT",
+        ErrorKind::PromptTooLong => "PROMPT_TOO_LONG",
+        ErrorKind::ModelLoad => "MODEL_LOAD",
+        ErrorKind::Tokenizer => "TOKENIZER",
+        ErrorKind::KvPoolTooSmall => "KV_POOL_TOO_SMALL",
         _ => "GENERATION",
     }
 }
 
-fn engine_error(e: EngineError) -> Error {
-    match e {
-        EngineError::InvalidParameter { .. } => invalid_arg(e.to_string()),
-        _ => failure(e.to_string()),
+/// The `code` of a thrown error: an engine error's public code, or napi's
+/// own status for failures of the bridge itself.
+pub enum Code {
+    Napi(Status),
+    Public(&'static str),
+}
+
+impl AsRef<str> for Code {
+    fn as_ref(&self) -> &str {
+        match self {
+            Code::Napi(status) => status.as_ref(),
+            Code::Public(code) => code,
+        }
     }
+}
+
+impl From<Status> for Code {
+    fn from(status: Status) -> Self {
+        Code::Napi(status)
+    }
+}
+
+fn coded(e: EngineError) -> Error<Code> {
+    Error::new(Code::Public(code_of(e.code())), e.to_string())
 }
 
 // ---------------------------------------------------------------- loading
@@ -71,9 +77,11 @@ impl Task for LoadTask {
     type Output = Engine;
     type JsValue = NativeModel;
 
+    /// A failure is always `MODEL_LOAD` (the engine's `ErrorKind::ModelLoad`);
+    /// `index.js` gives the rejection that code.
     fn compute(&mut self) -> Result<Engine> {
         let dir = match &self.path {
-            Some(path) => PathBuf::from(path),
+            Some(path) => std::path::PathBuf::from(path),
             None => {
                 let mut lines = self.progress.then(|| mlxcel_hub::ProgressText::new(std::io::stderr().is_terminal()));
                 mlxcel_hub::fetch_default_model(&Default::default(), &mut |p| {
@@ -83,10 +91,10 @@ impl Task for LoadTask {
                         let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
                     }
                 })
-                .map_err(|e| failure(e.to_string()))?
+                .map_err(|e| Error::from_reason(e.to_string()))?
             }
         };
-        Engine::load(&dir).map_err(|e| failure(e.to_string()))
+        Engine::load(&dir).map_err(|e| Error::from_reason(e.to_string()))
     }
 
     fn resolve(&mut self, _env: Env, engine: Engine) -> Result<NativeModel> {
@@ -104,6 +112,7 @@ pub fn load_model(path: Option<String>, progress: Option<bool>) -> AsyncTask<Loa
 
 // ---------------------------------------------------------------- model
 
+/// The engine's `ModelSummary`, in the names `info` has always used.
 #[napi(object)]
 pub struct ModelInfo {
     /// `model_type` from config.json, e.g. "llama".
@@ -124,6 +133,14 @@ pub struct ModelInfo {
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
     pub has_chat_template: bool,
+    /// `{ bits, groupSize }` of the quantization covering most parameters; null when unquantized.
+    pub quantization: Option<NativeQuantization>,
+}
+
+#[napi(object)]
+pub struct NativeQuantization {
+    pub bits: i32,
+    pub group_size: i32,
 }
 
 #[napi(object)]
@@ -140,19 +157,20 @@ pub struct NativePrompt {
     pub tokens: Option<Vec<u32>>,
 }
 
+/// Generation options as JavaScript numbers; absent ones take the engine's
+/// defaults, and the engine checks them all.
 #[napi(object)]
 pub struct NativeOptions {
-    pub max_tokens: Option<u32>,
+    pub max_tokens: Option<f64>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
-    pub top_k: Option<u32>,
+    pub top_k: Option<f64>,
     pub min_p: Option<f64>,
     pub repetition_penalty: Option<f64>,
-    pub repetition_context_size: Option<u32>,
-    /// A non-negative integer below 2^53.
+    pub repetition_context_size: Option<f64>,
     pub seed: Option<f64>,
     pub stop: Option<Vec<String>>,
-    pub prefill_chunk: Option<u32>,
+    pub prefill_chunk: Option<f64>,
 }
 
 /// One event of a generation: `kind` is "piece", "done" or "error".
@@ -196,65 +214,92 @@ impl NativeEvent {
             message: None,
         }
     }
-}
 
-type EventCallback =
-    ThreadsafeFunction<NativeEvent, UnknownReturnValue, NativeEvent, Status, false>;
+    fn of(event: StreamEvent) -> Self {
+        match event {
+            StreamEvent::Piece { text, token } => {
+                let mut event = NativeEvent::empty("piece");
+                event.text = Some(text);
+                event.token = Some(token);
+                event
+            }
+            StreamEvent::Done(output) => {
+                let stats = &output.stats;
+                let mut event = NativeEvent::empty("done");
+                event.finish_reason = Some(output.finish_reason.as_str().to_string());
+                event.prompt_tokens = Some(stats.prompt_tokens as u32);
+                event.generated_tokens = Some(stats.generated_tokens as u32);
+                event.prompt_ms = Some(ms(stats.prompt_time));
+                event.decode_ms = Some(ms(stats.decode_time));
+                event.kv_cache_bytes = Some(stats.kv_cache_bytes as f64);
+                event.cached_tokens = Some(stats.cached_tokens as u32);
+                event.process_peak_memory_bytes = Some(stats.process_peak_memory_bytes as f64);
+                event
+            }
+            StreamEvent::Failed(e) => {
+                let mut event = NativeEvent::empty("error");
+                event.code = Some(code_of(e.code()).to_string());
+                event.message = Some(e.to_string());
+                event
+            }
+        }
+    }
+}
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
 fn messages(list: Vec<NativeMessage>) -> Vec<Message> {
-    list.into_iter()
-        .map(|m| Message::new(m.role, m.content))
-        .collect()
+    list.into_iter().map(|m| Message::new(m.role, m.content)).collect()
 }
 
-fn sampling_params(o: &NativeOptions) -> Result<SamplingParams> {
-    let mut p = SamplingParams::default();
-    if let Some(v) = o.max_tokens {
-        p.max_tokens = v as usize;
+/// The engine's options with the given ones set: integers must be whole numbers.
+fn generation_options(o: &NativeOptions) -> Result<GenerationOptions, Code> {
+    let d = GenerationOptions::default();
+    let integer = |name: &'static str, value: Option<f64>| -> Result<Option<i128>, Code> {
+        value.map(|v| GenerationOptions::whole_number(name, v)).transpose().map_err(coded)
+    };
+    // Wider than every integer option's range, so the engine reports the value.
+    let count = |name, value, default: i64| -> Result<i64, Code> {
+        Ok(integer(name, value)?.map_or(default, |v| v.clamp(i64::MIN as i128, i64::MAX as i128) as i64))
+    };
+    let options = GenerationOptions {
+        max_tokens: count("max_tokens", o.max_tokens, d.max_tokens)?,
+        temperature: o.temperature.unwrap_or(d.temperature),
+        top_p: o.top_p.unwrap_or(d.top_p),
+        top_k: count("top_k", o.top_k, d.top_k)?,
+        min_p: o.min_p.unwrap_or(d.min_p),
+        repetition_penalty: o.repetition_penalty.unwrap_or(d.repetition_penalty),
+        repetition_context_size: count("repetition_context_size", o.repetition_context_size, d.repetition_context_size)?,
+        seed: integer("seed", o.seed)?.or(d.seed),
+        stop: o.stop.clone().unwrap_or(d.stop),
+        prefill_chunk: count("prefill_chunk", o.prefill_chunk, d.prefill_chunk)?,
+    };
+    options.validate().map_err(coded)?;
+    Ok(options)
+}
+
+/// The engine's defaults of the generation options (what an absent option means).
+#[napi]
+pub fn generation_defaults() -> NativeOptions {
+    let d = GenerationOptions::default();
+    NativeOptions {
+        max_tokens: Some(d.max_tokens as f64),
+        temperature: Some(d.temperature),
+        top_p: Some(d.top_p),
+        top_k: Some(d.top_k as f64),
+        min_p: Some(d.min_p),
+        repetition_penalty: Some(d.repetition_penalty),
+        repetition_context_size: Some(d.repetition_context_size as f64),
+        seed: d.seed.map(|s| s as f64),
+        stop: Some(d.stop),
+        prefill_chunk: Some(d.prefill_chunk as f64),
     }
-    if let Some(v) = o.temperature {
-        p.temperature = v as f32;
-    }
-    if let Some(v) = o.top_p {
-        p.top_p = v as f32;
-    }
-    if let Some(v) = o.top_k {
-        p.top_k = v;
-    }
-    if let Some(v) = o.min_p {
-        p.min_p = v as f32;
-    }
-    if let Some(v) = o.repetition_penalty {
-        p.repetition_penalty = v as f32;
-    }
-    if let Some(v) = o.repetition_context_size {
-        p.repetition_context_size = v as usize;
-    }
-    if let Some(seed) = o.seed {
-        if !(seed.is_finite()
-            && seed >= 0.0
-            && seed.fract() == 0.0
-            && seed < 9_007_199_254_740_992.0)
-        {
-            return Err(invalid_arg(format!(
-                "invalid parameter `seed`: must be an integer in [0, 2^53), got {seed}"
-            )));
-        }
-        p.seed = Some(seed as u64);
-    }
-    if let Some(stop) = &o.stop {
-        p.stop = stop.clone();
-    }
-    p.validate().map_err(engine_error)?;
-    Ok(p)
 }
 
 /// A loaded model. Every method may be called while generations run, and
-/// several generations may run at once (each on its own thread and caches).
+/// several generations may run at once (rows of one batch).
 #[napi]
 pub struct NativeModel {
     engine: Engine,
@@ -264,54 +309,34 @@ pub struct NativeModel {
 impl NativeModel {
     #[napi(getter)]
     pub fn info(&self) -> ModelInfo {
-        let model = self.engine.model();
-        let info = &model.info;
-        let shape = model.network.shape();
-        let tokenizer = &model.tokenizer;
+        let s = self.engine.summary();
         ModelInfo {
-            model_type: info.model_type.clone(),
-            path: model.dir.display().to_string(),
-            parameters: info.parameters as f64,
-            weight_bytes: info.weight_bytes as f64,
-            num_layers: shape.num_layers as u32,
-            hidden_size: shape.hidden_size as u32,
-            vocab_size: shape.vocab_size as u32,
-            context_length: shape.max_position_embeddings.map(|c| c as u32),
-            dtype: shape.dtype.to_string(),
-            tokenizer_kind: info.tokenizer_kind.clone(),
-            tokenizer_vocab_size: info.tokenizer_vocab_size as u32,
-            eos_token_ids: tokenizer.eos_token_ids().to_vec(),
-            bos_token_id: tokenizer.bos_token_id(),
-            has_chat_template: tokenizer.chat_template().is_some(),
+            model_type: s.architecture,
+            path: s.directory.display().to_string(),
+            parameters: s.parameters as f64,
+            weight_bytes: s.weight_bytes as f64,
+            num_layers: s.num_layers as u32,
+            hidden_size: s.hidden_size as u32,
+            vocab_size: s.vocab_size as u32,
+            context_length: s.context_length.map(|c| c as u32),
+            dtype: s.dtype,
+            tokenizer_kind: s.tokenizer.kind,
+            tokenizer_vocab_size: s.tokenizer.vocab_size as u32,
+            eos_token_ids: s.tokenizer.eos_token_ids,
+            bos_token_id: s.tokenizer.bos_token_id,
+            has_chat_template: !s.tokenizer.chat_templates.is_empty(),
+            quantization: s.main_quantization.map(|q| NativeQuantization { bits: q.bits, group_size: q.group_size }),
         }
     }
 
     #[napi]
-    pub fn tokenize(&self, text: String, add_special_tokens: Option<bool>) -> Result<Vec<u32>> {
-        self.engine
-            .model()
-            .tokenizer
-            .encode(&text, add_special_tokens.unwrap_or(true))
-            .map_err(|e| failure(e.to_string()))
+    pub fn tokenize(&self, text: String, add_special_tokens: Option<bool>) -> Result<Vec<u32>, Code> {
+        self.engine.tokenize(&text, add_special_tokens.unwrap_or(true)).map_err(coded)
     }
 
     #[napi]
-    pub fn detokenize(&self, ids: Vec<u32>, skip_special_tokens: Option<bool>) -> Result<String> {
-        let model = self.engine.model();
-        let vocab = model
-            .network
-            .shape()
-            .vocab_size
-            .max(model.tokenizer.vocab_size());
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(invalid_arg(format!(
-                "token id {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
-        model
-            .tokenizer
-            .decode(&ids, skip_special_tokens.unwrap_or(false))
-            .map_err(|e| failure(e.to_string()))
+    pub fn detokenize(&self, ids: Vec<u32>, skip_special_tokens: Option<bool>) -> Result<String, Code> {
+        self.engine.detokenize(&ids, skip_special_tokens.unwrap_or(false)).map_err(coded)
     }
 
     #[napi]
@@ -319,116 +344,37 @@ impl NativeModel {
         &self,
         list: Vec<NativeMessage>,
         add_generation_prompt: Option<bool>,
-    ) -> Result<String> {
+    ) -> Result<String, Code> {
         self.engine
-            .model()
-            .tokenizer
             .apply_chat_template(&messages(list), add_generation_prompt.unwrap_or(true))
-            .map_err(|e| failure(e.to_string()))
+            .map_err(coded)
     }
 
     /// Checks options as `start` would, without generating.
     #[napi]
-    pub fn validate_options(&self, options: NativeOptions) -> Result<()> {
-        sampling_params(&options).map(|_| ())
+    pub fn validate_options(&self, options: NativeOptions) -> Result<(), Code> {
+        generation_options(&options).map(|_| ())
     }
 
-    /// Starts a generation on a new thread. `onEvent` receives each piece,
-    /// then exactly one `done` or `error` event.
-    #[napi(
-        ts_args_type = "prompt: NativePrompt, options: NativeOptions, onEvent: (event: NativeEvent) => void"
-    )]
-    pub fn start(
-        &self,
-        prompt: NativePrompt,
-        options: NativeOptions,
-        on_event: EventCallback,
-    ) -> Result<NativeGeneration> {
+    /// Queues a generation; read its events with `next()`.
+    #[napi]
+    pub fn start(&self, prompt: NativePrompt, options: NativeOptions) -> Result<NativeGeneration, Code> {
         let prompt = match (prompt.text, prompt.messages, prompt.tokens) {
             (Some(text), None, None) => Prompt::Text(text),
             (None, Some(list), None) => Prompt::Chat(messages(list)),
             (None, None, Some(ids)) => Prompt::Tokens(ids),
             _ => {
-                return Err(invalid_arg(
-                    "the prompt needs exactly one of text, messages or tokens",
+                return Err(Error::new(
+                    Code::Napi(Status::InvalidArg),
+                    "the prompt needs exactly one of text, messages or tokens".to_string(),
                 ))
             }
         };
-        let params = sampling_params(&options)?;
-        let prefill_chunk = match options.prefill_chunk {
-            Some(0) => {
-                return Err(invalid_arg(
-                    "invalid parameter `prefill_chunk`: must be at least 1",
-                ))
-            }
-            Some(n) => n as usize,
-            None => DEFAULT_PREFILL_CHUNK,
-        };
-        let cancel = CancelFlag::new();
-        let request = GenerationRequest {
-            prompt,
-            params,
-            prefill_chunk,
-            cancel: Some(cancel.clone()),
-            ignore_eos: false,
-            cache_prompt: true,
-        };
-        let engine = self.engine.clone();
-        let finished = Arc::new(Finished::default());
-        let guard = FinishGuard(finished.clone());
-        std::thread::Builder::new()
-            .name("mlxcel-generate".into())
-            .spawn(move || {
-                let _guard = guard;
-                run_generation(engine, request, on_event)
-            })
-            .map_err(|e| failure(format!("could not start a generation thread: {e}")))?;
-        Ok(NativeGeneration { cancel, finished })
+        let request = generation_options(&options)?.request(prompt).map_err(coded)?;
+        let stream = GenerationStream::start(&self.engine, request);
+        let cancel = stream.cancel_flag().clone();
+        Ok(NativeGeneration { stream: Arc::new(Mutex::new(stream)), cancel })
     }
-}
-
-fn run_generation(engine: Engine, request: GenerationRequest, on_event: EventCallback) {
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        engine.generate(&request, |piece| {
-            let mut event = NativeEvent::empty("piece");
-            event.text = Some(piece.text.to_string());
-            event.token = Some(piece.token);
-            // Anything but Ok means Node is shutting down: stop generating.
-            on_event.call(event, ThreadsafeFunctionCallMode::NonBlocking) == Status::Ok
-        })
-    }));
-    let event = match result {
-        Ok(Ok(output)) => {
-            let mut event = NativeEvent::empty("done");
-            event.finish_reason = Some(output.finish_reason.as_str().to_string());
-            event.prompt_tokens = Some(output.stats.prompt_tokens as u32);
-            event.generated_tokens = Some(output.stats.generated_tokens as u32);
-            event.prompt_ms = Some(ms(output.stats.prompt_time));
-            event.decode_ms = Some(ms(output.stats.decode_time));
-            event.kv_cache_bytes = Some(output.stats.kv_cache_bytes as f64);
-            event.cached_tokens = Some(output.stats.cached_tokens as u32);
-            event.process_peak_memory_bytes = Some(output.stats.process_peak_memory_bytes as f64);
-            event
-        }
-        Ok(Err(e)) => {
-            let mut event = NativeEvent::empty("error");
-            event.code = Some(engine_code(&e).to_string());
-            event.message = Some(e.to_string());
-            event
-        }
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            let mut event = NativeEvent::empty("error");
-            event.code = Some("GENERATION".into());
-            event.message = Some(format!("internal error in the generation thread: {what}"));
-            event
-        }
-    };
-    on_event.call(event, ThreadsafeFunctionCallMode::NonBlocking);
 }
 
 /// Stops every engine's scheduler thread for process exit
@@ -439,59 +385,50 @@ pub fn shutdown_engines(timeout_ms: u32) -> bool {
     mlxcel_engine::shutdown(Duration::from_millis(timeout_ms as u64))
 }
 
-/// Set when a generation thread has returned.
-#[derive(Default)]
-struct Finished {
-    done: Mutex<bool>,
-    cv: Condvar,
-}
-
-/// Marks the generation finished when the thread ends, however it ends.
-struct FinishGuard(Arc<Finished>);
-
-impl Drop for FinishGuard {
-    fn drop(&mut self) {
-        *self.0.done.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        self.0.cv.notify_all();
-    }
-}
-
-/// A running generation.
+/// A running generation: the engine's `GenerationStream`. Dropping it (when
+/// JavaScript collects it) cancels the generation.
 #[napi]
 pub struct NativeGeneration {
+    stream: Arc<Mutex<GenerationStream>>,
     cancel: CancelFlag,
-    finished: Arc<Finished>,
+}
+
+/// Waits on the thread pool for the next events of a generation.
+pub struct NextEvents(Arc<Mutex<GenerationStream>>);
+
+impl Task for NextEvents {
+    type Output = Vec<NativeEvent>;
+    type JsValue = Vec<NativeEvent>;
+
+    /// The next event (waiting for it) and every one already queued behind it;
+    /// empty once the generation has ended.
+    fn compute(&mut self) -> Result<Vec<NativeEvent>> {
+        let mut stream = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut events: Vec<NativeEvent> = stream.next().map(NativeEvent::of).into_iter().collect();
+        while let Ok(Some(event)) = stream.next_timeout(Duration::ZERO) {
+            events.push(NativeEvent::of(event));
+        }
+        Ok(events)
+    }
+
+    fn resolve(&mut self, _env: Env, events: Vec<NativeEvent>) -> Result<Vec<NativeEvent>> {
+        Ok(events)
+    }
 }
 
 #[napi]
 impl NativeGeneration {
+    /// Resolves to the events that have arrived (at least one, waiting for
+    /// it off the event loop): pieces, then one `done` or `error`; `[]` after that.
+    #[napi(ts_return_type = "Promise<NativeEvent[]>")]
+    pub fn next(&self) -> AsyncTask<NextEvents> {
+        AsyncTask::new(NextEvents(self.stream.clone()))
+    }
+
     /// Asks the generation to stop at the next prefill chunk or decode step;
     /// it then reports `done` with finish reason "cancelled".
     #[napi]
     pub fn cancel(&self) {
         self.cancel.cancel();
-    }
-
-    /// Blocks the calling thread until the generation thread has returned,
-    /// at most `timeoutMs`; true if it has. Only for process exit (index.js
-    /// cancels and joins running generations there, so no thread is inside
-    /// MLX or BLAS while the process tears the libraries down).
-    #[napi]
-    pub fn wait_finished(&self, timeout_ms: u32) -> bool {
-        let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
-        let mut done = self.finished.done.lock().unwrap_or_else(|e| e.into_inner());
-        while !*done {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            done = self
-                .finished
-                .cv
-                .wait_timeout(done, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        true
     }
 }

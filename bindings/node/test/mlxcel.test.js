@@ -8,7 +8,7 @@ const { spawnSync } = require('node:child_process')
 const fs = require('node:fs')
 const os = require('node:os')
 const path = require('node:path')
-const { loadModel, Model } = require('..')
+const { loadModel, Model, generationDefaults } = require('..')
 
 const CAPITAL = 'The capital of France is'
 // A prompt of about 250 tokens: prefill takes several chunks.
@@ -385,6 +385,64 @@ describe('bad input', () => {
     throwsWith(() => model.detokenize([1.5]), 'INVALID_ARGUMENT', TypeError)
     throwsWith(() => model.applyChatTemplate({ role: 'user', content: 'x' }), 'INVALID_ARGUMENT', TypeError)
     throwsWith(() => new Model({}), 'INVALID_ARGUMENT', TypeError)
+  })
+
+  // The engine holds the defaults, the checks and the error kinds: C
+  // (mlxcel-capi/tests/facade.rs) and Python (tests/test_errors.py) check the
+  // same messages and codes.
+  test('the defaults are the engine\'s', async () => {
+    assert.deepEqual({ ...generationDefaults }, {
+      maxTokens: 256,
+      temperature: 0,
+      topP: 1,
+      topK: 0,
+      minP: 0,
+      repetitionPenalty: 1,
+      repetitionContextSize: 20,
+      seed: null,
+      stop: [],
+      prefillChunk: 512,
+    })
+    // Absent options mean exactly the engine's defaults.
+    const { seed, stop, ...explicit } = generationDefaults
+    assert.equal(await model.generate('Once upon a time'), await model.generate('Once upon a time', explicit))
+  })
+
+  test('bad parameters give the engine\'s messages', async () => {
+    await assert.rejects(model.generate(CAPITAL, { topK: -1 }), {
+      code: 'INVALID_PARAMETER',
+      param: 'topK',
+      message: 'invalid parameter `top_k`: must be an integer in [0, 2**32) (0 = off), got -1',
+    })
+    await assert.rejects(model.generate(CAPITAL, { temperature: -1 }), {
+      code: 'INVALID_PARAMETER',
+      message: 'invalid parameter `temperature`: must be a finite number >= 0, got -1',
+    })
+  })
+
+  test('a missing chat template is a TOKENIZER error everywhere', async () => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'mlxcel-node-no-template-'))
+    try {
+      for (const name of ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json']) {
+        fs.symlinkSync(path.join(model.info.path, name), path.join(dir, name))
+      }
+      const config = JSON.parse(fs.readFileSync(path.join(model.info.path, 'tokenizer_config.json'), 'utf8'))
+      delete config.chat_template
+      fs.writeFileSync(path.join(dir, 'tokenizer_config.json'), JSON.stringify(config))
+      const bare = await loadModel(dir)
+      const messages = [{ role: 'user', content: 'Hi' }]
+      const rendered = (() => {
+        try {
+          bare.applyChatTemplate(messages)
+        } catch (error) {
+          return error
+        }
+      })()
+      assert.equal(rendered && rendered.code, 'TOKENIZER')
+      await assert.rejects(bare.chat(messages, { maxTokens: 2 }), { code: 'TOKENIZER', message: rendered.message })
+    } finally {
+      fs.rmSync(dir, { recursive: true, force: true })
+    }
   })
 
   test('token ids outside the vocabulary are rejected', async () => {

@@ -4,20 +4,24 @@
 //! classes live in `python/mlxcel/_errors.py` (so that `InvalidParameter`
 //! can also be a `ValueError`) and are looked up when an error is raised.
 //!
-//! Every generation runs on a background thread ([`GenerationStream`]); the
-//! calling thread waits for its events with the GIL released, waking every
+//! A translation layer over the engine facade: defaults and checks come from
+//! `GenerationOptions`, model info from `ModelSummary`, exception classes
+//! from `Error::code()` (in [`engine_error`]). Every generation is a row of
+//! the engine's scheduler consumed through its [`GenerationStream`]; the
+//! calling thread waits for events with the GIL released, waking every
 //! [`POLL`] to run Python's signal handlers, so Ctrl-C cancels the generation
-//! and raises `KeyboardInterrupt` within a fraction of a second.
+//! (dropping the stream cancels its row) and raises `KeyboardInterrupt`
+//! within a fraction of a second.
 
 use std::path::PathBuf;
 use std::sync::{Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, Error as EngineError, GenerationOutput, GenerationRequest, GenerationStats, GenerationStream,
-    Prompt, SamplingParams, StreamEvent,
+    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats,
+    GenerationStream,
+    ModelSummary, Prompt, Quantization, StreamEvent,
 };
-use mlxcel_models::{Error as ModelError, Model as CoreModel, ModelInfo as CoreInfo};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
@@ -25,8 +29,6 @@ use serde_json::Value;
 
 /// How often a waiting thread wakes to check for signals (Ctrl-C).
 const POLL: Duration = Duration::from_millis(20);
-/// Prompt tokens per prefill pass: small, so cancellation lands quickly.
-const DEFAULT_PREFILL_CHUNK: i64 = 64;
 
 // ---------------------------------------------------------------------------
 // Errors
@@ -40,26 +42,16 @@ fn raise<'py>(py: Python<'py>, class: &str, args: impl pyo3::call::PyCallArgs<'p
     }
 }
 
-fn invalid(py: Python<'_>, name: &str, message: impl std::fmt::Display) -> PyErr {
-    raise(py, "InvalidParameter", (format!("invalid parameter `{name}`: {message}"), name.to_string()))
-}
-
-fn load_error(py: Python<'_>, e: ModelError) -> PyErr {
-    raise(py, "ModelLoadError", (e.to_string(),))
-}
-
-fn tokenizer_error(py: Python<'_>, e: impl std::fmt::Display) -> PyErr {
-    raise(py, "TokenizerError", (e.to_string(),))
-}
-
+/// The exception class of each engine error kind: Python's one error table.
 fn engine_error(py: Python<'_>, e: EngineError) -> PyErr {
-    match e {
-        EngineError::InvalidParameter { name, .. } => raise(py, "InvalidParameter", (e.to_string(), name)),
-        EngineError::EmptyPrompt | EngineError::PromptTooLong { .. } => {
-            raise(py, "InvalidParameter", (e.to_string(), "prompt"))
+    let message = e.to_string();
+    match (e.code(), e.parameter()) {
+        (ErrorKind::InvalidParameter | ErrorKind::EmptyPrompt | ErrorKind::PromptTooLong | ErrorKind::KvPoolTooSmall, name) => {
+            raise(py, "InvalidParameter", (message, name))
         }
-        EngineError::Model(ModelError::Tokenizer(_) | ModelError::ChatTemplate(_)) => tokenizer_error(py, e),
-        other => raise(py, "GenerationError", (other.to_string(),)),
+        (ErrorKind::ModelLoad, _) => raise(py, "ModelLoadError", (message,)),
+        (ErrorKind::Tokenizer, _) => raise(py, "TokenizerError", (message,)),
+        _ => raise(py, "GenerationError", (message,)),
     }
 }
 
@@ -70,23 +62,27 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 // ---------------------------------------------------------------------------
 // Argument conversion
 
-/// A Python int into `T`, with out-of-range values reported as InvalidParameter.
-fn int_arg<T: TryFrom<i128>>(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>, range: &str) -> PyResult<T> {
+/// A Python int (not a bool) as a 128-bit integer; larger ones are out of
+/// range for every option (`name` is then an integer option of the engine's).
+fn wide_int(py: Python<'_>, name: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<i128> {
     if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
         return Err(PyTypeError::new_err(format!("`{name}` must be an int, not {}", type_name(obj))));
     }
-    let value: i128 = match obj.extract::<i64>() {
-        Ok(v) => v as i128,
-        Err(_) => match obj.extract::<u64>() {
-            Ok(v) => v as i128,
-            Err(_) => return Err(invalid(py, name, format!("must be {range}, got {obj}"))),
-        },
-    };
-    T::try_from(value).map_err(|_| invalid(py, name, format!("must be {range}, got {value}")))
+    obj.extract::<i128>().map_err(|_| engine_error(py, GenerationOptions::out_of_range(name, obj)))
 }
 
-fn ranged<T: TryFrom<i64>>(py: Python<'_>, name: &str, value: i64, range: &str) -> PyResult<T> {
-    T::try_from(value).map_err(|_| invalid(py, name, format!("must be {range}, got {value}")))
+/// A token id: any int; the engine checks it against the vocabulary.
+fn token_id(obj: &Bound<'_, PyAny>) -> Option<i128> {
+    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return None;
+    }
+    Some(obj.extract::<i128>().unwrap_or(i128::MAX))
+}
+
+/// Token ids the engine accepts for `name` (e.g. "prompt"), as u32.
+fn checked_ids(py: Python<'_>, engine: &Engine, ids: &[i128], name: &'static str) -> PyResult<Vec<u32>> {
+    engine.check_vocabulary(ids, name).map_err(|e| engine_error(py, e))?;
+    Ok(ids.iter().map(|&id| id as u32).collect())
 }
 
 fn stop_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
@@ -104,42 +100,46 @@ fn stop_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
     Ok(stops)
 }
 
-/// The keyword arguments every generating method takes.
+#[derive(Default)]
+/// The keyword arguments every generating method takes; `None` keeps the engine's default.
 struct Sampling<'a, 'py> {
-    max_tokens: i64,
-    temperature: f64,
-    top_p: f64,
-    top_k: i64,
-    min_p: f64,
-    repetition_penalty: f64,
-    repetition_context_size: i64,
+    max_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    min_p: Option<f64>,
+    repetition_penalty: Option<f64>,
+    repetition_context_size: Option<i64>,
     seed: Option<&'a Bound<'py, PyAny>>,
     stop: Option<&'a Bound<'py, PyAny>>,
 }
 
 impl Sampling<'_, '_> {
-    fn params(&self, py: Python<'_>) -> PyResult<SamplingParams> {
-        let params = SamplingParams {
-            max_tokens: ranged(py, "max_tokens", self.max_tokens, "at least 1")?,
-            temperature: self.temperature as f32,
-            top_p: self.top_p as f32,
-            top_k: ranged(py, "top_k", self.top_k, ">= 0 (0 = off)")?,
-            min_p: self.min_p as f32,
-            repetition_penalty: self.repetition_penalty as f32,
-            repetition_context_size: ranged(py, "repetition_context_size", self.repetition_context_size, ">= 0")?,
+    /// The engine's options with the given ones set, checked by the engine.
+    fn options(&self, py: Python<'_>, prefill_chunk: Option<i64>) -> PyResult<GenerationOptions> {
+        let d = GenerationOptions::default();
+        let options = GenerationOptions {
+            max_tokens: self.max_tokens.unwrap_or(d.max_tokens),
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            repetition_context_size: self.repetition_context_size.unwrap_or(d.repetition_context_size),
             seed: match self.seed.filter(|s| !s.is_none()) {
-                Some(seed) => Some(int_arg(py, "seed", seed, "in [0, 2**64)")?),
-                None => None,
+                Some(seed) => Some(wide_int(py, "seed", seed)?),
+                None => d.seed,
             },
             stop: stop_arg(self.stop)?,
+            prefill_chunk: prefill_chunk.unwrap_or(d.prefill_chunk),
         };
-        params.validate().map_err(|e| engine_error(py, e))?;
-        Ok(params)
+        options.validate().map_err(|e| engine_error(py, e))?;
+        Ok(options)
     }
 }
 
-/// A prompt: text, or a list of token ids.
-fn prompt_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Prompt> {
+/// A prompt: text, or a list of token ids (checked by the engine).
+fn prompt_arg(py: Python<'_>, engine: &Engine, obj: &Bound<'_, PyAny>) -> PyResult<Prompt> {
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(Prompt::Text(s.to_str()?.to_string()));
     }
@@ -149,25 +149,21 @@ fn prompt_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Prompt> {
     }
     let mut ids = Vec::new();
     for item in obj.try_iter().map_err(|_| bad())? {
-        let item = item?;
-        if !item.is_instance_of::<PyInt>() || item.is_instance_of::<PyBool>() {
-            return Err(bad());
-        }
-        ids.push(int_arg::<u32>(py, "prompt", &item, "a token id in [0, 2**32)")?);
+        ids.push(token_id(&item?).ok_or_else(bad)?);
     }
-    Ok(Prompt::Tokens(ids))
+    Ok(Prompt::Tokens(checked_ids(py, engine, &ids, "prompt")?))
 }
 
-fn token_ids_arg(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+fn token_ids_arg(py: Python<'_>, engine: &Engine, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let bad = || PyTypeError::new_err(format!("`ids` must be a list of int, not {}", type_name(obj)));
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyDict>() {
-        return Err(PyTypeError::new_err(format!("`{name}` must be a list of int, not {}", type_name(obj))));
+        return Err(bad());
     }
-    let bad = || PyTypeError::new_err(format!("`{name}` must be a list of int, not {}", type_name(obj)));
     let mut ids = Vec::new();
     for item in obj.try_iter().map_err(|_| bad())? {
-        ids.push(int_arg::<u32>(py, name, &item?, "a token id in [0, 2**32)")?);
+        ids.push(token_id(&item?).ok_or_else(bad)?);
     }
-    Ok(ids)
+    checked_ids(py, engine, &ids, "tokens")
 }
 
 /// A Python value as JSON for the chat template (dicts, lists, scalars).
@@ -268,42 +264,12 @@ fn wait(stream: &mut GenerationStream, timeout: Duration, skip_pieces: bool) -> 
     }
 }
 
-/// Cancelled generations whose threads may still be finishing a forward
-/// pass. Their events are drained (so a full channel never blocks a thread)
-/// and, at interpreter exit, waited for: MLX must not be torn down under them.
-static ABANDONED: Mutex<Vec<GenerationStream>> = Mutex::new(Vec::new());
-
-/// Drains what each abandoned generation has sent; drops those that ended.
-fn prune(list: &mut Vec<GenerationStream>) {
-    list.retain_mut(|stream| loop {
-        match wait(stream, Duration::ZERO, true) {
-            Waited::Pending => break true,
-            Waited::Piece(..) => {}
-            Waited::Done(_) | Waited::Failed(_) | Waited::Lost => break false,
-        }
-    });
-}
-
-/// Cancels a generation without waiting for its thread: the caller returns
-/// (or raises KeyboardInterrupt) at once.
-fn abandon(stream: GenerationStream) {
-    stream.cancel_flag().cancel();
-    let mut list = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
-    list.push(stream);
-    prune(&mut list);
-}
-
 fn lost(py: Python<'_>) -> PyErr {
-    raise(py, "GenerationError", ("the generation thread ended without a result",))
-}
-
-/// Runs a generation to its end with the GIL released, checking for signals.
-fn run_to_end(py: Python<'_>, engine: &Engine, request: GenerationRequest) -> PyResult<GenerationOutput> {
-    finish(py, GenerationStream::start(engine, request))
+    raise(py, "GenerationError", ("the generation ended without a result",))
 }
 
 /// Waits for `stream`'s output with the GIL released, checking for signals
-/// (Ctrl-C abandons it).
+/// (Ctrl-C drops the stream, which cancels its row).
 fn finish(py: Python<'_>, mut stream: GenerationStream) -> PyResult<GenerationOutput> {
     loop {
         match py.detach(|| wait(&mut stream, POLL, true)) {
@@ -311,30 +277,16 @@ fn finish(py: Python<'_>, mut stream: GenerationStream) -> PyResult<GenerationOu
             Waited::Failed(e) => return Err(engine_error(py, e)),
             Waited::Lost => return Err(lost(py)),
             Waited::Pending | Waited::Piece(..) => {
-                if let Err(e) = py.check_signals() {
-                    abandon(stream);
-                    return Err(e);
-                }
+                py.check_signals()?;
             }
         }
     }
 }
 
 /// Every stream's output in order; all of them run at once as one batch.
-/// On the first error (or Ctrl-C) the rest are abandoned.
+/// On the first error (or Ctrl-C) the rest are dropped, which cancels them.
 fn finish_all(py: Python<'_>, streams: Vec<GenerationStream>) -> PyResult<Vec<GenerationOutput>> {
-    let mut outputs = Vec::with_capacity(streams.len());
-    let mut streams = streams.into_iter();
-    while let Some(stream) = streams.next() {
-        match finish(py, stream) {
-            Ok(output) => outputs.push(output),
-            Err(e) => {
-                streams.for_each(abandon);
-                return Err(e);
-            }
-        }
-    }
-    Ok(outputs)
+    streams.into_iter().map(|stream| finish(py, stream)).collect()
 }
 
 // ---------------------------------------------------------------------------
@@ -347,56 +299,36 @@ fn finish_all(py: Python<'_>, streams: Vec<GenerationStream>) -> PyResult<Vec<Ge
 #[pyclass(module = "mlxcel", name = "Model", frozen)]
 struct Model {
     engine: Engine,
-    prefill_chunk: usize,
+    /// `None`: the engine's default.
+    prefill_chunk: Option<i64>,
 }
 
-fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64, progress: bool) -> PyResult<Model> {
-    if prefill_chunk < 1 {
-        return Err(invalid(py, "prefill_chunk", format!("must be at least 1, got {prefill_chunk}")));
-    }
-    let prefill_chunk = prefill_chunk as usize;
+fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool) -> PyResult<Model> {
+    // Checked now, so a bad value fails the load rather than the first generation.
+    Sampling::default().options(py, prefill_chunk)?;
     let dir = match path {
         Some(dir) => dir,
         None => default_model_dir(py, progress)?,
     };
-    let loaded = py.detach(|| -> Result<CoreModel, ModelError> {
-        if !dir.is_dir() {
-            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
-            return Err(ModelError::invalid_file(dir, what));
-        }
-        CoreModel::load(&dir)
-    });
-    let model = loaded.map_err(|e| load_error(py, e))?;
-    Ok(Model { engine: Engine::new(std::sync::Arc::new(model)), prefill_chunk })
+    let engine = py.detach(|| Engine::load(&dir)).map_err(|e| engine_error(py, e))?;
+    Ok(Model { engine, prefill_chunk })
 }
 
 impl Model {
-    fn request(&self, prompt: Prompt, params: SamplingParams) -> GenerationRequest {
-        let mut request = GenerationRequest::new(prompt);
-        request.params = params;
-        request.prefill_chunk = self.prefill_chunk;
-        request.cancel = Some(CancelFlag::new());
-        request
+    fn start(&self, py: Python<'_>, prompt: Prompt, sampling: &Sampling<'_, '_>) -> PyResult<GenerationStream> {
+        let request = sampling.options(py, self.prefill_chunk)?.request(prompt).map_err(|e| engine_error(py, e))?;
+        Ok(GenerationStream::start(&self.engine, request))
     }
 
-    /// Chat messages rendered and tokenized as the engine does for `Prompt::Chat`.
+    /// Chat messages (any JSON the template reads) as prompt tokens.
     fn chat_prompt(&self, py: Python<'_>, messages: &Bound<'_, PyAny>) -> PyResult<Prompt> {
         let messages = messages_arg(messages)?;
-        let tokenizer = &self.engine.model().tokenizer;
-        let ids = py
-            .detach(|| tokenizer.encode(&tokenizer.apply_chat_template(&messages, true)?, false))
-            .map_err(|e| tokenizer_error(py, e))?;
+        let ids = py.detach(|| self.engine.chat_tokens(&messages)).map_err(|e| engine_error(py, e))?;
         Ok(Prompt::Tokens(ids))
     }
 
-    fn generate_text(&self, py: Python<'_>, prompt: Prompt, sampling: Sampling<'_, '_>) -> PyResult<String> {
-        let request = self.request(prompt, sampling.params(py)?);
-        Ok(run_to_end(py, &self.engine, request)?.text)
-    }
-
-    fn start_stream(&self, py: Python<'_>, prompt: Prompt, sampling: Sampling<'_, '_>) -> PyResult<Stream> {
-        let request = self.request(prompt, sampling.params(py)?);
-        let stream = GenerationStream::start(&self.engine, request);
+    fn stream_of(&self, py: Python<'_>, prompt: Prompt, sampling: &Sampling<'_, '_>) -> PyResult<Stream> {
+        let stream = self.start(py, prompt, sampling)?;
         let cancel = stream.cancel_flag().clone();
         Ok(Stream { state: Mutex::new(StreamState { stream: Some(stream), output: None }), cancel })
     }
@@ -407,141 +339,140 @@ impl Model {
     /// Loads a model directory (MLX / Hugging Face layout); `None` loads the
     /// default model (SmolLM2-135M-Instruct, fetched and converted on first use).
     #[new]
-    #[pyo3(signature = (path=None, *, prefill_chunk=DEFAULT_PREFILL_CHUNK, progress=true))]
-    fn new(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64, progress: bool) -> PyResult<Self> {
+    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true))]
+    fn new(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool) -> PyResult<Self> {
         load_model(py, path, prefill_chunk, progress)
     }
 
     /// Generates a continuation of `prompt` (text, or a list of token ids).
-    #[pyo3(signature = (prompt, *, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                        repetition_penalty=1.0, repetition_context_size=20, seed=None, stop=None))]
+    #[pyo3(signature = (prompt, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
         py: Python<'_>,
         prompt: &Bound<'_, PyAny>,
-        max_tokens: i64,
-        temperature: f64,
-        top_p: f64,
-        top_k: i64,
-        min_p: f64,
-        repetition_penalty: f64,
-        repetition_context_size: i64,
+        max_tokens: Option<i64>,
+        temperature: Option<f64>,
+        top_p: Option<f64>,
+        top_k: Option<i64>,
+        min_p: Option<f64>,
+        repetition_penalty: Option<f64>,
+        repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
         let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
-        let prompt = prompt_arg(py, prompt)?;
-        self.generate_text(py, prompt, sampling)
+        sampling.options(py, self.prefill_chunk)?;
+        let prompt = prompt_arg(py, &self.engine, prompt)?;
+        Ok(finish(py, self.start(py, prompt, &sampling)?)?.text)
     }
 
     /// Generates a continuation of every prompt in `prompts` (each a str or a
     /// list of token ids) with the same parameters, as one batch: the model
     /// decodes all of them in each forward pass. Returns the texts in order;
     /// each is exactly what `generate` returns for that prompt alone.
-    #[pyo3(signature = (prompts, *, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                        repetition_penalty=1.0, repetition_context_size=20, seed=None, stop=None))]
+    #[pyo3(signature = (prompts, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch(
         &self,
         py: Python<'_>,
         prompts: &Bound<'_, PyAny>,
-        max_tokens: i64,
-        temperature: f64,
-        top_p: f64,
-        top_k: i64,
-        min_p: f64,
-        repetition_penalty: f64,
-        repetition_context_size: i64,
+        max_tokens: Option<i64>,
+        temperature: Option<f64>,
+        top_p: Option<f64>,
+        top_k: Option<i64>,
+        min_p: Option<f64>,
+        repetition_penalty: Option<f64>,
+        repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<String>> {
         let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
-        let params = sampling.params(py)?;
+        sampling.options(py, self.prefill_chunk)?;
         if prompts.is_instance_of::<PyString>() {
             return Err(PyTypeError::new_err("`prompts` must be a list of prompts, not a str"));
         }
         let items = prompts
             .try_iter()
             .map_err(|_| PyTypeError::new_err(format!("`prompts` must be a list of prompts, not {}", type_name(prompts))))?;
-        let prompts = items.map(|p| prompt_arg(py, &p?)).collect::<PyResult<Vec<_>>>()?;
-        let streams = prompts
-            .into_iter()
-            .map(|prompt| GenerationStream::start(&self.engine, self.request(prompt, params.clone())))
-            .collect();
+        let prompts = items.map(|p| prompt_arg(py, &self.engine, &p?)).collect::<PyResult<Vec<_>>>()?;
+        let streams = prompts.into_iter().map(|prompt| self.start(py, prompt, &sampling)).collect::<PyResult<Vec<_>>>()?;
         Ok(finish_all(py, streams)?.into_iter().map(|o| o.text).collect())
     }
 
     /// Like `generate`, but returns an iterator of `Chunk`s as they are generated.
-    #[pyo3(signature = (prompt, *, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                        repetition_penalty=1.0, repetition_context_size=20, seed=None, stop=None))]
+    #[pyo3(signature = (prompt, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
     #[allow(clippy::too_many_arguments)]
     fn stream(
         &self,
         py: Python<'_>,
         prompt: &Bound<'_, PyAny>,
-        max_tokens: i64,
-        temperature: f64,
-        top_p: f64,
-        top_k: i64,
-        min_p: f64,
-        repetition_penalty: f64,
-        repetition_context_size: i64,
+        max_tokens: Option<i64>,
+        temperature: Option<f64>,
+        top_p: Option<f64>,
+        top_k: Option<i64>,
+        min_p: Option<f64>,
+        repetition_penalty: Option<f64>,
+        repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Stream> {
         let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
-        let prompt = prompt_arg(py, prompt)?;
-        self.start_stream(py, prompt, sampling)
+        sampling.options(py, self.prefill_chunk)?;
+        let prompt = prompt_arg(py, &self.engine, prompt)?;
+        self.stream_of(py, prompt, &sampling)
     }
 
     /// Generates the assistant's reply to OpenAI-style `messages`, rendered
     /// with the model's chat template.
-    #[pyo3(signature = (messages, *, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                        repetition_penalty=1.0, repetition_context_size=20, seed=None, stop=None))]
+    #[pyo3(signature = (messages, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat(
         &self,
         py: Python<'_>,
         messages: &Bound<'_, PyAny>,
-        max_tokens: i64,
-        temperature: f64,
-        top_p: f64,
-        top_k: i64,
-        min_p: f64,
-        repetition_penalty: f64,
-        repetition_context_size: i64,
+        max_tokens: Option<i64>,
+        temperature: Option<f64>,
+        top_p: Option<f64>,
+        top_k: Option<i64>,
+        min_p: Option<f64>,
+        repetition_penalty: Option<f64>,
+        repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
         let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
-        sampling.params(py)?;
+        sampling.options(py, self.prefill_chunk)?;
         let prompt = self.chat_prompt(py, messages)?;
-        self.generate_text(py, prompt, sampling)
+        Ok(finish(py, self.start(py, prompt, &sampling)?)?.text)
     }
 
     /// Like `chat`, but returns an iterator of `Chunk`s.
-    #[pyo3(signature = (messages, *, max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                        repetition_penalty=1.0, repetition_context_size=20, seed=None, stop=None))]
+    #[pyo3(signature = (messages, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat_stream(
         &self,
         py: Python<'_>,
         messages: &Bound<'_, PyAny>,
-        max_tokens: i64,
-        temperature: f64,
-        top_p: f64,
-        top_k: i64,
-        min_p: f64,
-        repetition_penalty: f64,
-        repetition_context_size: i64,
+        max_tokens: Option<i64>,
+        temperature: Option<f64>,
+        top_p: Option<f64>,
+        top_k: Option<i64>,
+        min_p: Option<f64>,
+        repetition_penalty: Option<f64>,
+        repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Stream> {
         let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
-        sampling.params(py)?;
+        sampling.options(py, self.prefill_chunk)?;
         let prompt = self.chat_prompt(py, messages)?;
-        self.start_stream(py, prompt, sampling)
+        self.stream_of(py, prompt, &sampling)
     }
 
     /// Token ids of `text`; `add_special_tokens` adds e.g. a BOS token where
@@ -553,53 +484,50 @@ impl Model {
             .map_err(|_| PyTypeError::new_err(format!("`text` must be a str, not {}", type_name(text))))?
             .to_str()?
             .to_string();
-        let tokenizer = &self.engine.model().tokenizer;
-        py.detach(|| tokenizer.encode(&text, add_special_tokens)).map_err(|e| tokenizer_error(py, e))
+        py.detach(|| self.engine.tokenize(&text, add_special_tokens)).map_err(|e| engine_error(py, e))
     }
 
     /// The text of token `ids`.
     #[pyo3(signature = (ids, skip_special_tokens=false))]
     fn detokenize(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, skip_special_tokens: bool) -> PyResult<String> {
-        let ids = token_ids_arg(py, "ids", ids)?;
-        let tokenizer = &self.engine.model().tokenizer;
-        py.detach(|| tokenizer.decode(&ids, skip_special_tokens)).map_err(|e| tokenizer_error(py, e))
+        let ids = token_ids_arg(py, &self.engine, ids)?;
+        py.detach(|| self.engine.detokenize(&ids, skip_special_tokens)).map_err(|e| engine_error(py, e))
     }
 
     /// `messages` rendered with the model's chat template.
     #[pyo3(signature = (messages, add_generation_prompt=true))]
     fn apply_chat_template(&self, py: Python<'_>, messages: &Bound<'_, PyAny>, add_generation_prompt: bool) -> PyResult<String> {
         let messages = messages_arg(messages)?;
-        let tokenizer = &self.engine.model().tokenizer;
-        py.detach(|| tokenizer.apply_chat_template(&messages, add_generation_prompt)).map_err(|e| tokenizer_error(py, e))
+        py.detach(|| self.engine.apply_chat_template(&messages, add_generation_prompt)).map_err(|e| engine_error(py, e))
     }
 
     /// Architecture, size and quantization of the loaded checkpoint.
     #[getter]
     fn info(&self) -> ModelInfo {
-        ModelInfo::new(&self.engine.model().info)
+        ModelInfo(self.engine.summary())
     }
 
     /// The checkpoint directory the model was loaded from.
     #[getter]
     fn path(&self) -> PathBuf {
-        self.engine.model().dir.clone()
+        self.engine.model().dir().to_path_buf()
     }
 
     /// Token ids that end a generation.
     #[getter]
     fn eos_token_ids(&self) -> Vec<u32> {
-        self.engine.model().tokenizer.eos_token_ids().to_vec()
+        self.engine.summary().tokenizer.eos_token_ids
     }
 
     /// Prompt tokens evaluated per forward pass.
     #[getter]
-    fn prefill_chunk(&self) -> usize {
-        self.prefill_chunk
+    fn prefill_chunk(&self) -> i64 {
+        self.prefill_chunk.unwrap_or(GenerationOptions::default().prefill_chunk)
     }
 
     fn __repr__(&self) -> String {
-        let m = self.engine.model();
-        format!("<mlxcel.Model {} ({} parameters) from {}>", m.info.model_type, m.info.parameters, m.dir.display())
+        let summary = self.engine.summary();
+        format!("<mlxcel.Model {} ({} parameters) from {}>", summary.architecture, summary.parameters, summary.directory.display())
     }
 }
 
@@ -628,9 +556,9 @@ struct StreamState {
     output: Option<GenerationOutput>,
 }
 
-/// An iterator of `Chunk`s from a generation on a background thread.
-/// Closing it (`close()`, leaving a `with` block, or dropping it) cancels
-/// the generation.
+/// An iterator of `Chunk`s from a generation (a row of the engine's
+/// scheduler). Closing it (`close()`, leaving a `with` block, or dropping
+/// it) cancels the generation.
 #[pyclass(module = "mlxcel", name = "Stream", frozen)]
 struct Stream {
     state: Mutex<StreamState>,
@@ -645,15 +573,6 @@ impl Stream {
             Err(TryLockError::WouldBlock) => {
                 Err(PyRuntimeError::new_err("this stream is being iterated by another thread"))
             }
-        }
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        if let Some(stream) = state.stream.take() {
-            abandon(stream);
         }
     }
 }
@@ -680,12 +599,7 @@ impl Stream {
                 }
                 Waited::Failed(e) => return Err(engine_error(py, e)),
                 Waited::Lost => return Err(lost(py)),
-                Waited::Pending => {
-                    if let Err(e) = py.check_signals() {
-                        abandon(stream);
-                        return Err(e);
-                    }
-                }
+                Waited::Pending => py.check_signals()?,
             }
         }
     }
@@ -694,9 +608,7 @@ impl Stream {
     fn close(&self) {
         self.cancel.cancel();
         if let Ok(mut state) = self.state.try_lock() {
-            if let Some(stream) = state.stream.take() {
-                abandon(stream);
-            }
+            state.stream = None;
         }
     }
 
@@ -749,74 +661,15 @@ fn stats_dict<'py>(py: Python<'py>, s: &GenerationStats) -> PyResult<Bound<'py, 
     Ok(d)
 }
 
-/// One group of modules (e.g. every layer's `mlp.down_proj`) and how it is stored.
-struct Group {
-    name: String,
-    count: usize,
-    quantization: Option<(i32, i32)>,
-    dtype: String,
-    parameters: u64,
-}
-
-/// What a checkpoint is: architecture, size and quantization.
+/// What a checkpoint is: architecture, size and quantization (the engine's `ModelSummary`).
 #[pyclass(module = "mlxcel", name = "ModelInfo", frozen)]
-struct ModelInfo {
-    architecture: String,
-    parameters: u64,
-    bytes: u64,
-    num_layers: usize,
-    hidden_size: usize,
-    vocab_size: usize,
-    context_length: Option<usize>,
-    dtype: String,
-    tokenizer: String,
-    groups: Vec<Group>,
-}
+struct ModelInfo(ModelSummary);
 
-impl ModelInfo {
-    fn new(info: &CoreInfo) -> Self {
-        ModelInfo {
-            architecture: info.model_type.clone(),
-            parameters: info.parameters,
-            bytes: info.weight_bytes,
-            num_layers: info.shape.num_layers,
-            hidden_size: info.shape.hidden_size,
-            vocab_size: info.shape.vocab_size,
-            context_length: info.shape.max_position_embeddings,
-            dtype: info.shape.dtype.name().to_string(),
-            tokenizer: info.tokenizer_kind.clone(),
-            groups: info
-                .groups
-                .iter()
-                .map(|g| Group {
-                    name: g.name.clone(),
-                    count: g.count,
-                    quantization: g.quantization.map(|q| (q.bits, q.group_size)),
-                    dtype: g.dtype.name().to_string(),
-                    parameters: g.parameters,
-                })
-                .collect(),
-        }
-    }
-
-    /// The quantization that covers the most parameters (None: unquantized).
-    fn main_quantization(&self) -> Option<(i32, i32)> {
-        let mut totals: Vec<(Option<(i32, i32)>, u64)> = Vec::new();
-        for g in &self.groups {
-            match totals.iter_mut().find(|(q, _)| *q == g.quantization) {
-                Some((_, n)) => *n += g.parameters,
-                None => totals.push((g.quantization, g.parameters)),
-            }
-        }
-        totals.into_iter().max_by_key(|(_, n)| *n).and_then(|(q, _)| q)
-    }
-}
-
-fn quant_dict<'py>(py: Python<'py>, q: Option<(i32, i32)>) -> PyResult<Option<Bound<'py, PyDict>>> {
-    q.map(|(bits, group_size)| {
+fn quant_dict<'py>(py: Python<'py>, q: Option<Quantization>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    q.map(|q| {
         let d = PyDict::new(py);
-        d.set_item("bits", bits)?;
-        d.set_item("group_size", group_size)?;
+        d.set_item("bits", q.bits)?;
+        d.set_item("group_size", q.group_size)?;
         Ok(d)
     })
     .transpose()
@@ -827,55 +680,55 @@ impl ModelInfo {
     /// The config's `model_type`, e.g. "llama".
     #[getter]
     fn architecture(&self) -> &str {
-        &self.architecture
+        &self.0.architecture
     }
     #[getter]
     fn parameters(&self) -> u64 {
-        self.parameters
+        self.0.parameters
     }
     /// Bytes of weights as stored (quantized or not).
     #[getter]
     fn bytes(&self) -> u64 {
-        self.bytes
+        self.0.weight_bytes
     }
     #[getter]
     fn num_layers(&self) -> usize {
-        self.num_layers
+        self.0.num_layers
     }
     #[getter]
     fn hidden_size(&self) -> usize {
-        self.hidden_size
+        self.0.hidden_size
     }
     #[getter]
     fn vocab_size(&self) -> usize {
-        self.vocab_size
+        self.0.vocab_size
     }
     /// The model's context length in tokens, when the config gives one.
     #[getter]
     fn context_length(&self) -> Option<usize> {
-        self.context_length
+        self.0.context_length
     }
     /// The compute dtype, e.g. "float16".
     #[getter]
     fn dtype(&self) -> &str {
-        &self.dtype
+        &self.0.dtype
     }
     /// The tokenizer's kind, e.g. "BPE (byte-level)".
     #[getter]
     fn tokenizer(&self) -> &str {
-        &self.tokenizer
+        &self.0.tokenizer.kind
     }
     /// `{"bits": ..., "group_size": ...}` of the quantization covering most
     /// parameters, or None for an unquantized model; see `groups` for details.
     #[getter]
     fn quantization<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        quant_dict(py, self.main_quantization())
+        quant_dict(py, self.0.main_quantization)
     }
     /// Per module group: name, count, quantization (dict or None), dtype, parameters.
     #[getter]
     fn groups<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
-        for g in &self.groups {
+        for g in &self.0.groups {
             let d = PyDict::new(py);
             d.set_item("name", &g.name)?;
             d.set_item("count", g.count)?;
@@ -890,28 +743,28 @@ impl ModelInfo {
     /// All fields as a plain dict.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        d.set_item("architecture", &self.architecture)?;
-        d.set_item("parameters", self.parameters)?;
-        d.set_item("bytes", self.bytes)?;
+        d.set_item("architecture", &self.0.architecture)?;
+        d.set_item("parameters", self.0.parameters)?;
+        d.set_item("bytes", self.0.weight_bytes)?;
         d.set_item("quantization", self.quantization(py)?)?;
-        d.set_item("num_layers", self.num_layers)?;
-        d.set_item("hidden_size", self.hidden_size)?;
-        d.set_item("vocab_size", self.vocab_size)?;
-        d.set_item("context_length", self.context_length)?;
-        d.set_item("dtype", &self.dtype)?;
-        d.set_item("tokenizer", &self.tokenizer)?;
+        d.set_item("num_layers", self.0.num_layers)?;
+        d.set_item("hidden_size", self.0.hidden_size)?;
+        d.set_item("vocab_size", self.0.vocab_size)?;
+        d.set_item("context_length", self.0.context_length)?;
+        d.set_item("dtype", &self.0.dtype)?;
+        d.set_item("tokenizer", &self.0.tokenizer.kind)?;
         d.set_item("groups", self.groups(py)?)?;
         Ok(d)
     }
 
     fn __repr__(&self) -> String {
-        let quant = match self.main_quantization() {
-            Some((bits, group)) => format!("{{'bits': {bits}, 'group_size': {group}}}"),
+        let quant = match self.0.main_quantization {
+            Some(q) => format!("{{'bits': {}, 'group_size': {}}}", q.bits, q.group_size),
             None => "None".into(),
         };
         format!(
             "ModelInfo(architecture={:?}, parameters={}, bytes={}, quantization={quant}, num_layers={}, dtype={:?})",
-            self.architecture, self.parameters, self.bytes, self.num_layers, self.dtype
+            self.0.architecture, self.0.parameters, self.0.weight_bytes, self.0.num_layers, self.0.dtype
         )
     }
 }
@@ -921,9 +774,28 @@ impl ModelInfo {
 
 /// Loads a model directory; `None` loads the default model (SmolLM2-135M-Instruct).
 #[pyfunction]
-#[pyo3(signature = (path=None, *, prefill_chunk=DEFAULT_PREFILL_CHUNK, progress=true))]
-fn load(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: i64, progress: bool) -> PyResult<Model> {
+#[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true))]
+fn load(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool) -> PyResult<Model> {
     load_model(py, path, prefill_chunk, progress)
+}
+
+/// The engine's defaults of every generation keyword argument, and of
+/// `prefill_chunk`: what an omitted (or None) argument means.
+#[pyfunction]
+fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = GenerationOptions::default();
+    let dict = PyDict::new(py);
+    dict.set_item("max_tokens", d.max_tokens)?;
+    dict.set_item("temperature", d.temperature)?;
+    dict.set_item("top_p", d.top_p)?;
+    dict.set_item("top_k", d.top_k)?;
+    dict.set_item("min_p", d.min_p)?;
+    dict.set_item("repetition_penalty", d.repetition_penalty)?;
+    dict.set_item("repetition_context_size", d.repetition_context_size)?;
+    dict.set_item("seed", d.seed)?;
+    dict.set_item("stop", d.stop)?;
+    dict.set_item("prefill_chunk", d.prefill_chunk)?;
+    Ok(dict)
 }
 
 /// The directory of the default model, fetched and converted on first use.
@@ -956,32 +828,13 @@ fn default_model_dir(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
             });
         })
     })
-    .map_err(|e| raise(py, "ModelLoadError", (e.to_string(),)))
-}
-
-/// Waits (GIL released) up to `timeout` seconds for cancelled generations
-/// to stop. Returns how many are still running.
-#[pyfunction]
-#[pyo3(signature = (timeout=10.0))]
-fn _shutdown(py: Python<'_>, timeout: f64) -> usize {
-    py.detach(|| {
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
-        loop {
-            let mut list = ABANDONED.lock().unwrap_or_else(|e| e.into_inner());
-            prune(&mut list);
-            if list.is_empty() || Instant::now() >= deadline {
-                return list.len();
-            }
-            drop(list);
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    })
+    .map_err(|e| engine_error(py, EngineError::load(e)))
 }
 
 /// Stops every engine's scheduler thread for the interpreter's exit
 /// (`mlxcel_engine::shutdown`): running generations end as cancelled and
 /// new ones fail, so MLX is not torn down under them. Registered with
-/// `atexit` after `_shutdown`. Returns whether all stopped within `timeout`.
+/// `atexit`. Returns whether all stopped within `timeout`.
 #[pyfunction]
 #[pyo3(signature = (timeout=10.0))]
 fn _stop_engines(py: Python<'_>, timeout: f64) -> bool {
@@ -1013,7 +866,9 @@ mod _mlxcel {
     use super::*;
 
     #[pymodule_export]
-    use super::{_matmul_seconds, _shutdown, _stop_engines, default_model_path, load, Chunk, Model, ModelInfo, Stream};
+    use super::{
+        _matmul_seconds, _stop_engines, default_model_path, generation_defaults, load, Chunk, Model, ModelInfo, Stream,
+    };
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

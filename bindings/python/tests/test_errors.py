@@ -115,3 +115,57 @@ def test_bad_prompts(model):
 def test_wrong_types_raise_type_error(model, call):
     with pytest.raises(TypeError):
         call(model)
+
+
+# The engine holds the defaults, the checks and the error kinds: C
+# (mlxcel-capi/tests/facade.rs) and Node (test/mlxcel.test.js) check the
+# same messages and codes.
+
+def test_defaults_are_the_engines(model):
+    defaults = mlxcel.generation_defaults()
+    assert defaults == {
+        "max_tokens": 256,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "repetition_context_size": 20,
+        "seed": None,
+        "stop": [],
+        "prefill_chunk": 512,
+    }
+    # Omitted arguments mean exactly the engine's defaults.
+    prompt = "Once upon a time"
+    explicit = {k: v for k, v in defaults.items() if k != "prefill_chunk"}
+    assert model.generate(prompt) == model.generate(prompt, **explicit)
+
+
+def test_bad_parameters_give_the_engines_messages(model):
+    with pytest.raises(InvalidParameter) as err:
+        model.generate("Hi", top_k=-1)
+    assert str(err.value) == "invalid parameter `top_k`: must be an integer in [0, 2**32) (0 = off), got -1"
+    with pytest.raises(InvalidParameter) as err:
+        model.generate("Hi", temperature=-1)
+    assert str(err.value) == "invalid parameter `temperature`: must be a finite number >= 0, got -1"
+    with pytest.raises(InvalidParameter) as err:
+        model.generate("Hi", seed=2**200)
+    assert err.value.name == "seed" and "2**64" in str(err.value)
+
+
+def test_a_missing_chat_template_is_a_tokenizer_error_everywhere(model, tmp_path):
+    import os
+
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        os.symlink(f"{model.path}/{name}", tmp_path / name)
+    with open(f"{model.path}/tokenizer_config.json") as f:
+        config = json.load(f)
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    bare = mlxcel.load(tmp_path)
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(TokenizerError) as rendered:
+        bare.apply_chat_template(messages)
+    with pytest.raises(TokenizerError) as generated:
+        bare.chat(messages, max_tokens=2)
+    assert str(rendered.value) == str(generated.value)

@@ -74,11 +74,12 @@ def test_close_cancels_a_stream(model):
     assert first.token is not None
     stream.close()
     assert list(stream) == []
-    assert mlxcel._mlxcel._shutdown(30.0) == 0  # every cancelled thread has ended
+    # The cancelled row has left the batch: a new generation runs alone and as usual.
+    assert model.generate("The capital of France is", max_tokens=3).startswith(" Paris")
 
 
 def test_dropping_a_stream_cancels_it(model):
     stream = model.stream("Once upon a time, in a land far away,", max_tokens=500)
     next(stream)
     del stream
-    assert mlxcel._mlxcel._shutdown(30.0) == 0
+    assert model.generate("The capital of France is", max_tokens=3).startswith(" Paris")

@@ -48,7 +48,7 @@ def test_info(model):
     assert "llama" in repr(model)
     assert os.path.isdir(model.path)
     assert model.eos_token_ids
-    assert model.prefill_chunk == 64
+    assert model.prefill_chunk == mlxcel.generation_defaults()["prefill_chunk"] == 512
 
 
 def test_generate_greedy_is_deterministic(model):

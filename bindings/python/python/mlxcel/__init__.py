@@ -58,18 +58,14 @@ from ._mlxcel import (  # noqa: E402
     Stream,
     __version__,
     default_model_path,
+    generation_defaults,
     load,
 )
 
-# A generation cancelled by Ctrl-C or close() may still be finishing its
-# current step: let it, then stop the engines' scheduler threads, before MLX
-# is torn down.
-def _at_exit() -> None:
-    _mlxcel._shutdown()
-    _mlxcel._stop_engines()
-
-
-atexit.register(_at_exit)
+# Ends every generation (one cancelled by Ctrl-C or close() may still be in
+# its current step) and stops the engines' scheduler threads before MLX is
+# torn down.
+atexit.register(_mlxcel._stop_engines)
 
 #: "openblas" when OpenBLAS was preloaded (see the module docstring), else
 #: "bundled" (the mlx-cpu wheel's reference BLAS) on Linux, "platform" elsewhere.
@@ -78,6 +74,7 @@ BLAS: str = "openblas" if _openblas else ("bundled" if sys.platform == "linux" e
 __all__ = [
     "load",
     "default_model_path",
+    "generation_defaults",
     "Model",
     "ModelInfo",
     "Stream",

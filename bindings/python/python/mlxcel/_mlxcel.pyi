@@ -17,18 +17,22 @@ PromptLike = Union[str, Sequence[int]]
 Stop = Union[str, Sequence[str], None]
 
 def load(
-    path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: int = 64, progress: bool = True
+    path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: Optional[int] = None, progress: bool = True
 ) -> Model:
     """Loads a model directory (MLX / Hugging Face layout).
 
     ``None`` loads the default model, SmolLM2-135M-Instruct, fetched and
     converted into ``~/.cache/mlxcel`` on first use; that first fetch reports
     its steps on ``sys.stderr`` unless ``progress=False``. ``prefill_chunk`` is
-    the number of prompt tokens per forward pass: small values let Ctrl-C and
-    ``Stream.close()`` take effect sooner during a long prompt.
+    the number of prompt tokens per forward pass (None: the engine's default,
+    512): small values let ``Stream.close()`` stop a long prompt sooner.
 
     Raises ModelLoadError.
     """
+
+def generation_defaults() -> dict:
+    """The engine's default of every generation keyword argument and of
+    ``prefill_chunk``: what an omitted argument means, the same in C and Node."""
 
 def default_model_path(*, progress: bool = True) -> pathlib.Path:
     """The default model's directory, fetched and converted on first use
@@ -51,7 +55,7 @@ class Chunk:
     def finish_reason(self) -> Optional[str]: ...
 
 class Stream(Iterator[Chunk]):
-    """Chunks of a generation running on a background thread.
+    """Chunks of a generation (a row of the engine's scheduler).
 
     Closing it (``close()``, leaving a ``with`` block, or dropping it) cancels
     the generation. Ctrl-C while waiting for a chunk cancels it and raises
@@ -121,25 +125,27 @@ class Model:
     every call releases the GIL while MLX works."""
 
     def __init__(
-        self, path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: int = 64, progress: bool = True
+        self, path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: Optional[int] = None, progress: bool = True
     ) -> None:
         """Same as ``mlxcel.load(path)``."""
     def generate(
         self,
         prompt: PromptLike,
         *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        repetition_context_size: int = 20,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        min_p: Optional[float] = None,
+        repetition_penalty: Optional[float] = None,
+        repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
     ) -> str:
         """Generates a continuation of ``prompt``.
 
+        An omitted (or None) argument takes the engine's default, listed by
+        ``mlxcel.generation_defaults()`` (greedy, 256 tokens, no filters).
         temperature 0 is greedy; top_k 0, top_p 1, min_p 0 and
         repetition_penalty 1 turn those filters off. ``seed`` makes sampling
         reproducible. Generation stops at EOS, ``max_tokens``, or before the
@@ -152,13 +158,13 @@ class Model:
         self,
         prompts: Sequence[PromptLike],
         *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        repetition_context_size: int = 20,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        min_p: Optional[float] = None,
+        repetition_penalty: Optional[float] = None,
+        repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
     ) -> List[str]:
@@ -171,13 +177,13 @@ class Model:
         self,
         prompt: PromptLike,
         *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        repetition_context_size: int = 20,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        min_p: Optional[float] = None,
+        repetition_penalty: Optional[float] = None,
+        repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
     ) -> Stream:
@@ -186,13 +192,13 @@ class Model:
         self,
         messages: Sequence[Message],
         *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        repetition_context_size: int = 20,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        min_p: Optional[float] = None,
+        repetition_penalty: Optional[float] = None,
+        repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
     ) -> str:
@@ -202,13 +208,13 @@ class Model:
         self,
         messages: Sequence[Message],
         *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        repetition_context_size: int = 20,
+        max_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        min_p: Optional[float] = None,
+        repetition_penalty: Optional[float] = None,
+        repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
     ) -> Stream:
@@ -227,8 +233,6 @@ class Model:
     def prefill_chunk(self) -> int: ...
 
 def _matmul_seconds(n: int = 1024) -> float: ...
-def _shutdown(timeout: float = 10.0) -> int:
-    """Waits for cancelled generations to stop (registered with atexit)."""
 def _stop_engines(timeout: float = 10.0) -> bool:
     """Stops every engine's scheduler thread (registered with atexit)."""
 

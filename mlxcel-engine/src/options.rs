@@ -1,0 +1,175 @@
+//! The one place that holds a generation's defaults, ranges and error
+//! messages for every front end (C ABI, Python, Node): each builds a
+//! [`GenerationOptions`] from its own arguments, unchecked, and calls
+//! [`GenerationOptions::request`].
+
+use std::fmt::Display;
+
+use crate::error::{Error, Result};
+use crate::generate::{GenerationRequest, Prompt};
+use crate::sampling::SamplingParams;
+
+/// Prompt tokens evaluated per forward pass during prefill, unless a request says otherwise.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// A generation's settings in wide types (signed 64-bit counts, f64 reals,
+/// a 128-bit seed), so that any front end's numbers fit unchanged and the
+/// range checks happen here. `Default` gives the defaults every surface
+/// documents.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationOptions {
+    pub max_tokens: i64,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: i64,
+    pub min_p: f64,
+    pub repetition_penalty: f64,
+    pub repetition_context_size: i64,
+    /// `None` draws a seed from the clock.
+    pub seed: Option<i128>,
+    pub stop: Vec<String>,
+    pub prefill_chunk: i64,
+}
+
+impl Default for GenerationOptions {
+    fn default() -> Self {
+        let d = SamplingParams::default();
+        GenerationOptions {
+            max_tokens: d.max_tokens as i64,
+            temperature: d.temperature as f64,
+            top_p: d.top_p as f64,
+            top_k: d.top_k as i64,
+            min_p: d.min_p as f64,
+            repetition_penalty: d.repetition_penalty as f64,
+            repetition_context_size: d.repetition_context_size as i64,
+            seed: d.seed.map(i128::from),
+            stop: d.stop,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK as i64,
+        }
+    }
+}
+
+/// The integer options: name, smallest and largest value, and the range as the message states it.
+const INTEGER_RANGES: [(&str, i128, i128, &str); 5] = [
+    ("max_tokens", 1, i64::MAX as i128, "an integer >= 1"),
+    ("top_k", 0, u32::MAX as i128, "an integer in [0, 2**32) (0 = off)"),
+    ("repetition_context_size", 0, i64::MAX as i128, "an integer >= 0"),
+    ("seed", 0, u64::MAX as i128, "an integer in [0, 2**64)"),
+    ("prefill_chunk", 1, i64::MAX as i128, "an integer >= 1"),
+];
+
+fn integer_range(name: &str) -> (i128, i128, &'static str) {
+    let (_, min, max, text) = INTEGER_RANGES.iter().find(|r| r.0 == name).copied().expect("an integer option");
+    (min, max, text)
+}
+
+impl GenerationOptions {
+    /// The error for an integer option `name` whose value `shown` is out of
+    /// its range, or cannot even be represented by the caller's conversion
+    /// (e.g. a Python int beyond 128 bits).
+    pub fn out_of_range(name: &'static str, shown: impl Display) -> Error {
+        let (_, _, range) = integer_range(name);
+        Error::InvalidParameter { name, message: format!("must be {range}, got {shown}") }
+    }
+
+    /// An integer option given as a float (JavaScript numbers): it must be a
+    /// whole number; the range is checked by [`validate`](Self::validate).
+    pub fn whole_number(name: &'static str, value: f64) -> Result<i128> {
+        if value.is_finite() && value.fract() == 0.0 && value.abs() < 2f64.powi(127) {
+            Ok(value as i128)
+        } else {
+            Err(Self::out_of_range(name, value))
+        }
+    }
+
+    fn integer<T: TryFrom<i128>>(name: &'static str, value: i128) -> Result<T> {
+        let (min, max, _) = integer_range(name);
+        if (min..=max).contains(&value) {
+            T::try_from(value).map_err(|_| Self::out_of_range(name, value))
+        } else {
+            Err(Self::out_of_range(name, value))
+        }
+    }
+
+    /// The checked sampling parameters and prefill chunk.
+    pub fn validate(&self) -> Result<(SamplingParams, usize)> {
+        let params = SamplingParams {
+            max_tokens: Self::integer("max_tokens", self.max_tokens.into())?,
+            temperature: self.temperature as f32,
+            top_p: self.top_p as f32,
+            top_k: Self::integer("top_k", self.top_k.into())?,
+            min_p: self.min_p as f32,
+            repetition_penalty: self.repetition_penalty as f32,
+            repetition_context_size: Self::integer("repetition_context_size", self.repetition_context_size.into())?,
+            seed: self.seed.map(|seed| Self::integer("seed", seed)).transpose()?,
+            stop: self.stop.clone(),
+        };
+        params.validate()?;
+        Ok((params, Self::integer("prefill_chunk", self.prefill_chunk.into())?))
+    }
+
+    /// A checked request for `prompt`.
+    pub fn request(&self, prompt: Prompt) -> Result<GenerationRequest> {
+        let (params, prefill_chunk) = self.validate()?;
+        Ok(GenerationRequest { params, prefill_chunk, ..GenerationRequest::new(prompt) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error_of(options: GenerationOptions) -> (Option<&'static str>, String) {
+        let e = options.validate().unwrap_err();
+        (e.parameter(), e.to_string())
+    }
+
+    #[test]
+    fn defaults_are_valid_and_match_the_request_defaults() {
+        let (params, chunk) = GenerationOptions::default().validate().unwrap();
+        let request = GenerationRequest::new(Prompt::Text(String::new()));
+        assert_eq!(params, request.params);
+        assert_eq!(chunk, request.prefill_chunk);
+        assert_eq!(chunk, DEFAULT_PREFILL_CHUNK);
+    }
+
+    #[test]
+    fn integers_out_of_range_name_the_option_and_the_value() {
+        let cases = [
+            (GenerationOptions { max_tokens: 0, ..Default::default() }, "max_tokens", "got 0"),
+            (GenerationOptions { top_k: -1, ..Default::default() }, "top_k", "got -1"),
+            (GenerationOptions { top_k: 1 << 32, ..Default::default() }, "top_k", "got 4294967296"),
+            (GenerationOptions { repetition_context_size: -2, ..Default::default() }, "repetition_context_size", "got -2"),
+            (GenerationOptions { seed: Some(-1), ..Default::default() }, "seed", "got -1"),
+            (GenerationOptions { seed: Some(1 << 64), ..Default::default() }, "seed", "got 18446744073709551616"),
+            (GenerationOptions { prefill_chunk: 0, ..Default::default() }, "prefill_chunk", "got 0"),
+        ];
+        for (options, name, got) in cases {
+            let (parameter, message) = error_of(options);
+            assert_eq!(parameter, Some(name));
+            assert!(message.starts_with(&format!("invalid parameter `{name}`: must be an integer")), "{message}");
+            assert!(message.ends_with(got), "{message}");
+        }
+        assert_eq!(GenerationOptions { seed: Some(u64::MAX as i128), ..Default::default() }.validate().unwrap().0.seed, Some(u64::MAX));
+    }
+
+    #[test]
+    fn reals_are_checked_by_the_sampling_parameters() {
+        let (parameter, message) = error_of(GenerationOptions { temperature: -1.0, ..Default::default() });
+        assert_eq!(parameter, Some("temperature"));
+        assert_eq!(message, "invalid parameter `temperature`: must be a finite number >= 0, got -1");
+        assert_eq!(error_of(GenerationOptions { top_p: 0.0, ..Default::default() }).0, Some("top_p"));
+        assert_eq!(error_of(GenerationOptions { temperature: 1e40, ..Default::default() }).0, Some("temperature"));
+    }
+
+    #[test]
+    fn whole_numbers_from_floats() {
+        assert_eq!(GenerationOptions::whole_number("max_tokens", 8.0).unwrap(), 8);
+        for bad in [2.5, f64::NAN, f64::INFINITY] {
+            let e = GenerationOptions::whole_number("max_tokens", bad).unwrap_err();
+            assert_eq!(e.parameter(), Some("max_tokens"));
+        }
+        let message = GenerationOptions::whole_number("seed", 0.5).unwrap_err().to_string();
+        assert_eq!(message, "invalid parameter `seed`: must be an integer in [0, 2**64), got 0.5");
+    }
+}
