@@ -147,6 +147,13 @@ typedef struct mlxcel_model_params {
     // into `$MLXCEL_CACHE_DIR` (else `~/.cache/mlxcel`) on first use. Only
     // read during `mlxcel_model_load`.
     const char *path;
+    // The byte budget of the model's KV pool, which every generation's keys
+    // and values share; 0 means the default (1 GiB; only blocks in use are
+    // resident). At least 1 MiB otherwise. A generation that does not fit
+    // next to the running ones waits; one whose prompt plus `max_tokens`
+    // needs more than the whole pool fails with
+    // `MLXCEL_ERR_KV_POOL_TOO_SMALL`. Since ABI 2.0.
+    uint64_t kv_pool_bytes;
 } mlxcel_model_params;
 
 // A summary of a loaded model. Strings are NUL-terminated (truncated if
@@ -277,13 +284,15 @@ const char *mlxcel_last_error(void);
 // Thread-safe.
 const char *mlxcel_status_string(mlxcel_status status);
 
-// The default model parameters: `path` NULL (the default model).
+// The default model parameters: `path` NULL (the default model),
+// `kv_pool_bytes` 0 (the default budget).
 struct mlxcel_model_params mlxcel_model_default_params(void);
 
 // Loads a model. On success stores a new handle in `*out_model`; free it
 // with `mlxcel_model_free`.
 //
 // Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
+// `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB),
 // `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
 // On failure `*out_model` is set to NULL (if out_model is not NULL) and
 // nothing is allocated. May take seconds (and download the default model on

@@ -151,6 +151,14 @@ export interface LoadOptions {
    * a line per step, the conversion as a percentage (rewritten in place on a terminal).
    */
   progress?: boolean
+  /**
+   * Byte budget of the KV pool every generation's keys and values share
+   * (default 1 GiB, at least 1 MiB; only blocks in use are resident). A
+   * generation that does not fit beside the running ones waits; one whose
+   * prompt plus maxTokens needs more than the whole pool rejects with
+   * KV_POOL_TOO_SMALL. A bad value rejects with INVALID_PARAMETER.
+   */
+  kvPoolBytes?: number
 }
 
 /**

@@ -412,12 +412,24 @@ async function loadModel(modelPath, opts) {
   if (opts === undefined || opts === null) opts = {}
   if (!isPlainObject(opts)) throw argumentError('loadModel options must be an object')
   for (const [key, value] of Object.entries(opts)) {
-    if (key !== 'progress') throw argumentError(`unknown loadModel option \`${key}\` (known: progress)`)
-    if (value !== undefined && typeof value !== 'boolean') throw argumentError('option `progress` must be a boolean')
+    if (key === 'progress') {
+      if (value !== undefined && typeof value !== 'boolean') throw argumentError('option `progress` must be a boolean')
+    } else if (key === 'kvPoolBytes') {
+      if (value !== undefined && typeof value !== 'number') throw argumentError('option `kvPoolBytes` must be a number')
+    } else {
+      throw argumentError(`unknown loadModel option \`${key}\` (known: progress, kvPoolBytes)`)
+    }
+  }
+  let task
+  try {
+    // The engine checks kvPoolBytes before the load starts.
+    task = native.loadModel(modelPath == null ? undefined : modelPath, opts.progress, opts.kvPoolBytes)
+  } catch (error) {
+    throw fromNative(error)
   }
   let nativeModel
   try {
-    nativeModel = await native.loadModel(modelPath == null ? undefined : modelPath, opts.progress)
+    nativeModel = await task
   } catch (error) {
     throw codedError('MODEL_LOAD', error && error.message ? error.message : String(error))
   }

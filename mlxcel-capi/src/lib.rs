@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, Error as EngineError, FinishReason, GenerationOptions, GenerationOutput,
+    CancelFlag, Engine, EngineLimits, Error as EngineError, FinishReason, GenerationOptions, GenerationOutput,
     GenerationRequest, GenerationStats, Message, Prompt,
 };
 
@@ -104,6 +104,13 @@ pub struct mlxcel_model_params {
     /// into `$MLXCEL_CACHE_DIR` (else `~/.cache/mlxcel`) on first use. Only
     /// read during `mlxcel_model_load`.
     pub path: *const c_char,
+    /// The byte budget of the model's KV pool, which every generation's keys
+    /// and values share; 0 means the default (1 GiB; only blocks in use are
+    /// resident). At least 1 MiB otherwise. A generation that does not fit
+    /// next to the running ones waits; one whose prompt plus `max_tokens`
+    /// needs more than the whole pool fails with
+    /// `MLXCEL_ERR_KV_POOL_TOO_SMALL`. Since ABI 2.0.
+    pub kv_pool_bytes: u64,
 }
 
 /// How to generate. Get the defaults from `mlxcel_generate_default_params()`
@@ -556,11 +563,13 @@ pub extern "C" fn mlxcel_status_string(status: mlxcel_status) -> *const c_char {
 // ---------------------------------------------------------------------------
 // Models
 
-/// The default model parameters: `path` NULL (the default model).
+/// The default model parameters: `path` NULL (the default model),
+/// `kv_pool_bytes` 0 (the default budget).
 #[no_mangle]
 pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
     mlxcel_model_params {
         path: std::ptr::null(),
+        kv_pool_bytes: 0,
     }
 }
 
@@ -568,6 +577,7 @@ pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
 /// with `mlxcel_model_free`.
 ///
 /// Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
+/// `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB),
 /// `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
 /// On failure `*out_model` is set to NULL (if out_model is not NULL) and
 /// nothing is allocated. May take seconds (and download the default model on
@@ -588,7 +598,8 @@ pub unsafe extern "C" fn mlxcel_model_load(
         } else {
             path_from_c(params.path)
         };
-        *out_model = MODELS.insert(Arc::new(Engine::load(&dir)?)) as *mut mlxcel_model;
+        let limits = EngineLimits::with_kv_pool_bytes((params.kv_pool_bytes != 0).then_some(params.kv_pool_bytes.into()))?;
+        *out_model = MODELS.insert(Arc::new(Engine::load_with(&dir, limits)?)) as *mut mlxcel_model;
         // MLX's statics exist now: the exit handler must run before their destructors.
         shutdown::register_exit_handler();
         Ok(MLXCEL_OK)

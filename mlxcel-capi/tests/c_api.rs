@@ -332,6 +332,13 @@ fn c_generate_batch_matches_each_row_alone() {
     api_test("batch");
 }
 
+/// A load with a KV pool budget: too small a budget, a request larger than
+/// the pool, and requests that fit one at a time (see api_test.c).
+#[test]
+fn c_kv_pool_budget_queues_and_refuses() {
+    api_test("pool");
+}
+
 /// The C example under valgrind: no definite leaks, no memory errors, and
 /// (as the registry would keep a leaked handle reachable) little left in use
 /// at exit. MLX's and OpenBLAS's caches may be "possibly lost" or "still

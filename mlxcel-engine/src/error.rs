@@ -20,8 +20,8 @@ pub enum Error {
     PromptTooLong { prompt: usize, context: usize },
     /// The request could never fit the model's KV pool, even alone.
     #[error(
-        "the request needs up to {} MiB of KV cache (its prompt plus max_tokens), more than the KV pool's budget of {} MiB",
-        needed_bytes.div_ceil(1 << 20),
+        "the request needs up to {:.1} MiB of KV cache (its prompt plus max_tokens), more than the KV pool's budget of {} MiB",
+        *needed_bytes as f64 / (1 << 20) as f64,
         budget_bytes >> 20
     )]
     KvPoolTooSmall { needed_bytes: usize, budget_bytes: usize },

@@ -183,6 +183,21 @@ impl Default for EngineLimits {
     }
 }
 
+impl EngineLimits {
+    /// The defaults with the KV pool's budget from a front end (in a wide
+    /// type, so any integer it was given is checked here): None keeps the
+    /// default; a budget must be at least 1 MiB.
+    pub fn with_kv_pool_bytes(kv_pool_bytes: Option<i128>) -> Result<Self> {
+        let mut limits = EngineLimits::default();
+        if let Some(bytes) = kv_pool_bytes {
+            limits.kv_pool_bytes = crate::options::GenerationOptions::integer::<u64>("kv_pool_bytes", bytes)?
+                .try_into()
+                .unwrap_or(usize::MAX);
+        }
+        Ok(limits)
+    }
+}
+
 impl Engine {
     /// Starts the engine's scheduler thread. Process-wide settings (MLX's
     /// buffer cache, backend switches) are not the engine's: they are fixed
@@ -212,11 +227,16 @@ impl Engine {
 
     /// Loads a checkpoint; any failure is [`ErrorKind::ModelLoad`](crate::ErrorKind::ModelLoad).
     pub fn load(dir: &Path) -> Result<Self> {
+        Engine::load_with(dir, EngineLimits::default())
+    }
+
+    /// [`load`](Self::load) with its KV pool and prefix cache set by `limits`.
+    pub fn load_with(dir: &Path, limits: EngineLimits) -> Result<Self> {
         if !dir.is_dir() {
             let what = if dir.exists() { "not a directory" } else { "no such model directory" };
             return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
         }
-        Ok(Engine::new(Arc::new(Model::load(dir).map_err(Error::load)?)))
+        Ok(Engine::with_limits(Arc::new(Model::load(dir).map_err(Error::load)?), limits))
     }
 
     pub fn model(&self) -> &Arc<Model> {

@@ -50,12 +50,14 @@ impl Default for GenerationOptions {
 }
 
 /// The integer options: name, smallest and largest value, and the range as the message states it.
-const INTEGER_RANGES: [(&str, i128, i128, &str); 5] = [
+const INTEGER_RANGES: [(&str, i128, i128, &str); 6] = [
     ("max_tokens", 1, i64::MAX as i128, "an integer >= 1"),
     ("top_k", 0, u32::MAX as i128, "an integer in [0, 2**32) (0 = off)"),
     ("repetition_context_size", 0, i64::MAX as i128, "an integer >= 0"),
     ("seed", 0, u64::MAX as i128, "an integer in [0, 2**64)"),
     ("prefill_chunk", 1, i64::MAX as i128, "an integer >= 1"),
+    // A load option (`EngineLimits`), checked with the same rules.
+    ("kv_pool_bytes", 1 << 20, u64::MAX as i128, "an integer >= 1048576 (1 MiB)"),
 ];
 
 fn integer_range(name: &str) -> (i128, i128, &'static str) {
@@ -82,7 +84,7 @@ impl GenerationOptions {
         }
     }
 
-    fn integer<T: TryFrom<i128>>(name: &'static str, value: i128) -> Result<T> {
+    pub(crate) fn integer<T: TryFrom<i128>>(name: &'static str, value: i128) -> Result<T> {
         let (min, max, _) = integer_range(name);
         if (min..=max).contains(&value) {
             T::try_from(value).map_err(|_| Self::out_of_range(name, value))

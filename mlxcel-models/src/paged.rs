@@ -94,6 +94,8 @@ pub struct KvPool {
     state: Mutex<PoolState>,
     total: usize,
     block_bytes: usize,
+    /// The budget the pool was made with (`total` whole blocks fit in it).
+    budget_bytes: usize,
     shape: PoolShape,
     paged: bool,
 }
@@ -132,7 +134,7 @@ impl KvPool {
             clock: 0,
         };
         let shape = PoolShape { layers: shape.num_layers, kv_heads: shape.kv_heads, head_dim: shape.head_dim };
-        Arc::new(KvPool { state: Mutex::new(state), total, block_bytes, shape, paged: paged && total > 0 })
+        Arc::new(KvPool { state: Mutex::new(state), total, block_bytes, budget_bytes, shape, paged: paged && total > 0 })
     }
 
     /// Whether rows keep their keys and values in this pool.
@@ -146,8 +148,10 @@ impl KvPool {
         self.block_bytes
     }
 
+    /// The budget the pool was made with; it holds
+    /// `budget_bytes / block_bytes` whole blocks.
     pub fn budget_bytes(&self) -> usize {
-        self.total * self.block_bytes
+        self.budget_bytes
     }
 
     /// Blocks for `positions` positions.

@@ -148,6 +148,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     // Batch rows: the same text from other starting points, so every row's
     // prompt differs and has the same length.
     let batch_ids: Vec<Vec<u32>> = (0..args.batch).map(|i| rotated(&ids, i)).collect();
+    let watch = PoolWatch::start(engine.kv_pool().clone());
     let mut runs = Vec::with_capacity(args.repeat);
     for i in 1..=args.repeat {
         let run = if args.batch == 1 {
@@ -166,6 +167,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         runs.push(run);
     }
     let aggregate_decode_tps = median(runs.iter().map(|r| r.aggregate_decode_tps));
+    let pool = watch.finish();
 
     let prompt_tps = median(runs.iter().map(|r| r.prompt_tps));
     let decode_tps = median(runs.iter().map(|r| r.decode_tps));
@@ -211,6 +213,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "matvec_loop": matvec_loop,
             "mlx_version": mlx_sys::mlx_version(),
             "runs": runs.iter().map(Run::to_json).collect::<Vec<_>>(),
+            "kv_pool": pool.to_json(),
         });
         println!("{report}");
         return Ok(());
@@ -235,6 +238,16 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("peak MLX", format!("{} (process-wide, highest run)", mib(process_peak_mlx_bytes as u64))),
         ("weights", mib(weight_bytes)),
         ("KV cache", format!("{} ({kv_positions} positions)", human_bytes(kv_bytes))),
+        (
+            "KV pool",
+            format!(
+                "peak {} accounted, {} resident, worst deviation {:.1} % ({} samples)",
+                human_bytes(pool.peak_accounted_bytes as u64),
+                human_bytes(pool.peak_resident_bytes as u64),
+                100.0 * pool.worst_deviation,
+                pool.samples
+            ),
+        ),
     ];
     for (name, value) in rows {
         println!("{:<15} {value}", format!("{name}:"));
@@ -358,6 +371,64 @@ fn prefix_reuse(args: &BenchArgs, engine: &Engine, ids: &[u32]) -> AnyResult<()>
         println!("TTFT cached: {ttft_cached_s:.3} s ({:.1}x faster)", ttft_cold_s / ttft_cached_s.max(1e-9));
     }
     Ok(())
+}
+
+/// The KV pool sampled every 20 ms during the runs: the blocks it accounts
+/// for (held by rows or cached) against its resident bytes.
+struct PoolWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<PoolSamples>,
+}
+
+#[derive(Default)]
+struct PoolSamples {
+    samples: usize,
+    peak_accounted_bytes: usize,
+    peak_resident_bytes: usize,
+    /// Largest |resident - accounted| / accounted over samples of 1 MiB or more.
+    worst_deviation: f64,
+}
+
+impl PoolWatch {
+    fn start(pool: std::sync::Arc<mlxcel_models::KvPool>) -> PoolWatch {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut s = PoolSamples::default();
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                let usage = pool.usage();
+                let accounted = (usage.in_use + usage.cached_idle) * pool.block_bytes();
+                if let Ok(resident) = pool.resident_bytes() {
+                    s.samples += 1;
+                    s.peak_accounted_bytes = s.peak_accounted_bytes.max(accounted);
+                    s.peak_resident_bytes = s.peak_resident_bytes.max(resident);
+                    if accounted >= 1 << 20 {
+                        let deviation = (resident as f64 - accounted as f64).abs() / accounted as f64;
+                        s.worst_deviation = s.worst_deviation.max(deviation);
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            s
+        });
+        PoolWatch { stop, thread }
+    }
+
+    fn finish(self) -> PoolSamples {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
+}
+
+impl PoolSamples {
+    fn to_json(&self) -> serde_json::Value {
+        json!({
+            "samples": self.samples,
+            "peak_accounted_bytes": self.peak_accounted_bytes,
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "worst_deviation": self.worst_deviation,
+        })
+    }
 }
 
 /// `ids` started `row * 37` tokens later (wrapping), for batch row `row`.

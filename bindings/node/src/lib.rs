@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mlxcel_engine::{
-    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream, Message, Prompt,
+    CancelFlag, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream, Message,
+    Prompt,
     StreamEvent,
 };
 use napi::bindgen_prelude::*;
@@ -71,6 +72,7 @@ fn coded(e: EngineError) -> Error<Code> {
 pub struct LoadTask {
     path: Option<String>,
     progress: bool,
+    limits: EngineLimits,
 }
 
 impl Task for LoadTask {
@@ -94,7 +96,7 @@ impl Task for LoadTask {
                 .map_err(|e| Error::from_reason(e.to_string()))?
             }
         };
-        Engine::load(&dir).map_err(|e| Error::from_reason(e.to_string()))
+        Engine::load_with(&dir, self.limits).map_err(|e| Error::from_reason(e.to_string()))
     }
 
     fn resolve(&mut self, _env: Env, engine: Engine) -> Result<NativeModel> {
@@ -105,9 +107,13 @@ impl Task for LoadTask {
 /// Loads a checkpoint directory (or, without a path, the default model,
 /// downloading and converting it on first use, reported on stderr when
 /// `progress` is not false) off the event loop.
+/// `kv_pool_bytes` (a whole number, at least 1 MiB) is checked before the
+/// load starts: a bad one throws INVALID_PARAMETER.
 #[napi(ts_return_type = "Promise<NativeModel>")]
-pub fn load_model(path: Option<String>, progress: Option<bool>) -> AsyncTask<LoadTask> {
-    AsyncTask::new(LoadTask { path, progress: progress.unwrap_or(true) })
+pub fn load_model(path: Option<String>, progress: Option<bool>, kv_pool_bytes: Option<f64>) -> Result<AsyncTask<LoadTask>, Code> {
+    let bytes = kv_pool_bytes.map(|v| GenerationOptions::whole_number("kv_pool_bytes", v)).transpose().map_err(coded)?;
+    let limits = EngineLimits::with_kv_pool_bytes(bytes).map_err(coded)?;
+    Ok(AsyncTask::new(LoadTask { path, progress: progress.unwrap_or(true), limits }))
 }
 
 // ---------------------------------------------------------------- model

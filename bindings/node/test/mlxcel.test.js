@@ -318,6 +318,23 @@ describe('cancellation', () => {
 })
 
 describe('bad input', () => {
+  test('the KV pool budget: a bad one is refused, a request larger than the pool rejects alone, others wait', async () => {
+    await rejectsWith(loadModel({ kvPoolBytes: 1000 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ kvPoolBytes: 2.5e6 + 0.5 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ kvPoolBytes: '8MiB' }), 'INVALID_ARGUMENT')
+    const small = await loadModel({ kvPoolBytes: 8 * 2 ** 20, progress: false })
+    await assert.rejects(small.generate('Once upon a time', { maxTokens: 400 }), (error) => {
+      assert.equal(error.code, 'KV_POOL_TOO_SMALL', error.message)
+      assert.match(error.message, /more than the KV pool's budget of 8 MiB/)
+      return true
+    })
+    // Each needs 6 of the pool's 11 blocks: they run one after the other.
+    const prompts = ['Once upon a time', 'The capital of France is']
+    const alone = []
+    for (const p of prompts) alone.push(await model.generate(p, { maxTokens: 90 }))
+    assert.deepEqual(await small.generateBatch(prompts, { maxTokens: 90 }), alone)
+  })
+
   test('a bad model path rejects with MODEL_LOAD', async () => {
     await rejectsWith(loadModel('/nonexistent/model/dir'), 'MODEL_LOAD')
     await rejectsWith(loadModel(__dirname), 'MODEL_LOAD')

@@ -18,7 +18,7 @@ use std::sync::{Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats,
+    CancelFlag, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats,
     GenerationStream,
     ModelSummary, Prompt, Quantization, StreamEvent,
 };
@@ -303,14 +303,15 @@ struct Model {
     prefill_chunk: Option<i64>,
 }
 
-fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool) -> PyResult<Model> {
+fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool, kv_pool_bytes: Option<i128>) -> PyResult<Model> {
     // Checked now, so a bad value fails the load rather than the first generation.
     Sampling::default().options(py, prefill_chunk)?;
+    let limits = EngineLimits::with_kv_pool_bytes(kv_pool_bytes).map_err(|e| engine_error(py, e))?;
     let dir = match path {
         Some(dir) => dir,
         None => default_model_dir(py, progress)?,
     };
-    let engine = py.detach(|| Engine::load(&dir)).map_err(|e| engine_error(py, e))?;
+    let engine = py.detach(|| Engine::load_with(&dir, limits)).map_err(|e| engine_error(py, e))?;
     Ok(Model { engine, prefill_chunk })
 }
 
@@ -339,9 +340,9 @@ impl Model {
     /// Loads a model directory (MLX / Hugging Face layout); `None` loads the
     /// default model (SmolLM2-135M-Instruct, fetched and converted on first use).
     #[new]
-    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true))]
-    fn new(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool) -> PyResult<Self> {
-        load_model(py, path, prefill_chunk, progress)
+    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None))]
+    fn new(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool, kv_pool_bytes: Option<i128>) -> PyResult<Self> {
+        load_model(py, path, prefill_chunk, progress, kv_pool_bytes)
     }
 
     /// Generates a continuation of `prompt` (text, or a list of token ids).
@@ -774,9 +775,9 @@ impl ModelInfo {
 
 /// Loads a model directory; `None` loads the default model (SmolLM2-135M-Instruct).
 #[pyfunction]
-#[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true))]
-fn load(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool) -> PyResult<Model> {
-    load_model(py, path, prefill_chunk, progress)
+#[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None))]
+fn load(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool, kv_pool_bytes: Option<i128>) -> PyResult<Model> {
+    load_model(py, path, prefill_chunk, progress, kv_pool_bytes)
 }
 
 /// The engine's defaults of every generation keyword argument, and of

@@ -169,3 +169,18 @@ def test_a_missing_chat_template_is_a_tokenizer_error_everywhere(model, tmp_path
     with pytest.raises(TokenizerError) as generated:
         bare.chat(messages, max_tokens=2)
     assert str(rendered.value) == str(generated.value)
+
+
+def test_kv_pool_budget(model):
+    with pytest.raises(InvalidParameter, match="kv_pool_bytes") as err:
+        mlxcel.load(kv_pool_bytes=1000)
+    assert err.value.name == "kv_pool_bytes"
+    small = mlxcel.load(kv_pool_bytes=8 << 20)  # 11 blocks of 16 positions
+    with pytest.raises(InvalidParameter, match="more than the KV pool's budget of 8 MiB") as err:
+        small.generate("Once upon a time", max_tokens=400)
+    assert err.value.name == "max_tokens"
+    # Requests that fit only one at a time wait for each other, with the
+    # text each gets alone on the default pool.
+    prompts = ["Once upon a time", "The capital of France is"]
+    alone = [model.generate(p, max_tokens=90) for p in prompts]
+    assert small.generate_batch(prompts, max_tokens=90) == alone

@@ -606,9 +606,52 @@ static void test_batch(void) {
     printf("batch: ok\n");
 }
 
+/* The KV pool's budget: too small a budget is refused at load; a request
+ * larger than the whole pool fails alone with MLXCEL_ERR_KV_POOL_TOO_SMALL;
+ * requests that fit only one at a time all complete, as alone. */
+static void test_pool(void) {
+    mlxcel_model_params mp = mlxcel_model_default_params();
+    CHECK(mp.kv_pool_bytes == 0);
+    mlxcel_model *model = NULL;
+    mp.kv_pool_bytes = 1000;
+    CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("kv_pool_bytes");
+    CHECK(model == NULL);
+    /* 8 MiB: 11 blocks of 16 positions for SmolLM2-135M (720 KiB each). */
+    mp.kv_pool_bytes = 8u << 20;
+    CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_OK);
+    mlxcel_context *ctx[2];
+    for (int i = 0; i < 2; i++) CHECK_STATUS(mlxcel_context_new(model, &ctx[i]), MLXCEL_OK);
+    char text[2048];
+    CHECK_STATUS(mlxcel_generate(ctx[0], "Once upon a time", greedy(400), NULL, NULL, text, sizeof text, NULL),
+                 MLXCEL_ERR_KV_POOL_TOO_SMALL);
+    CHECK_ERROR_MENTIONS("KV pool");
+    CHECK(strcmp(mlxcel_status_string(MLXCEL_ERR_KV_POOL_TOO_SMALL), "KV pool too small") == 0);
+    /* Each needs 6 blocks of 11: the second waits for the first. */
+    const char *prompts[2] = {"Once upon a time", "The capital of France is"};
+    char alone[2][2048];
+    mlxcel_generate_params params = greedy(90);
+    for (int i = 0; i < 2; i++) {
+        CHECK_STATUS(mlxcel_generate(ctx[i], prompts[i], params, NULL, NULL, alone[i], sizeof alone[i], NULL), MLXCEL_OK);
+    }
+    mlxcel_status statuses[2];
+    mlxcel_generation_result results[2];
+    CHECK_STATUS(mlxcel_generate_batch(ctx, prompts, 2, params, statuses, results), MLXCEL_OK);
+    for (int i = 0; i < 2; i++) {
+        size_t len = 0;
+        CHECK_STATUS(statuses[i], MLXCEL_OK);
+        CHECK(results[i].generated_tokens == 90 || results[i].finish_reason == MLXCEL_FINISH_STOP);
+        CHECK_STATUS(mlxcel_context_text(ctx[i], text, sizeof text, &len), MLXCEL_OK);
+        CHECK(strcmp(text, alone[i]) == 0);
+    }
+    for (int i = 0; i < 2; i++) CHECK_STATUS(mlxcel_context_free(ctx[i]), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("pool: ok\n");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent|batch\n", argv[0]);
+        fprintf(stderr, "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent|batch|pool\n", argv[0]);
         return 2;
     }
     const char *t = argv[1];
@@ -618,6 +661,7 @@ int main(int argc, char **argv) {
     else if (strcmp(t, "cancel_prefill") == 0) test_cancel_prefill();
     else if (strcmp(t, "cancel_decode") == 0) test_cancel_decode();
     else if (strcmp(t, "batch") == 0) test_batch();
+    else if (strcmp(t, "pool") == 0) test_pool();
     else if (strcmp(t, "concurrent") == 0) test_concurrent();
     else {
         fprintf(stderr, "unknown test %s\n", t);

@@ -17,9 +17,10 @@ class ModelLoadError(MlxcelError):
 
 
 class InvalidParameter(MlxcelError, ValueError):
-    """An argument is out of range (e.g. ``temperature=-1``), or the prompt
-    is empty or longer than the model's context. ``name`` is the argument's
-    name."""
+    """An argument is out of range (e.g. ``temperature=-1``), the prompt is
+    empty or longer than the model's context, or the prompt plus
+    ``max_tokens`` needs more KV cache than the model's whole KV pool
+    (``name`` is then ``"max_tokens"``). ``name`` is the argument's name."""
 
     def __init__(self, message: str, name: Optional[str] = None) -> None:
         super().__init__(message)

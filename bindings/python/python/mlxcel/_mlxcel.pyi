@@ -17,7 +17,11 @@ PromptLike = Union[str, Sequence[int]]
 Stop = Union[str, Sequence[str], None]
 
 def load(
-    path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: Optional[int] = None, progress: bool = True
+    path: Union[str, os.PathLike[str], None] = None,
+    *,
+    prefill_chunk: Optional[int] = None,
+    progress: bool = True,
+    kv_pool_bytes: Optional[int] = None,
 ) -> Model:
     """Loads a model directory (MLX / Hugging Face layout).
 
@@ -26,8 +30,14 @@ def load(
     its steps on ``sys.stderr`` unless ``progress=False``. ``prefill_chunk`` is
     the number of prompt tokens per forward pass (None: the engine's default,
     512): small values let ``Stream.close()`` stop a long prompt sooner.
+    ``kv_pool_bytes`` is the byte budget of the KV pool every generation's
+    keys and values share (None: 1 GiB; at least 1 MiB; only blocks in use
+    are resident): a generation that does not fit beside the running ones
+    waits, one whose prompt plus ``max_tokens`` exceeds the whole pool raises
+    InvalidParameter naming ``max_tokens``.
 
-    Raises ModelLoadError.
+    Raises ModelLoadError, or InvalidParameter for a bad ``prefill_chunk`` or
+    ``kv_pool_bytes``.
     """
 
 def generation_defaults() -> dict:
@@ -125,7 +135,12 @@ class Model:
     every call releases the GIL while MLX works."""
 
     def __init__(
-        self, path: Union[str, os.PathLike[str], None] = None, *, prefill_chunk: Optional[int] = None, progress: bool = True
+        self,
+        path: Union[str, os.PathLike[str], None] = None,
+        *,
+        prefill_chunk: Optional[int] = None,
+        progress: bool = True,
+        kv_pool_bytes: Optional[int] = None,
     ) -> None:
         """Same as ``mlxcel.load(path)``."""
     def generate(
