@@ -82,10 +82,10 @@ struct AttnJob {
   float* out = nullptr; // [B, L, H, D]
   int qblocks = 0;
   Isa isa = Isa::Portable;
-  // A paged k and v: pools [blocks, Hkv, block, D], position s of the
+  // A paged k and v: pools [Hkv, blocks, block, D], position s of the
   // sequence at block table[s / block], row s % block (B is 1).
   const int32_t* table = nullptr;
-  int block = 0;
+  int block = 0, blocks = 0;
 };
 
 struct TaskScratch {
@@ -104,7 +104,7 @@ void pack_kv(void* ctx, int t) {
     const float *kr, *vr;
     int64_t kd = j.ks.s[3], vd = j.vs.s[3];
     if (j.table) {
-      const size_t at = (((size_t)j.table[s / j.block] * j.Hkv + h) * j.block + s % j.block) * j.D;
+      const size_t at = (((size_t)h * j.blocks + j.table[s / j.block]) * j.block + s % j.block) * j.D;
       kr = j.k + at;
       vr = j.v + at;
       kd = vd = 1;
@@ -388,13 +388,14 @@ class PagedCausalAttention : public mx::Primitive {
     j.H = q.shape(1);
     j.L = q.shape(2);
     j.D = q.shape(3);
-    j.Hkv = pool.shape(1);
+    j.Hkv = pool.shape(0);
     j.S = offset_ + j.L;
     j.S_pad = (j.S + KC - 1) / KC * KC;
     j.scale = scale_;
     j.qblocks = (j.L + QR - 1) / QR;
     j.isa = attention_isa();
     j.block = pool.shape(2);
+    j.blocks = pool.shape(1);
     for (int d = 0; d < 4; ++d) j.qs.s[d] = q.strides()[d];
     Strides4 ks, vs, pks, pvs;
     for (int d = 0; d < 4; ++d) {
@@ -417,7 +418,7 @@ class PagedCausalAttention : public mx::Primitive {
       for (int h = 0; h < j.Hkv; ++h) {
         for (int l = 0; l < j.L; ++l) {
           const int t = offset + l;
-          const size_t at = (((size_t)table[t / j.block] * j.Hkv + h) * j.block + t % j.block) * j.D;
+          const size_t at = (((size_t)h * j.blocks + table[t / j.block]) * j.block + t % j.block) * j.D;
           for (int d = 0; d < j.D; ++d) {
             pk[at + d] = kp[h * ks.s[1] + l * ks.s[2] + d * ks.s[3]];
             pv[at + d] = vp[h * vs.s[1] + l * vs.s[2] + d * vs.s[3]];
@@ -506,11 +507,11 @@ std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::arra
   for (const auto* a : {&q, &k, &v, &pool_keys, &pool_values}) {
     if (a->dtype() != mx::float32 || a->ndim() != 4) fail("q, k, v and the pools must be float32 of rank 4");
   }
-  const int H = q.shape(1), L = q.shape(2), D = q.shape(3), Hkv = pool_keys.shape(1), block = pool_keys.shape(2);
+  const int H = q.shape(1), L = q.shape(2), D = q.shape(3), Hkv = pool_keys.shape(0), block = pool_keys.shape(2);
   if (q.shape(0) != 1 || L < 1 || D % 16 != 0) fail("q must be [1, H, L >= 1, D % 16 == 0], got " + shape(q));
-  if (pool_keys.shape() != pool_values.shape() || pool_keys.shape(3) != D || block < 8 || block % 8 != 0 || Hkv < 1 ||
-      H % Hkv != 0) {
-    fail("pools must both be [blocks, kv_heads dividing " + std::to_string(H) + ", block (a multiple of 8), " +
+  if (pool_keys.shape() != pool_values.shape() || pool_keys.shape(3) != D || block < 8 || (block & (block - 1)) != 0 ||
+      Hkv < 1 || H % Hkv != 0) {
+    fail("pools must both be [kv_heads dividing " + std::to_string(H) + ", blocks, block (a power of two >= 8), " +
          std::to_string(D) + "], got " + shape(pool_keys) + " and " + shape(pool_values));
   }
   for (const auto* a : {&k, &v}) {
@@ -521,7 +522,7 @@ std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::arra
          std::to_string(offset + L) + " needed");
   }
   for (int32_t id : table) {
-    if (id < 0 || id >= pool_keys.shape(0)) fail("block id " + std::to_string(id) + " is outside the pool");
+    if (id < 0 || id >= pool_keys.shape(1)) fail("block id " + std::to_string(id) + " is outside the pool");
   }
   auto outs = mx::array::make_arrays({mx::Shape{1, L, H, D}, pool_keys.shape(), pool_values.shape()},
                                      {mx::float32, mx::float32, mx::float32},

@@ -44,8 +44,8 @@ mlx::core::array causal_attention(
 
 // causal_attention for one sequence whose keys and values live in a paged
 // pool: k and v [1, H_kv, L, D] are the new positions offset .. offset + L,
-// written into the pools (float32 [blocks, H_kv, block, D], block a multiple
-// of 8; position t at block table[t / block], row t % block) in place when
+// written into the pools (float32 [H_kv, blocks, block, D], block a power of
+// two >= 8; position t at block table[t / block], row t % block) in place when
 // they are dense, and q [1, H, L, D] attends over positions 0 .. offset + L
 // read from the blocks. The same result as causal_attention over the
 // contiguous keys and values. Returns {out [1, H, L, D] as causal_attention

@@ -219,12 +219,15 @@ struct Projection {
 // One sequence's KV cache: its inputs (for the copy when they are not
 // written in place), its outputs and the position of its first new token.
 // A contiguous cache is [1, kv_heads, capacity, D]; a paged one is a pool
-// [blocks, kv_heads, block, D] read through the sequence's block table.
+// [kv_heads, blocks, block, D] read through the sequence's block table (a
+// head's consecutive blocks are adjacent, so a row's blocks, taken lowest
+// first, read like one stream).
 struct CacheRef {
   int capacity = 0, offset = 0;
   int kv_heads = 0, dim = 0;
-  // Positions per block: `capacity` for a contiguous cache (one block).
-  int block = 0;
+  // Positions per block: `capacity` for a contiguous cache (one block), a
+  // power of two (1 << block_shift) for a paged one.
+  int block = 0, block_shift = 0, blocks = 1;
   // Block ids by position / block; empty for a contiguous cache.
   std::vector<int32_t> table;
   const float* keys_in = nullptr;
@@ -238,10 +241,19 @@ struct CacheRef {
   // Offset in floats of position t of KV head g.
   size_t at(int g, int t) const {
     if (table.empty()) return ((size_t)g * capacity + t) * dim;
-    return (((size_t)table[t / block] * kv_heads + g) * block + t % block) * dim;
+    return (((size_t)g * blocks + table[t >> block_shift]) * block + (t & (block - 1))) * dim;
   }
-  // Positions from t on that are contiguous in memory (to T).
-  int run(int t, int T) const { return table.empty() ? T - t : std::min(block - t % block, T - t); }
+  // Positions from t on that are contiguous in memory (to T): through every
+  // following block whose id is the next one.
+  int run(int t, int T) const {
+    if (table.empty()) return T - t;
+    int i = t >> block_shift, end = (i + 1) << block_shift;
+    while (end < T && table[i + 1] == table[i] + 1) {
+      ++i;
+      end += block;
+    }
+    return std::min(end, T) - t;
+  }
 };
 
 struct Pointers {
@@ -276,7 +288,7 @@ void copy_cache_prefix(const float* src, const int64_t* st, float* dst, int head
   }
 }
 
-// Copies a whole [blocks, kv_heads, block, D] pool into a dense one.
+// Copies a whole [kv_heads, blocks, block, D] pool into a dense one.
 void copy_pool(const float* src, const int64_t* st, float* dst, const int (&shape)[4]) {
   for (int b = 0; b < shape[0]; ++b)
     for (int h = 0; h < shape[1]; ++h)
@@ -341,6 +353,12 @@ struct AttentionJob {
 // loop below makes two calls per position). Scores are reduced 8 positions
 // at a time (one horizontal-add tree for 8 dot products instead of one
 // reduction each), and the softmax exponentials run 8 or 16 wide.
+
+// Asks for the cache lines of n floats at p (no fault if p is past a block:
+// prefetches never fault).
+__attribute__((always_inline)) inline void prefetch_floats(const float* p, int n) {
+  for (int i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
 
 // e^x 8 wide: vec8.inc's exp8, the same polynomial as simd::exp512.
 namespace avx2v {
@@ -419,13 +437,20 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const fl
   for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
   __m256 mv = _mm256_set1_ps(-INFINITY);
   int t = 0;
-  for (; t + 8 <= T; t += 8) {
+  // Whole groups of 8 positions, a contiguous run (one block) at a time.
+  while (t + 8 <= T) {
     const float* keys = c.keys + c.at(g, t);
-    __m256 a[8];
-    for (int p = 0; p < 8; ++p) a[p] = qk_avx512<NV>(qv, keys + (size_t)p * D);
-    const __m256 s8 = sum8x8(a);
-    _mm256_storeu_ps(scores + t, s8);
-    mv = _mm256_max_ps(mv, s8);
+    // A paged cache's next block lies elsewhere: fetch it while this one is read.
+    const int end = t + (c.run(t, T) & ~7);
+    const float* next = c.table.empty() || end >= T ? nullptr : c.keys + c.at(g, end) - (size_t)t * D;
+    for (; t < end; t += 8, keys += (size_t)8 * D) {
+      if (next) prefetch_floats(next + (size_t)t * D, 8 * D);
+      __m256 a[8];
+      for (int p = 0; p < 8; ++p) a[p] = qk_avx512<NV>(qv, keys + (size_t)p * D);
+      const __m256 s8 = sum8x8(a);
+      _mm256_storeu_ps(scores + t, s8);
+      mv = _mm256_max_ps(mv, s8);
+    }
   }
   float m = simd::hmax256(mv);
   for (; t < T; ++t) {
@@ -437,7 +462,10 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const fl
   for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
   for (t = 0; t < T;) {
     const float* values = c.values + c.at(g, t);
-    for (const int end = t + c.run(t, T); t < end; ++t, values += D) {
+    const int end = t + c.run(t, T);
+    const float* next = c.table.empty() || end >= T ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
+    for (; t < end; ++t, values += D) {
+      if (next) prefetch_floats(next + (size_t)t * D, D);
       const __m512 pt = _mm512_set1_ps(scores[t]);
       for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(values + 16 * i), o[i]);
     }
@@ -453,13 +481,20 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const 
   for (int i = 0; i < NV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
   __m256 mv = _mm256_set1_ps(-INFINITY);
   int t = 0;
-  for (; t + 8 <= T; t += 8) {
+  // Whole groups of 8 positions, a contiguous run (one block) at a time.
+  while (t + 8 <= T) {
     const float* keys = c.keys + c.at(g, t);
-    __m256 a[8];
-    for (int p = 0; p < 8; ++p) a[p] = qk_avx2<NV>(qv, keys + (size_t)p * D);
-    const __m256 s8 = sum8x8(a);
-    _mm256_storeu_ps(scores + t, s8);
-    mv = _mm256_max_ps(mv, s8);
+    // A paged cache's next block lies elsewhere: fetch it while this one is read.
+    const int end = t + (c.run(t, T) & ~7);
+    const float* next = c.table.empty() || end >= T ? nullptr : c.keys + c.at(g, end) - (size_t)t * D;
+    for (; t < end; t += 8, keys += (size_t)8 * D) {
+      if (next) prefetch_floats(next + (size_t)t * D, 8 * D);
+      __m256 a[8];
+      for (int p = 0; p < 8; ++p) a[p] = qk_avx2<NV>(qv, keys + (size_t)p * D);
+      const __m256 s8 = sum8x8(a);
+      _mm256_storeu_ps(scores + t, s8);
+      mv = _mm256_max_ps(mv, s8);
+    }
   }
   float m = simd::hmax256(mv);
   for (; t < T; ++t) {
@@ -471,7 +506,10 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const 
   for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
   for (t = 0; t < T;) {
     const float* values = c.values + c.at(g, t);
-    for (const int end = t + c.run(t, T); t < end; ++t, values += D) {
+    const int end = t + c.run(t, T);
+    const float* next = c.table.empty() || end >= T ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
+    for (; t < end; ++t, values += D) {
+      if (next) prefetch_floats(next + (size_t)t * D, D);
       const __m256 pt = _mm256_set1_ps(scores[t]);
       for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(values + 8 * i), o[i]);
     }
@@ -767,6 +805,8 @@ class DecoderLayer : public mx::Primitive {
         cache = p.caches[0];
         cache.copy_keys = cache.copy_values = false;
         cache.block = pool.shape(2);
+        cache.block_shift = __builtin_ctz((unsigned)cache.block);
+        cache.blocks = pool.shape(1);
         cache.table = tables_[b];
         cache.capacity = (int)cache.table.size() * cache.block;
       }
@@ -985,14 +1025,14 @@ void check_paged(const mx::array& x, const mx::array& pool_keys, const mx::array
          shape_str(x));
   }
   for (const auto& [a, name] : {std::pair{&pool_keys, "keys"}, std::pair{&pool_values, "values"}}) {
-    if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(1) != spec.kv_heads || a->shape(3) != spec.head_dim ||
-        a->shape(2) < 8 || a->shape(2) % 8 != 0 || a->shape() != pool_keys.shape()) {
-      fail(std::string(name) + " pool must be float32 [blocks, " + std::to_string(spec.kv_heads) +
-           ", block (a multiple of 8), " + std::to_string(spec.head_dim) + "] like the keys pool, got shape " +
+    if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != spec.kv_heads || a->shape(3) != spec.head_dim ||
+        a->shape(2) < 8 || (a->shape(2) & (a->shape(2) - 1)) != 0 || a->shape() != pool_keys.shape()) {
+      fail(std::string(name) + " pool must be float32 [" + std::to_string(spec.kv_heads) +
+           ", blocks, block (a power of two >= 8), " + std::to_string(spec.head_dim) + "] like the keys pool, got shape " +
            shape_str(*a));
     }
   }
-  const int L = x.shape(1), blocks = pool_keys.shape(0), block = pool_keys.shape(2);
+  const int L = x.shape(1), blocks = pool_keys.shape(1), block = pool_keys.shape(2);
   // Blocks written by this node, each by one sequence only.
   std::vector<int32_t> written;
   for (int b = 0; b < B; ++b) {

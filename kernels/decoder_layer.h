@@ -130,8 +130,8 @@ std::vector<mlx::core::array> decoder_layer_batch(
     mlx::core::StreamOrDevice s = {});
 
 // decoder_layer_batch over a paged KV pool: the keys and values of every
-// sequence live in one pool pair, float32 [blocks, kv_heads, block, head_dim]
-// (block a multiple of 8 positions), and sequence b's position t is at
+// sequence live in one pool pair, float32 [kv_heads, blocks, block, head_dim]
+// (block a power of two >= 8 positions), and sequence b's position t is at
 // block tables[b][t / block], row t % block. Each table covers at least
 // offsets[b] + L positions, and no two sequences write the same block. The
 // pools are written in place (spec.cache_in_place) or copied whole, and

@@ -43,7 +43,7 @@ mx::array kv_pool_buffer(int blocks, int kv_heads, int block, int head_dim) {
   char* header = data - delta;
   if (delta >= (ptrdiff_t)sizeof(size_t)) *reinterpret_cast<size_t*>(header) = bytes;
   mx::allocator::Data owned(mx::allocator::Buffer(header), [base, mapped](mx::allocator::Buffer) { munmap(base, mapped); });
-  mx::array pool(std::move(owned), mx::Shape{blocks, kv_heads, block, head_dim}, mx::float32);
+  mx::array pool(std::move(owned), mx::Shape{kv_heads, blocks, block, head_dim}, mx::float32);
   if (pool.data<void>() != data) {
     throw std::runtime_error("[mlxcel::kernels::kv_pool_buffer] MLX did not take the mapping as it is");
   }
@@ -54,14 +54,17 @@ void kv_pool_release(const mx::array& pool, const std::vector<int32_t>& ids) {
   if (pool.ndim() != 4 || pool.dtype() != mx::float32 || pool.status() == mx::array::unscheduled || !pool.data<void>()) {
     throw std::invalid_argument("[mlxcel::kernels::kv_pool_release] not a pool");
   }
-  const size_t block_bytes = pool.nbytes() / pool.shape(0), page = page_size();
+  const int heads = pool.shape(0), blocks = pool.shape(1);
+  const size_t run_bytes = pool.nbytes() / ((size_t)heads * blocks), page = page_size();
   char* base = static_cast<char*>(const_cast<void*>(pool.data<void>()));
   for (int32_t id : ids) {
-    if (id < 0 || id >= pool.shape(0)) throw std::invalid_argument("[mlxcel::kernels::kv_pool_release] block id out of range");
-    const uintptr_t start = (uintptr_t)(base + (size_t)id * block_bytes);
-    const uintptr_t end = start + block_bytes;
-    const uintptr_t first = (start + page - 1) / page * page, last = end / page * page;
-    if (last > first) madvise((void*)first, last - first, MADV_DONTNEED);
+    if (id < 0 || id >= blocks) throw std::invalid_argument("[mlxcel::kernels::kv_pool_release] block id out of range");
+    for (int h = 0; h < heads; ++h) {
+      const uintptr_t start = (uintptr_t)(base + ((size_t)h * blocks + id) * run_bytes);
+      const uintptr_t end = start + run_bytes;
+      const uintptr_t first = (start + page - 1) / page * page, last = end / page * page;
+      if (last > first) madvise((void*)first, last - first, MADV_DONTNEED);
+    }
   }
 }
 

@@ -1,4 +1,4 @@
-// Memory for paged KV pools: float32 [blocks, kv_heads, block, head_dim]
+// Memory for paged KV pools: float32 [kv_heads, blocks, block, head_dim]
 // arrays whose pages are mapped on first touch and can be handed back, so a
 // pool sized for its whole byte budget costs only the blocks in use.
 #pragma once
@@ -11,14 +11,14 @@
 
 namespace mlxcel::kernels {
 
-// An evaluated float32 [blocks, kv_heads, block, head_dim] array over an
+// An evaluated float32 [kv_heads, blocks, block, head_dim] array over an
 // anonymous mapping: untouched pages are not resident, and read as zeros.
 // Throws std::invalid_argument on non-positive dimensions and
 // std::bad_alloc when the mapping fails.
 mlx::core::array kv_pool_buffer(int blocks, int kv_heads, int block, int head_dim);
 
 // Returns the pages that lie wholly inside blocks `ids` of `pool` (an array
-// from kv_pool_buffer) to the system; they read as zeros afterwards. The
+// from kv_pool_buffer; a block is one run of rows per KV head) to the system; they read as zeros afterwards. The
 // caller guarantees that no queued evaluation reads those blocks.
 void kv_pool_release(const mlx::core::array& pool, const std::vector<int32_t>& ids);
 

@@ -256,7 +256,7 @@ pub struct PagedSequence<'a> {
 impl PreparedDecoderLayer {
     /// [`forward_batch`](Self::forward_batch) over a paged KV pool: every
     /// sequence's keys and values live in `pool_keys` / `pool_values`
-    /// (`f32 [blocks, kv_heads, block, head_dim]`, block a multiple of 8),
+    /// (`f32 [kv_heads, blocks, block, head_dim]`, block a power of two >= 8),
     /// position `t` of sequence b at block `sequences[b].table[t / block]`.
     /// Each table covers `offset + L` positions and no two sequences write
     /// the same block. Attention reads the blocks where they lie; each row is
@@ -281,7 +281,7 @@ impl PreparedDecoderLayer {
 
 /// [`causal_attention`] for one sequence whose keys and values live in a
 /// paged pool: `k` and `v` (`[1, H_kv, L, D]`) are its positions
-/// `offset..offset + L`, written into the pools (`f32 [blocks, H_kv, block,
+/// `offset..offset + L`, written into the pools (`f32 [H_kv, blocks, block,
 /// D]`, in place when they are dense) at the blocks of `table`, and `q`
 /// (`[1, H, L, D]`) attends over positions `0..offset + L` read from the
 /// blocks. The same result as [`causal_attention`] over contiguous keys and
@@ -301,7 +301,7 @@ pub fn paged_causal_attention(
     three_arrays(&list)
 }
 
-/// An evaluated `f32 [blocks, kv_heads, block, head_dim]` pool over an
+/// An evaluated `f32 [kv_heads, blocks, block, head_dim]` pool over an
 /// anonymous mapping: pages are resident only once written, so a pool sized
 /// for a whole byte budget costs only the blocks in use.
 pub fn kv_pool_buffer(blocks: i32, kv_heads: i32, block: i32, head_dim: i32) -> Result<Array> {

@@ -1310,36 +1310,36 @@ fn batched_bad_inputs_are_errors() {
 
 const POOL_BLOCK: i32 = 16;
 
-/// A pool of `blocks` random blocks, with positions `0..upto` of each
+/// A `[kv_heads, blocks, block, D]` pool of random blocks, with positions `0..upto` of each
 /// contiguous `[1, kv_heads, capacity, D]` cache copied into the blocks of its
 /// table.
 fn pool_holding(seed: u64, blocks: i32, caches: &[&Array], tables: &[Vec<i32>], upto: &[i32]) -> Array {
     let (h, d) = (caches[0].dim(1), caches[0].dim(3));
     let bs = POOL_BLOCK;
-    let mut pool = to_f32(&randn(seed, &[blocks, h, bs, d], 1.0));
+    let mut pool = to_f32(&randn(seed, &[h, blocks, bs, d], 1.0));
     for ((cache, table), &n) in caches.iter().zip(tables).zip(upto) {
         let cap = cache.dim(2);
         let data = to_f32(cache);
         for g in 0..h {
             for t in 0..n {
                 let src = ((g * cap + t) * d) as usize;
-                let dst = (((table[(t / bs) as usize] * h + g) * bs + t % bs) * d) as usize;
+                let dst = (((g * blocks + table[(t / bs) as usize]) * bs + t % bs) * d) as usize;
                 pool[dst..dst + d as usize].copy_from_slice(&data[src..src + d as usize]);
             }
         }
     }
-    Array::from_slice(&pool, &[blocks, h, bs, d]).unwrap()
+    Array::from_slice(&pool, &[h, blocks, bs, d]).unwrap()
 }
 
 /// Positions `0..upto` of the sequence with `table`, out of a pool, as a
 /// `[1, kv_heads, upto, D]` array.
 fn pool_rows(pool: &Array, table: &[i32], upto: i32) -> Array {
-    let (h, bs, d) = (pool.dim(1), pool.dim(2), pool.dim(3));
+    let (h, blocks, bs, d) = (pool.dim(0), pool.dim(1), pool.dim(2), pool.dim(3));
     let data = to_f32(pool);
     let mut out = Vec::with_capacity((h * upto * d) as usize);
     for g in 0..h {
         for t in 0..upto {
-            let at = (((table[(t / bs) as usize] * h + g) * bs + t % bs) * d) as usize;
+            let at = (((g * blocks + table[(t / bs) as usize]) * bs + t % bs) * d) as usize;
             out.extend_from_slice(&data[at..at + d as usize]);
         }
     }
@@ -1447,7 +1447,7 @@ fn paged_bad_inputs_are_errors() {
     let layer = Layer::new(75, LLAMA);
     let spec = layer.spec(0);
     let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
-    let pool = randn(751, &[4, 2, 16, 16], 1.0);
+    let pool = randn(751, &[2, 4, 16, 16], 1.0);
     let x2 = randn(752, &[2, 1, LLAMA.hidden], 1.0);
     let run = |tables: &[&[i32]], offsets: &[i32], pool: &Array| {
         let seqs: Vec<kernels::PagedSequence<'_>> =
@@ -1460,9 +1460,9 @@ fn paged_bad_inputs_are_errors() {
     assert!(e.contains("block id 9 of sequence 1 is outside the pool of 4"), "{e}");
     let e = run(&[&[2], &[2]], &[3, 5], &pool);
     assert!(e.contains("two sequences write the same block"), "{e}");
-    let odd = randn(753, &[4, 2, 12, 16], 1.0);
+    let odd = randn(753, &[2, 4, 12, 16], 1.0);
     let e = run(&[&[0], &[1]], &[3, 5], &odd);
-    assert!(e.contains("block (a multiple of 8)"), "{e}");
+    assert!(e.contains("block (a power of two >= 8)"), "{e}");
     // Shared prefix blocks may be read by both.
     let seqs = [kernels::PagedSequence { table: &[2, 0], offset: 16 }, kernels::PagedSequence { table: &[2, 1], offset: 16 }];
     assert!(prepared.forward_paged(&x2, &pool, &pool, &seqs, &spec).is_ok());
@@ -1480,7 +1480,7 @@ fn pool_pages_are_resident_only_when_used() {
     let block_bytes = 2 * 16 * 64 * 4;
     let keys = kernels::kv_pool_buffer(64, 2, 16, 64).unwrap();
     let values = kernels::kv_pool_buffer(64, 2, 16, 64).unwrap();
-    assert_eq!(keys.shape(), vec![64, 2, 16, 64]);
+    assert_eq!(keys.shape(), vec![2, 64, 16, 64]);
     assert_eq!(kernels::resident_bytes(&keys).unwrap(), 0, "a fresh pool holds no pages");
     let layer = Layer::new(76, Config { hidden: 128, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 128, ..LLAMA });
     let spec = kernels::DecoderLayerSpec { cache_in_place: true, ..layer.spec(0) };

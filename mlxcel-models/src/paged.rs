@@ -3,8 +3,9 @@
 //! through each row's block table.
 //!
 //! - A block holds [`BLOCK_TOKENS`] positions of every layer: block `i` is
-//!   slice `i` of each layer's key and value pools, `f32 [blocks, kv_heads,
-//!   BLOCK_TOKENS, head_dim]`.
+//!   slice `i` of axis 1 of each layer's key and value pools, `f32
+//!   [kv_heads, blocks, BLOCK_TOKENS, head_dim]` (a head's blocks adjacent,
+//!   so a row's blocks, taken lowest first, read as one stream).
 //! - The pool has a byte budget, fixed when it is made. Its memory is an
 //!   anonymous mapping: pages become resident when a block is first written
 //!   and are handed back when a block is freed, so the resident bytes follow
@@ -31,7 +32,7 @@ use mlx_sys::{kernels, Array};
 use crate::cache::{AppendWriter, CacheLayout, KvCache};
 use crate::model::ModelShape;
 
-/// Positions per block: a multiple of 8 (the kernels read keys 8 at a time
+/// Positions per block: a power of two >= 8 (the kernels read keys 8 at a time
 /// and never across a block), small enough that a row wastes at most 15
 /// positions and a shared prefix loses at most 15 tokens of reuse, large
 /// enough that a table stays short (a 4,096-token row has 256 entries) and
@@ -169,9 +170,10 @@ impl KvPool {
     /// Bytes of the pool's memory that are resident (0 for an
     /// accounting-only pool).
     pub fn resident_bytes(&self) -> crate::Result<usize> {
-        let s = self.lock();
+        // Counted outside the lock: the rows need it for every layer of a step.
+        let mapped = self.lock().mapped.clone();
         let mut bytes = 0;
-        for pool in &s.mapped {
+        for pool in &mapped {
             bytes += kernels::resident_bytes(pool)?;
         }
         Ok(bytes)
