@@ -140,3 +140,27 @@ fn resident_pool_memory_follows_the_block_accounting() {
     assert!(usage.cached_idle >= 3, "{usage:?}");
     assert_eq!(pool.resident_bytes().unwrap(), usage.cached_idle * block);
 }
+
+#[test]
+fn a_request_cancelled_while_it_waits_for_room_ends_at_once() {
+    // 12 blocks: the first request holds 8 of them, the second needs 7.
+    let engine = small_engine(12);
+    let first = greedy("Once upon a time", 120);
+    let cancel = mlxcel_engine::CancelFlag::new();
+    let second = GenerationRequest { cancel: Some(cancel.clone()), ..greedy("The capital of France is", 100) };
+    std::thread::scope(|s| {
+        let running = s.spawn(|| engine.generate(&first, |_| true).unwrap());
+        // Let the first row start, then queue the second behind it.
+        while engine.kv_pool().usage().in_use == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let waiting = s.spawn(|| engine.generate(&second, |_| true).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        cancel.cancel();
+        let out = waiting.join().unwrap();
+        assert_eq!(out.finish_reason, mlxcel_engine::FinishReason::Cancelled);
+        assert!(out.tokens.is_empty(), "it never ran: {:?}", out.tokens);
+        assert!(!running.is_finished(), "it ended before the row it waited for");
+        assert_eq!(running.join().unwrap().tokens.len(), 120);
+    });
+}

@@ -577,6 +577,21 @@ impl Ending {
     }
 }
 
+/// The output of a request that ended before it was opened (cancelled in
+/// the queue): no text, no tokens.
+pub(crate) fn unopened_output(request: &RowRequest, reason: FinishReason) -> GenerationOutput {
+    GenerationOutput {
+        text: String::new(),
+        tokens: Vec::new(),
+        finish_reason: reason,
+        stats: GenerationStats {
+            prompt_tokens: request.prompt.len(),
+            process_peak_memory_bytes: memory::peak_memory(),
+            ..GenerationStats::default()
+        },
+    }
+}
+
 /// The checks `open` makes on a prompt, shared with the clients that
 /// tokenize before they submit.
 pub(crate) fn validate_prompt(model: &Model, prompt: &[u32], prefill_chunk: usize) -> Result<()> {

@@ -26,7 +26,7 @@ use mlxcel_models::Model;
 
 use crate::batch::{BatchEngine, RowEvent, RowId, RowRequest};
 use crate::error::Error;
-use crate::generate::CancelFlag;
+use crate::generate::{CancelFlag, FinishReason};
 
 /// Most rows decoding at once; later requests wait in the queue.
 pub const MAX_ROWS: usize = 32;
@@ -198,6 +198,15 @@ fn run(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, receiver: Rec
             deliver(&mut engine, &mut clients);
             continue;
         }
+        // Requests cancelled while they wait end now, not when room frees up.
+        waiting.retain(|s| {
+            let cancelled = s.client_cancel.is_cancelled() || s.request.cancel.as_ref().is_some_and(CancelFlag::is_cancelled);
+            if cancelled {
+                let output = crate::batch::unopened_output(&s.request, FinishReason::Cancelled);
+                let _ = s.events.send(RowEvent::Finished { row: 0, output });
+            }
+            !cancelled
+        });
         while engine.len() < MAX_ROWS {
             let Some(next) = waiting.front() else { break };
             match engine.fits(&next.request) {
