@@ -18,7 +18,7 @@ fn last_error() -> String {
 fn load(dir: &Path) -> *mut mlxcel_model {
     let path = CString::new(dir.to_str().unwrap()).unwrap();
     let mut model = std::ptr::null_mut();
-    let params = mlxcel_model_params { path: path.as_ptr() };
+    let params = mlxcel_model_params { path: path.as_ptr(), ..mlxcel_model_default_params() };
     assert_eq!(unsafe { mlxcel_model_load(params, &mut model) }, 0, "{}", last_error());
     model
 }
