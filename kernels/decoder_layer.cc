@@ -441,8 +441,8 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const fl
   while (t + 8 <= T) {
     const float* keys = c.keys + c.at(g, t);
     // A paged cache's next block lies elsewhere: fetch it while this one is read.
-    const int end = t + (c.run(t, T) & ~7);
-    const float* next = c.table.empty() || end >= T ? nullptr : c.keys + c.at(g, end) - (size_t)t * D;
+    const int run_end = t + c.run(t, T), end = t + ((run_end - t) & ~7);
+    const float* next = run_end >= T ? nullptr : c.keys + c.at(g, run_end) - (size_t)t * D;
     for (; t < end; t += 8, keys += (size_t)8 * D) {
       if (next) prefetch_floats(next + (size_t)t * D, 8 * D);
       __m256 a[8];
@@ -463,7 +463,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const fl
   for (t = 0; t < T;) {
     const float* values = c.values + c.at(g, t);
     const int end = t + c.run(t, T);
-    const float* next = c.table.empty() || end >= T ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
+    const float* next = end >= T ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
     for (; t < end; ++t, values += D) {
       if (next) prefetch_floats(next + (size_t)t * D, D);
       const __m512 pt = _mm512_set1_ps(scores[t]);
@@ -485,8 +485,8 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const 
   while (t + 8 <= T) {
     const float* keys = c.keys + c.at(g, t);
     // A paged cache's next block lies elsewhere: fetch it while this one is read.
-    const int end = t + (c.run(t, T) & ~7);
-    const float* next = c.table.empty() || end >= T ? nullptr : c.keys + c.at(g, end) - (size_t)t * D;
+    const int run_end = t + c.run(t, T), end = t + ((run_end - t) & ~7);
+    const float* next = run_end >= T ? nullptr : c.keys + c.at(g, run_end) - (size_t)t * D;
     for (; t < end; t += 8, keys += (size_t)8 * D) {
       if (next) prefetch_floats(next + (size_t)t * D, 8 * D);
       __m256 a[8];
@@ -507,7 +507,7 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const 
   for (t = 0; t < T;) {
     const float* values = c.values + c.at(g, t);
     const int end = t + c.run(t, T);
-    const float* next = c.table.empty() || end >= T ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
+    const float* next = end >= T ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
     for (; t < end; ++t, values += D) {
       if (next) prefetch_floats(next + (size_t)t * D, D);
       const __m256 pt = _mm256_set1_ps(scores[t]);
