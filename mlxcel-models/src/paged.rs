@@ -63,7 +63,7 @@ pub struct PoolUsage {
 impl PoolUsage {
     /// Blocks a new reservation can take.
     pub fn available(&self) -> usize {
-        self.total - self.in_use - self.reserved
+        self.total.saturating_sub(self.in_use + self.reserved)
     }
 }
 
@@ -217,7 +217,7 @@ impl KvPool {
     }
 
     fn take_locked(&self, s: &mut PoolState, reservation: &mut Reservation) -> Option<BlockId> {
-        let unreserved_room = self.total - s.refs.iter().filter(|&&r| r > 0).count() - s.reserved;
+        let unreserved_room = self.total.saturating_sub(s.refs.iter().filter(|&&r| r > 0).count() + s.reserved);
         if reservation.blocks == 0 && unreserved_room == 0 {
             return None;
         }
