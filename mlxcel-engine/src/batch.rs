@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use mlx_sys::{async_eval, concatenate, eval, memory, Array, Dtype};
 use mlxcel_models::nn::RowKernels;
-use mlxcel_models::paged::{KvPool, PagedKvCache, ReserveError, RowBlocks};
-use mlxcel_models::{KvCache, Model};
+use mlxcel_models::paged::{KvPool, PagedKvCache, RowBlocks};
+use mlxcel_models::{KvCache, LanguageModel, Model};
 use mlxcel_tokenizer::StreamDecodeState;
 
 use crate::error::{Error, Result};
@@ -164,7 +164,7 @@ impl BatchEngine {
     /// [`pool_for`](Self::pool_for)). Prompt blocks are cached when
     /// `prefix_caching` is on and the pool is paged.
     pub fn new(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool) -> Self {
-        let prefix_caching = prefix_caching && pool.is_paged() && model.network().chunking_invariant_prefill();
+        let prefix_caching = caches_prefixes(model.network(), &pool, prefix_caching);
         BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new() }
     }
 
@@ -196,12 +196,14 @@ impl BatchEngine {
         let needed = self.blocks_needed(request);
         let usage = self.pool.usage();
         if needed > usage.total {
-            return Err(Error::KvPoolTooSmall {
-                needed_bytes: needed * self.pool.block_bytes(),
-                budget_bytes: self.pool.budget_bytes(),
-            });
+            return Err(self.too_small(needed));
         }
         Ok(needed <= usage.available())
+    }
+
+    /// The error for a request of `needed` blocks that the pool cannot take.
+    fn too_small(&self, needed: usize) -> Error {
+        Error::KvPoolTooSmall { needed_bytes: needed * self.pool.block_bytes(), budget_bytes: self.pool.budget_bytes() }
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -238,17 +240,10 @@ impl BatchEngine {
         }
         let cached_tokens = adopted.len() * BLOCK_TOKENS;
         // `fits` was true: the pool has room for every block beyond the adopted ones.
-        let reservation = match self.pool.reserve(needed - adopted.len()) {
-            Ok(reservation) => reservation,
-            Err(reason) => {
-                drop(RowBlocks::new(self.pool.clone(), adopted, Default::default()));
-                return Err(match reason {
-                    ReserveError::TooLarge { .. } | ReserveError::Busy => Error::KvPoolTooSmall {
-                        needed_bytes: needed * self.pool.block_bytes(),
-                        budget_bytes: self.pool.budget_bytes(),
-                    },
-                });
-            }
+        let Ok(reservation) = self.pool.reserve(needed - adopted.len()) else {
+            // Gives the adopted blocks back.
+            drop(RowBlocks::new(self.pool.clone(), adopted, Default::default()));
+            return Err(self.too_small(needed));
         };
         let blocks = RowBlocks::new(self.pool.clone(), adopted, reservation);
         let layers = self.model.network().shape().num_layers;
@@ -575,6 +570,13 @@ impl Ending {
     fn flushed(reason: FinishReason) -> Self {
         Ending { reason, flush: true }
     }
+}
+
+/// Whether an engine over `pool` caches prompt blocks for `network` when
+/// `requested`: only a paged pool shares blocks, and only chunking-invariant
+/// prefill makes a cached block equal to a fresh one.
+pub fn caches_prefixes(network: &dyn LanguageModel, pool: &KvPool, requested: bool) -> bool {
+    requested && pool.is_paged() && network.chunking_invariant_prefill()
 }
 
 /// The output of a request that ended before it was opened (cancelled in

@@ -90,6 +90,13 @@ struct PoolState {
     clock: u64,
 }
 
+impl PoolState {
+    /// Blocks referenced by rows.
+    fn in_use(&self) -> usize {
+        self.refs.iter().filter(|&&r| r > 0).count()
+    }
+}
+
 /// One model's KV block pool; see the module docs.
 pub struct KvPool {
     state: Mutex<PoolState>,
@@ -162,7 +169,7 @@ impl KvPool {
 
     pub fn usage(&self) -> PoolUsage {
         let s = self.lock();
-        let in_use = s.refs.iter().filter(|&&r| r > 0).count();
+        let in_use = s.in_use();
         let cached_idle = s.cached.keys().filter(|&&b| s.refs[b as usize] == 0).count();
         PoolUsage { total: self.total, in_use, cached_idle, reserved: s.reserved }
     }
@@ -186,8 +193,7 @@ impl KvPool {
             return Err(ReserveError::TooLarge { needed: blocks, total: self.total });
         }
         let mut s = self.lock();
-        let in_use = s.refs.iter().filter(|&&r| r > 0).count();
-        if in_use + s.reserved + blocks > self.total {
+        if s.in_use() + s.reserved + blocks > self.total {
             return Err(ReserveError::Busy);
         }
         s.reserved += blocks;
@@ -217,7 +223,7 @@ impl KvPool {
     }
 
     fn take_locked(&self, s: &mut PoolState, reservation: &mut Reservation) -> Option<BlockId> {
-        let unreserved_room = self.total.saturating_sub(s.refs.iter().filter(|&&r| r > 0).count() + s.reserved);
+        let unreserved_room = self.total.saturating_sub(s.in_use() + s.reserved);
         if reservation.blocks == 0 && unreserved_room == 0 {
             return None;
         }

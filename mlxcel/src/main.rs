@@ -195,7 +195,8 @@ fn print_engine(network: &dyn mlxcel_models::LanguageModel) {
         mlxcel_engine::prefix_cache::BLOCK_TOKENS,
         limits.kv_pool_bytes / shape.kv_bytes_per_token().max(1),
     );
-    let prefix = limits.prefix_caching && paged && network.chunking_invariant_prefill();
+    let pool = mlxcel_models::KvPool::new(shape, limits.kv_pool_bytes, paged);
+    let prefix = mlxcel_engine::batch::caches_prefixes(network, &pool, limits.prefix_caching);
     println!(
         "engine:          batches up to {} rows; prefix cache {}",
         mlxcel_engine::scheduler::MAX_ROWS,
