@@ -86,7 +86,27 @@ struct AttnJob {
   // sequence at block table[s / block], row s % block (B is 1).
   const int32_t* table = nullptr;
   int block = 0, blocks = 0;
+  // A sliding window (paged only): query p sees [0, keep) and
+  // [p + 1 - window, p]. The keys are packed without the run [split,
+  // split + gap) that no query of the call sees (gap a multiple of KC, so a
+  // key keeps its lane and a row's sums their order however the prompt is
+  // chunked), and positions [hidden_lo, hidden_hi) are packed as zeros
+  // (hidden from every query; their blocks may be gone).
+  int window = 0, keep = 0, split = 0, gap = 0, hidden_lo = 0, hidden_hi = 0;
 };
+
+// Hides from each of the QR rows of the task at i0 (rows past `rows` repeat
+// the last) the packed keys [keep, lo) below its window.
+void hide_below_window(const AttnJob& j, int i0, int rows, float* sc) {
+  if (j.window <= 0) return;
+  for (int r = 0; r < QR; ++r) {
+    const int position = j.S + j.gap - j.L + i0 + std::min(r, rows - 1);
+    const int lo = std::max(j.keep, position + 1 - j.window);
+    const int packed_lo = lo >= j.split + j.gap ? lo - j.gap : std::min(lo, j.split);
+    float* row = sc + (size_t)r * j.S_pad;
+    for (int k = j.keep; k < packed_lo; ++k) row[k] = -std::numeric_limits<float>::infinity();
+  }
+}
 
 struct TaskScratch {
   AlignedFloats q, sc;
@@ -103,8 +123,16 @@ void pack_kv(void* ctx, int t) {
   for (int s = 0; s < j.S; ++s) {
     const float *kr, *vr;
     int64_t kd = j.ks.s[3], vd = j.vs.s[3];
+    const int position = s >= j.split ? s + j.gap : s;
+    if (position >= j.hidden_lo && position < j.hidden_hi) {
+      for (int d = 0; d < j.D; ++d) {
+        kt[(size_t)d * j.S_pad + s] = 0.0f;
+        vp[(size_t)s * j.D + d] = 0.0f;
+      }
+      continue;
+    }
     if (j.table) {
-      const size_t at = (((size_t)h * j.blocks + j.table[s / j.block]) * j.block + s % j.block) * j.D;
+      const size_t at = (((size_t)h * j.blocks + j.table[position / j.block]) * j.block + position % j.block) * j.D;
       kr = j.k + at;
       vr = j.v + at;
       kd = vd = 1;
@@ -226,6 +254,7 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
   int lim[QR];
   for (int r = 0; r < QR; ++r) lim[r] = lim0 + std::min(r, rows - 1);
   for (int j0 = 0; j0 < nk_pad; j0 += KC) score_tile(qs, D, kt + j0, S_pad, j0, lim, sc + j0, S_pad);
+  hide_below_window(j, i0, rows, sc);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
   // Softmax per row: max, exp(x - max), sum, times 1 / sum.
@@ -365,8 +394,8 @@ class CausalAttention : public mx::UnaryPrimitive {
 // positions written (in place when the pool inputs are dense).
 class PagedCausalAttention : public mx::Primitive {
  public:
-  PagedCausalAttention(mx::Stream stream, float scale, std::vector<int32_t> table, int offset)
-      : mx::Primitive(stream), scale_(scale), table_(std::move(table)), offset_(offset) {}
+  PagedCausalAttention(mx::Stream stream, float scale, std::vector<int32_t> table, int offset, int window, int keep)
+      : mx::Primitive(stream), scale_(scale), table_(std::move(table)), offset_(offset), window_(window), keep_(keep) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
@@ -390,6 +419,20 @@ class PagedCausalAttention : public mx::Primitive {
     j.D = q.shape(3);
     j.Hkv = pool.shape(0);
     j.S = offset_ + j.L;
+    if (window_ > 0) {
+      // Every query of the call sees at least [0, keep) and [lo, S).
+      j.window = window_;
+      j.keep = std::min(keep_, j.S);
+      const int lo = std::max(j.keep, offset_ + 1 - window_);
+      j.hidden_lo = j.keep;
+      j.hidden_hi = lo;
+      const int split = (j.keep + KC - 1) / KC * KC, resume = lo / KC * KC;
+      if (resume > split) {
+        j.split = split;
+        j.gap = resume - split;
+        j.S -= j.gap;
+      }
+    }
     j.S_pad = (j.S + KC - 1) / KC * KC;
     j.scale = scale_;
     j.qblocks = (j.L + QR - 1) / QR;
@@ -442,7 +485,8 @@ class PagedCausalAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const PagedCausalAttention*>(&other);
-    return o && o->scale_ == scale_ && o->table_ == table_ && o->offset_ == offset_;
+    return o && o->scale_ == scale_ && o->table_ == table_ && o->offset_ == offset_ && o->window_ == window_ &&
+           o->keep_ == keep_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -460,7 +504,7 @@ class PagedCausalAttention : public mx::Primitive {
 
   float scale_;
   std::vector<int32_t> table_;
-  int offset_;
+  int offset_, window_, keep_;
 };
 
 [[noreturn]] void fail(const std::string& message) {
@@ -496,7 +540,7 @@ mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::arr
 std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                                               const mx::array& pool_keys, const mx::array& pool_values,
                                               const std::vector<int32_t>& table, int offset, float scale,
-                                              mx::StreamOrDevice s) {
+                                              int window, int keep, mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
   auto shape = [](const mx::array& a) {
@@ -521,12 +565,18 @@ std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::arra
     fail("the block table holds " + std::to_string(table.size() * block) + " positions, " +
          std::to_string(offset + L) + " needed");
   }
-  for (int32_t id : table) {
-    if (id < 0 || id >= pool_keys.shape(1)) fail("block id " + std::to_string(id) + " is outside the pool");
+  if (window < 0 || keep < 0) fail("window and keep must be non-negative");
+  // Blocks that no new token sees (below the window) may be -1.
+  const int hidden_below = window > 0 ? std::max(keep, offset + 1 - window) : 0;
+  for (size_t i = 0; i < table.size(); ++i) {
+    const bool unseen = window > 0 && (int64_t)i * block >= keep && (int64_t)(i + 1) * block <= hidden_below;
+    if ((table[i] < 0 && !(table[i] == -1 && unseen)) || table[i] >= pool_keys.shape(1)) {
+      fail("block id " + std::to_string(table[i]) + " at table index " + std::to_string(i) + " is outside the pool");
+    }
   }
   auto outs = mx::array::make_arrays({mx::Shape{1, L, H, D}, pool_keys.shape(), pool_values.shape()},
                                      {mx::float32, mx::float32, mx::float32},
-                                     std::make_shared<PagedCausalAttention>(stream, scale, table, offset),
+                                     std::make_shared<PagedCausalAttention>(stream, scale, table, offset, window, keep),
                                      {q, k, v, pool_keys, pool_values});
   return {mx::transpose(outs[0], {0, 2, 1, 3}, stream), outs[1], outs[2]};
 }

@@ -48,9 +48,13 @@ mlx::core::array causal_attention(
 // two >= 8; position t at block table[t / block], row t % block) in place when
 // they are dense, and q [1, H, L, D] attends over positions 0 .. offset + L
 // read from the blocks. The same result as causal_attention over the
-// contiguous keys and values. Returns {out [1, H, L, D] as causal_attention
-// does, keys pool, values pool}. CPU only; throws std::invalid_argument
-// naming the input that does not fit.
+// contiguous keys and values. With a `window` > 0, the token at position p
+// sees only positions [0, keep) and [p + 1 - window, p] (as
+// DecoderLayerSpec::kv_window), table entries of blocks no new token sees
+// may be -1, and the result still does not depend on how a prompt is cut
+// into calls. Returns {out [1, H, L, D] as causal_attention does, keys
+// pool, values pool}. CPU only; throws std::invalid_argument naming the
+// input that does not fit.
 std::vector<mlx::core::array> paged_causal_attention(
     const mlx::core::array& q,
     const mlx::core::array& k,
@@ -60,6 +64,8 @@ std::vector<mlx::core::array> paged_causal_attention(
     const std::vector<int32_t>& table,
     int offset,
     float scale,
+    int window = 0,
+    int keep = 0,
     mlx::core::StreamOrDevice s = {});
 
 }  // namespace mlxcel::kernels

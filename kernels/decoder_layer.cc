@@ -237,6 +237,18 @@ struct CacheRef {
   bool copy_keys = false, copy_values = false;
   float* keys = nullptr;
   float* values = nullptr;
+  // The sliding window (DecoderLayerSpec::kv_window, kv_keep); 0 = none.
+  int window = 0, keep = 0;
+
+  // The positions a query at position T - 1 sees: [0, keep) and [lo, T).
+  struct Seen {
+    int keep, lo;
+  };
+  Seen seen(int T) const {
+    if (window <= 0) return {0, 0};
+    const int k = std::min(keep, T);
+    return {k, std::max(k, T - window)};
+  }
 
   // Offset in floats of position t of KV head g.
   size_t at(int g, int t) const {
@@ -427,48 +439,69 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 qk_avx2(const _
   return acc;
 }
 
-// Keys are read 8 positions at a time: a paged cache's blocks are multiples
-// of 8 positions, so the 8 never straddle two blocks.
+// Keys are read 8 positions at a time from a multiple of 8: a paged cache's
+// blocks are multiples of 8 positions, so the 8 never straddle two blocks.
+// Scores are stored densely over the positions seen ([0, keep) then
+// [lo, T)); without a window that is [0, T), as before.
 template <int NV>
 __attribute__((target("avx512f,avx512dq,avx2,fma"))) void attend_avx512(const float* q, const CacheRef& c, int g,
                                                                           int T, float* scores, float* out) {
   constexpr int D = 16 * NV;
   __m512 qv[NV];
   for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  const CacheRef::Seen w = c.seen(T);
+  const int segments[2][2] = {{0, w.keep}, {w.lo, T}};
   __m256 mv = _mm256_set1_ps(-INFINITY);
-  int t = 0;
-  // Whole groups of 8 positions, a contiguous run (one block) at a time.
-  while (t + 8 <= T) {
-    const float* keys = c.keys + c.at(g, t);
-    // A paged cache's next block lies elsewhere: fetch it while this one is read.
-    const int run_end = t + c.run(t, T), end = t + ((run_end - t) & ~7);
-    const float* next = run_end >= T ? nullptr : c.keys + c.at(g, run_end) - (size_t)t * D;
-    for (; t < end; t += 8, keys += (size_t)8 * D) {
-      if (next) prefetch_floats(next + (size_t)t * D, 8 * D);
-      __m256 a[8];
-      for (int p = 0; p < 8; ++p) a[p] = qk_avx512<NV>(qv, keys + (size_t)p * D);
-      const __m256 s8 = sum8x8(a);
-      _mm256_storeu_ps(scores + t, s8);
-      mv = _mm256_max_ps(mv, s8);
+  float m = -INFINITY;
+  int n = 0;
+  for (const auto& segment : segments) {
+    const int end_all = segment[1];
+    float* sc = scores + n - segment[0];  // sc[t]: the score of position t
+    int t = segment[0];
+    for (; t < end_all && (t & 7); ++t) {
+      sc[t] = simd::hsum256(qk_avx512<NV>(qv, c.keys + c.at(g, t)));
+      m = std::max(m, sc[t]);
     }
+    // Whole groups of 8 positions, a contiguous run (one block) at a time.
+    while (t + 8 <= end_all) {
+      const float* keys = c.keys + c.at(g, t);
+      // A paged cache's next block lies elsewhere: fetch it while this one is read.
+      const int run_end = t + c.run(t, end_all), end = t + ((run_end - t) & ~7);
+      const float* next = run_end >= end_all ? nullptr : c.keys + c.at(g, run_end) - (size_t)t * D;
+      for (; t < end; t += 8, keys += (size_t)8 * D) {
+        if (next) prefetch_floats(next + (size_t)t * D, 8 * D);
+        __m256 a[8];
+        for (int p = 0; p < 8; ++p) a[p] = qk_avx512<NV>(qv, keys + (size_t)p * D);
+        const __m256 s8 = sum8x8(a);
+        _mm256_storeu_ps(sc + t, s8);
+        mv = _mm256_max_ps(mv, s8);
+      }
+    }
+    for (; t < end_all; ++t) {
+      sc[t] = simd::hsum256(qk_avx512<NV>(qv, c.keys + c.at(g, t)));
+      m = std::max(m, sc[t]);
+    }
+    n += end_all - segment[0];
   }
-  float m = simd::hmax256(mv);
-  for (; t < T; ++t) {
-    scores[t] = simd::hsum256(qk_avx512<NV>(qv, c.keys + c.at(g, t)));
-    m = std::max(m, scores[t]);
-  }
-  softmax_avx512(scores, T, m);
+  m = std::max(m, simd::hmax256(mv));
+  softmax_avx512(scores, n, m);
   __m512 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
-  for (t = 0; t < T;) {
-    const float* values = c.values + c.at(g, t);
-    const int end = t + c.run(t, T);
-    const float* next = end >= T ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
-    for (; t < end; ++t, values += D) {
-      if (next) prefetch_floats(next + (size_t)t * D, D);
-      const __m512 pt = _mm512_set1_ps(scores[t]);
-      for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(values + 16 * i), o[i]);
+  n = 0;
+  for (const auto& segment : segments) {
+    const int end_all = segment[1];
+    const float* sc = scores + n - segment[0];
+    for (int t = segment[0]; t < end_all;) {
+      const float* values = c.values + c.at(g, t);
+      const int end = t + c.run(t, end_all);
+      const float* next = end >= end_all ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
+      for (; t < end; ++t, values += D) {
+        if (next) prefetch_floats(next + (size_t)t * D, D);
+        const __m512 pt = _mm512_set1_ps(sc[t]);
+        for (int i = 0; i < NV; ++i) o[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(values + 16 * i), o[i]);
+      }
     }
+    n += end_all - segment[0];
   }
   for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, o[i]);
 }
@@ -479,40 +512,59 @@ __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const float* q, const 
   constexpr int D = 8 * NV;
   __m256 qv[NV];
   for (int i = 0; i < NV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  const CacheRef::Seen w = c.seen(T);
+  const int segments[2][2] = {{0, w.keep}, {w.lo, T}};
   __m256 mv = _mm256_set1_ps(-INFINITY);
-  int t = 0;
-  // Whole groups of 8 positions, a contiguous run (one block) at a time.
-  while (t + 8 <= T) {
-    const float* keys = c.keys + c.at(g, t);
-    // A paged cache's next block lies elsewhere: fetch it while this one is read.
-    const int run_end = t + c.run(t, T), end = t + ((run_end - t) & ~7);
-    const float* next = run_end >= T ? nullptr : c.keys + c.at(g, run_end) - (size_t)t * D;
-    for (; t < end; t += 8, keys += (size_t)8 * D) {
-      if (next) prefetch_floats(next + (size_t)t * D, 8 * D);
-      __m256 a[8];
-      for (int p = 0; p < 8; ++p) a[p] = qk_avx2<NV>(qv, keys + (size_t)p * D);
-      const __m256 s8 = sum8x8(a);
-      _mm256_storeu_ps(scores + t, s8);
-      mv = _mm256_max_ps(mv, s8);
+  float m = -INFINITY;
+  int n = 0;
+  for (const auto& segment : segments) {
+    const int end_all = segment[1];
+    float* sc = scores + n - segment[0];  // sc[t]: the score of position t
+    int t = segment[0];
+    for (; t < end_all && (t & 7); ++t) {
+      sc[t] = simd::hsum256(qk_avx2<NV>(qv, c.keys + c.at(g, t)));
+      m = std::max(m, sc[t]);
     }
+    // Whole groups of 8 positions, a contiguous run (one block) at a time.
+    while (t + 8 <= end_all) {
+      const float* keys = c.keys + c.at(g, t);
+      // A paged cache's next block lies elsewhere: fetch it while this one is read.
+      const int run_end = t + c.run(t, end_all), end = t + ((run_end - t) & ~7);
+      const float* next = run_end >= end_all ? nullptr : c.keys + c.at(g, run_end) - (size_t)t * D;
+      for (; t < end; t += 8, keys += (size_t)8 * D) {
+        if (next) prefetch_floats(next + (size_t)t * D, 8 * D);
+        __m256 a[8];
+        for (int p = 0; p < 8; ++p) a[p] = qk_avx2<NV>(qv, keys + (size_t)p * D);
+        const __m256 s8 = sum8x8(a);
+        _mm256_storeu_ps(sc + t, s8);
+        mv = _mm256_max_ps(mv, s8);
+      }
+    }
+    for (; t < end_all; ++t) {
+      sc[t] = simd::hsum256(qk_avx2<NV>(qv, c.keys + c.at(g, t)));
+      m = std::max(m, sc[t]);
+    }
+    n += end_all - segment[0];
   }
-  float m = simd::hmax256(mv);
-  for (; t < T; ++t) {
-    scores[t] = simd::hsum256(qk_avx2<NV>(qv, c.keys + c.at(g, t)));
-    m = std::max(m, scores[t]);
-  }
-  softmax_avx2(scores, T, m);
+  m = std::max(m, simd::hmax256(mv));
+  softmax_avx2(scores, n, m);
   __m256 o[NV];
   for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
-  for (t = 0; t < T;) {
-    const float* values = c.values + c.at(g, t);
-    const int end = t + c.run(t, T);
-    const float* next = end >= T ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
-    for (; t < end; ++t, values += D) {
-      if (next) prefetch_floats(next + (size_t)t * D, D);
-      const __m256 pt = _mm256_set1_ps(scores[t]);
-      for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(values + 8 * i), o[i]);
+  n = 0;
+  for (const auto& segment : segments) {
+    const int end_all = segment[1];
+    const float* sc = scores + n - segment[0];
+    for (int t = segment[0]; t < end_all;) {
+      const float* values = c.values + c.at(g, t);
+      const int end = t + c.run(t, end_all);
+      const float* next = end >= end_all ? nullptr : c.values + c.at(g, end) - (size_t)t * D;
+      for (; t < end; ++t, values += D) {
+        if (next) prefetch_floats(next + (size_t)t * D, D);
+        const __m256 pt = _mm256_set1_ps(sc[t]);
+        for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(values + 8 * i), o[i]);
+      }
     }
+    n += end_all - segment[0];
   }
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
@@ -571,20 +623,24 @@ void attention_task(void* ctx, int task) {
         attend(q, c, g, T, scores.data(), job.out + (row * s.heads + h) * D);
         continue;
       }
+      // The positions seen, [0, keep) then [lo, T), scored densely.
+      const CacheRef::Seen w = c.seen(T);
+      const int seen = w.keep + (T - w.lo);
+      auto position = [&](int i) { return i < w.keep ? i : w.lo + (i - w.keep); };
       float m = -INFINITY;
-      for (int t = 0; t < T; ++t) {
-        scores[t] = ops.dot(q, c.keys + c.at(g, t), D);
-        m = std::max(m, scores[t]);
+      for (int i = 0; i < seen; ++i) {
+        scores[i] = ops.dot(q, c.keys + c.at(g, position(i)), D);
+        m = std::max(m, scores[i]);
       }
       float sum = 0.0f;
-      for (int t = 0; t < T; ++t) {
-        scores[t] = std::exp(scores[t] - m);
-        sum += scores[t];
+      for (int i = 0; i < seen; ++i) {
+        scores[i] = std::exp(scores[i] - m);
+        sum += scores[i];
       }
       const float inv = 1.0f / sum;
       float* o = job.out + (row * s.heads + h) * D;
       std::fill(o, o + D, 0.0f);
-      for (int t = 0; t < T; ++t) ops.axpy(scores[t] * inv, c.values + c.at(g, t), o, D);
+      for (int i = 0; i < seen; ++i) ops.axpy(scores[i] * inv, c.values + c.at(g, position(i)), o, D);
     }
   }
 }
@@ -815,6 +871,8 @@ class DecoderLayer : public mx::Primitive {
     }
     for (int b = 0; b < B; ++b) {
       p.caches[b].offset = offsets_[b];
+      p.caches[b].window = spec_.kv_window;
+      p.caches[b].keep = spec_.kv_keep;
       p.caches[b].kv_heads = spec_.kv_heads;
       p.caches[b].dim = spec_.head_dim;
     }
@@ -850,7 +908,7 @@ class DecoderLayer : public mx::Primitive {
            a.intermediate == b.intermediate && a.offset == b.offset && a.norm_eps == b.norm_eps &&
            a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
            a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale &&
-           a.cache_in_place == b.cache_in_place && slots_ == o->slots_ && offsets_ == o->offsets_ &&
+           a.cache_in_place == b.cache_in_place && a.kv_window == b.kv_window && a.kv_keep == b.kv_keep && slots_ == o->slots_ && offsets_ == o->offsets_ &&
            tables_ == o->tables_ && prepared_ == o->prepared_;
   }
 
@@ -889,6 +947,7 @@ void check_spec(const DecoderLayerSpec& spec, bool has_rope_freqs) {
     fail("rope dims must be even and at most head_dim, got " + std::to_string(spec.rope_dims));
   }
   if (!has_rope_freqs && !(spec.rope_base > 0.0f)) fail("rope base must be positive");
+  if (spec.kv_window < 0 || spec.kv_keep < 0) fail("kv_window and kv_keep must be non-negative");
 }
 
 void check_weights(const DecoderLayerInputs& in, const DecoderLayerSpec& spec) {
@@ -1042,8 +1101,16 @@ void check_paged(const mx::array& x, const mx::array& pool_keys, const mx::array
       fail("the block table" + which + " holds " + std::to_string(tables[b].size() * block) + " positions, " +
            std::to_string(offsets[b] + L) + " needed");
     }
-    for (int32_t id : tables[b]) {
-      if (id < 0 || id >= blocks) fail("block id " + std::to_string(id) + which + " is outside the pool of " + std::to_string(blocks));
+    // Blocks that no new token sees (below the window) may be -1.
+    const int keep = spec.kv_window > 0 ? spec.kv_keep : 0;
+    const int hidden_below = spec.kv_window > 0 ? std::max(keep, offsets[b] + 1 - spec.kv_window) : 0;
+    for (size_t i = 0; i < tables[b].size(); ++i) {
+      const int32_t id = tables[b][i];
+      const bool unseen = (int64_t)i * block >= keep && (int64_t)(i + 1) * block <= hidden_below;
+      if ((id < 0 && !(id == -1 && unseen)) || id >= blocks) {
+        fail("block id " + std::to_string(id) + which + " at table index " + std::to_string(i) +
+             " is outside the pool of " + std::to_string(blocks));
+      }
     }
     for (int i = offsets[b] / block; i <= (offsets[b] + L - 1) / block; ++i) written.push_back(tables[b][i]);
   }

@@ -45,6 +45,13 @@ struct DecoderLayerSpec {
   bool rope_traditional = false;
   // Softmax scale, usually head_dim^-0.5.
   float attn_scale = 0.0f;
+  // A sliding window: the token at position p sees positions [0, kv_keep)
+  // and [p + 1 - kv_window, p] (mlx-lm's RotatingKVCache with max_size
+  // kv_keep + kv_window and keep kv_keep; Gemma 3's sliding layers have
+  // kv_keep 0). 0 sees every position. Blocks of a paged pool that no new
+  // token sees may be -1 in the tables.
+  int kv_window = 0;
+  int kv_keep = 0;
   // The caller owns the cache buffers: nothing reads them at positions
   // >= offset except nodes evaluated after this one, so the new rows can be
   // written into the input buffers even while other references exist (the

@@ -456,6 +456,8 @@ kernels::DecoderLayerSpec to_kernel_spec(const DecoderLayerSpec& s) {
   k.rope_scale = s.rope_scale;
   k.rope_traditional = s.rope_traditional;
   k.attn_scale = s.attn_scale;
+  k.kv_window = s.kv_window;
+  k.kv_keep = s.kv_keep;
   k.cache_in_place = s.cache_in_place;
   return k;
 }
@@ -525,9 +527,9 @@ std::unique_ptr<ArrayList> kernels_decoder_layer_paged(const PreparedLayer& weig
                                              std::vector<int>(offsets.begin(), offsets.end()), to_kernel_spec(spec));
   return list;
 }
-std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale) {
+std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale, int32_t window, int32_t keep) {
   auto list = std::make_unique<ArrayList>();
-  list->items = kernels::paged_causal_attention(q, k, v, pool_keys, pool_values, std::vector<int32_t>(table.begin(), table.end()), offset, scale);
+  list->items = kernels::paged_causal_attention(q, k, v, pool_keys, pool_values, std::vector<int32_t>(table.begin(), table.end()), offset, scale, window, keep);
   return list;
 }
 ArrayPtr kernels_kv_pool_buffer(int32_t blocks, int32_t kv_heads, int32_t block, int32_t head_dim) {

@@ -57,6 +57,8 @@ fn main() -> mlx_sys::Result<()> {
         rope_traditional: false,
         attn_scale: (d as f32).powf(-0.5),
         cache_in_place: true,
+        kv_window: 0,
+        kv_keep: 0,
     };
     let layer = PreparedDecoderLayer::new(&weights, &spec)?;
     let key = random::key(9)?;

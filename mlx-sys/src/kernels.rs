@@ -285,7 +285,11 @@ impl PreparedDecoderLayer {
 /// D]`, in place when they are dense) at the blocks of `table`, and `q`
 /// (`[1, H, L, D]`) attends over positions `0..offset + L` read from the
 /// blocks. The same result as [`causal_attention`] over contiguous keys and
-/// values. Returns (out `[1, H, L, D]`, keys pool, values pool). CPU only.
+/// values. With `window.window > 0` the token at position `p` sees only
+/// positions `0..keep` and `p + 1 - window..=p` (as
+/// [`DecoderLayerSpec::kv_window`]), blocks no new token sees may be `-1`
+/// in `table`, and the result still does not depend on how a prompt is cut
+/// into calls. Returns (out `[1, H, L, D]`, keys pool, values pool). CPU only.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_causal_attention(
     q: &Array,
@@ -296,9 +300,44 @@ pub fn paged_causal_attention(
     table: &[i32],
     offset: i32,
     scale: f32,
+    window: KvWindow,
 ) -> Result<(Array, Array, Array)> {
-    let list = ffi::kernels_paged_causal_attention(&q.raw, &k.raw, &v.raw, &pool_keys.raw, &pool_values.raw, table, offset, scale)?;
+    let list = ffi::kernels_paged_causal_attention(
+        &q.raw,
+        &k.raw,
+        &v.raw,
+        &pool_keys.raw,
+        &pool_values.raw,
+        table,
+        offset,
+        scale,
+        window.window,
+        window.keep,
+    )?;
     three_arrays(&list)
+}
+
+/// The positions a token sees: at position `p`, `0..keep` and
+/// `p + 1 - window..=p`; `window == 0` (the default) sees them all. mlx-lm's
+/// `RotatingKVCache(max_size, keep)` is `window = max_size - keep`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvWindow {
+    pub window: i32,
+    pub keep: i32,
+}
+
+impl KvWindow {
+    /// Every position.
+    pub const ALL: KvWindow = KvWindow { window: 0, keep: 0 };
+
+    /// The first position that a token at `position` sees after the kept
+    /// ones (0 without a window).
+    pub fn first_recent(&self, position: usize) -> usize {
+        if self.window <= 0 {
+            return 0;
+        }
+        (self.keep.max(0) as usize).max((position + 1).saturating_sub(self.window as usize))
+    }
 }
 
 /// An evaluated `f32 [kv_heads, blocks, block, head_dim]` pool over an

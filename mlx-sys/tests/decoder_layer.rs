@@ -250,6 +250,8 @@ impl Layer {
                 rope_traditional: c.rope_traditional,
                 attn_scale: (d as f32).powf(-0.5),
                 cache_in_place: false,
+                kv_window: 0,
+                kv_keep: 0,
             },
             input_norm: norm(1, h),
             post_norm: norm(2, h),
@@ -335,7 +337,26 @@ impl Layer {
             cache.slice_update(new, &[0, 0, offset, 0], &[1, s.kv_heads, end, d], &[1, 1, 1, 1]).unwrap()
         };
         let (keys, values) = (write(keys, &k), write(values, &v));
-        let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
+        // A sliding window as an additive mask: query i (position offset + i)
+        // sees 0..keep and offset + i + 1 - window..=offset + i.
+        let window_mask = (s.kv_window > 0).then(|| {
+            let seen = kernels::KvWindow { window: s.kv_window, keep: s.kv_keep };
+            let mask: Vec<f32> = (0..l)
+                .flat_map(|i| {
+                    let p = (offset + i) as usize;
+                    (0..end as usize).map(move |t| {
+                        let visible = t <= p && (t < seen.keep as usize || t >= seen.first_recent(p));
+                        if visible { 0.0 } else { f32::NEG_INFINITY }
+                    })
+                })
+                .collect();
+            Array::from_slice(&mask, &[l, end]).unwrap()
+        });
+        let mask = match &window_mask {
+            Some(m) => AttentionMask::Array(m),
+            None if l > 1 => AttentionMask::Causal,
+            None => AttentionMask::None,
+        };
         let att = fast::scaled_dot_product_attention(
             &q,
             &keys.slice_axis(2, 0, end).unwrap(),
@@ -1430,11 +1451,151 @@ fn paged_causal_attention_matches_contiguous() {
         let table = scattered_tables(&[offset + l], blocks).remove(0);
         let pool_k = pool_holding(seed + 5, blocks, &[&k_old], &[table.clone()], &[offset]);
         let pool_v = pool_holding(seed + 6, blocks, &[&v_old], &[table.clone()], &[offset]);
-        let (got, pk, pv) = kernels::paged_causal_attention(&q, &k_new, &v_new, &pool_k, &pool_v, &table, offset, 0.125).unwrap();
+        let (got, pk, pv) = kernels::paged_causal_attention(&q, &k_new, &v_new, &pool_k, &pool_v, &table, offset, 0.125, kernels::KvWindow::ALL).unwrap();
         assert_eq!(got.shape(), want.shape());
         assert_eq!(to_f32(&got), to_f32(&want), "seed {seed}: paged attention differs");
         assert_eq!(to_f32(&pool_rows(&pk, &table, offset + l)), to_f32(&k_all), "seed {seed}: keys in the pool");
         assert_eq!(to_f32(&pool_rows(&pv, &table, offset + l)), to_f32(&v_all), "seed {seed}: values in the pool");
+    }
+}
+
+/// Softmax attention in f64 for query rows at positions `offset..offset + L`
+/// of one sequence (`q` [1, H, L, D], `k`/`v` [1, Hkv, S, D]), each seeing
+/// the positions `window` allows. Returns [1, H, L, D].
+fn windowed_attention_f64(q: &Array, k: &Array, v: &Array, scale: f32, window: kernels::KvWindow) -> Vec<f32> {
+    let (h, l, d, hkv, s) = (q.dim(1) as usize, q.dim(2) as usize, q.dim(3) as usize, k.dim(1) as usize, k.dim(2) as usize);
+    let (q, k, v) = (to_f32(q), to_f32(k), to_f32(v));
+    let offset = s - l;
+    let mut out = vec![0f32; h * l * d];
+    for head in 0..h {
+        let g = head / (h / hkv);
+        for i in 0..l {
+            let p = offset + i;
+            let seen: Vec<usize> = (0..=p).filter(|&t| t < window.keep.max(0) as usize || t >= window.first_recent(p)).collect();
+            let qi = &q[(head * l + i) * d..][..d];
+            let scores: Vec<f64> = seen
+                .iter()
+                .map(|&t| qi.iter().zip(&k[(g * s + t) * d..][..d]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64)
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (&t, w) in seen.iter().zip(&e) {
+                for j in 0..d {
+                    out[(head * l + i) * d + j] += (w / sum * v[(g * s + t) * d + j] as f64) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Prefill attention with a sliding window over a paged pool: the masked
+/// result (f64 reference, 1e-5), bit for bit the same however the prompt is
+/// cut into calls, with the blocks below the window gone (-1) from the
+/// table; and the same loops on every kernel path (see the subprocess test).
+#[test]
+fn windowed_paged_attention_is_masked_and_chunking_invariant() {
+    let _g = lock();
+    for (seed, heads, kv_heads, d, window, cuts) in [
+        (81u64, 4, 2, 64, kernels::KvWindow { window: 40, keep: 4 }, vec![0, 37, 90, 150]),
+        (82, 6, 3, 64, kernels::KvWindow { window: 100, keep: 0 }, vec![0, 150]),
+        (83, 4, 4, 128, kernels::KvWindow { window: 17, keep: 33 }, vec![0, 5, 64, 65, 130]),
+        (84, 8, 2, 32, kernels::KvWindow { window: 64, keep: 1 }, vec![0, 128, 129, 200]),
+    ] {
+        let total = *cuts.last().unwrap();
+        let q = randn(seed, &[1, heads, total, d], 1.0);
+        let k = randn(seed + 1, &[1, kv_heads, total, d], 1.0);
+        let v = randn(seed + 2, &[1, kv_heads, total, d], 1.0);
+        let want = windowed_attention_f64(&q, &k, &v, 0.125, window);
+        let blocks = 41;
+        let table = scattered_tables(&[total], blocks).remove(0);
+        // Once per cut: each call's table has the blocks no new token sees dropped.
+        let run = |cuts: &[i32]| -> Vec<f32> {
+            let mut pool_k = randn(seed + 3, &[kv_heads, blocks, POOL_BLOCK, d], 1.0);
+            let mut pool_v = randn(seed + 4, &[kv_heads, blocks, POOL_BLOCK, d], 1.0);
+            let mut rows = vec![0f32; (heads * total * d) as usize];
+            for pair in cuts.windows(2) {
+                let (a, b) = (pair[0], pair[1]);
+                let mut visible = table.clone();
+                let lo = window.first_recent(a as usize) as i32;
+                for (i, id) in visible.iter_mut().enumerate() {
+                    let i = i as i32;
+                    if i * POOL_BLOCK >= window.keep && (i + 1) * POOL_BLOCK <= lo {
+                        *id = -1;
+                    }
+                }
+                let part = |x: &Array| x.slice_axis(2, a, b).unwrap();
+                let (out, pk, pv) = kernels::paged_causal_attention(
+                    &part(&q), &part(&k), &part(&v), &pool_k, &pool_v, &visible, a, 0.125, window,
+                )
+                .unwrap();
+                let out = to_f32(&out);
+                let n = (b - a) as usize;
+                for head in 0..heads as usize {
+                    for i in 0..n {
+                        let dst = (head * total as usize + a as usize + i) * d as usize;
+                        rows[dst..dst + d as usize].copy_from_slice(&out[(head * n + i) * d as usize..][..d as usize]);
+                    }
+                }
+                (pool_k, pool_v) = (pk, pv);
+            }
+            rows
+        };
+        let whole = run(&[0, total]);
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = whole.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 1e-5 * scale.max(1.0), "seed {seed}: windowed attention off by {worst} (scale {scale})");
+        assert_eq!(run(&cuts), whole, "seed {seed}: cut at {cuts:?}, the rows differ from one call");
+    }
+}
+
+/// The fused block with a sliding window: the masked reference on a
+/// contiguous cache, and bit for bit the same over a paged pool whose
+/// blocks below the window are gone.
+#[test]
+fn windowed_layer_matches_masked_reference() {
+    let _g = lock();
+    let wide = Config { hidden: 128, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 128, ..LLAMA };
+    for (seed, c, window, keep, offset, l) in [(91u64, LLAMA, 24, 4, 70, 1), (92, wide, 40, 0, 100, 1), (93, wide, 33, 2, 90, 3), (94, wide, 500, 4, 60, 2)] {
+        let mut layer = Layer::new(seed, c);
+        layer.spec.kv_window = window;
+        layer.spec.kv_keep = keep;
+        let x = randn(seed ^ 0x77, &[1, l, c.hidden], 1.0);
+        let keys = random_cache(seed ^ 0xe1, &layer, offset + l);
+        let values = random_cache(seed ^ 0xe2, &layer, offset + l);
+        let (errors, [out, written_k, written_v]) = check_step(&format!("window {window} keep {keep}"), &layer, &x, &keys, &values, offset);
+        assert!(errors.max() < 1e-4, "seed {seed}: {errors}");
+
+        let blocks = 31;
+        let mut table = scattered_tables(&[offset + l], blocks).remove(0);
+        let pool_k = pool_holding(seed + 1, blocks, &[&keys], &[table.clone()], &[offset]);
+        let pool_v = pool_holding(seed + 2, blocks, &[&values], &[table.clone()], &[offset]);
+        let seen = kernels::KvWindow { window, keep };
+        let lo = seen.first_recent(offset as usize) as i32;
+        let full = table.clone();
+        for (i, id) in table.iter_mut().enumerate() {
+            let i = i as i32;
+            if i * POOL_BLOCK >= keep && (i + 1) * POOL_BLOCK <= lo {
+                *id = -1;
+            }
+        }
+        let spec = layer.spec(offset);
+        let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+        let sequences = [kernels::PagedSequence { table: &table, offset }];
+        let (got, pk, pv) = prepared.forward_paged(&x, &pool_k, &pool_v, &sequences, &spec).unwrap();
+        assert_eq!(to_f32(&got), to_f32(&out), "seed {seed}: paged windowed output differs from contiguous");
+        let new = |a: &Array| a.slice_axis(2, offset, offset + l).unwrap();
+        assert_eq!(to_f32(&new(&pool_rows(&pk, &full, offset + l))), to_f32(&new(&written_k)), "seed {seed}: keys");
+        assert_eq!(to_f32(&new(&pool_rows(&pv, &full, offset + l))), to_f32(&new(&written_v)), "seed {seed}: values");
+        if window < offset {
+            // A block the window still needs may not be missing.
+            let mut bad = full.clone();
+            bad[(lo / POOL_BLOCK) as usize] = -1;
+            let bad_seq = [kernels::PagedSequence { table: &bad, offset }];
+            let e = prepared.forward_paged(&x, &pool_k, &pool_v, &bad_seq, &spec).err().expect("a needed block is -1").to_string();
+            assert!(e.contains("block id -1 at table index"), "{e}");
+        }
     }
 }
 
@@ -1457,7 +1618,7 @@ fn paged_bad_inputs_are_errors() {
     let e = run(&[&[0], &[1]], &[3, 16], &pool);
     assert!(e.contains("the block table of sequence 1 holds 16 positions, 17 needed"), "{e}");
     let e = run(&[&[0], &[9]], &[3, 5], &pool);
-    assert!(e.contains("block id 9 of sequence 1 is outside the pool of 4"), "{e}");
+    assert!(e.contains("block id 9 of sequence 1 at table index 0 is outside the pool of 4"), "{e}");
     let e = run(&[&[2], &[2]], &[3, 5], &pool);
     assert!(e.contains("two sequences write the same block"), "{e}");
     let odd = randn(753, &[2, 4, 12, 16], 1.0);
@@ -1468,7 +1629,7 @@ fn paged_bad_inputs_are_errors() {
     assert!(prepared.forward_paged(&x2, &pool, &pool, &seqs, &spec).is_ok());
     let q = randn(754, &[1, 4, 3, 16], 1.0);
     let k = randn(755, &[1, 2, 3, 16], 1.0);
-    let e = kernels::paged_causal_attention(&q, &k, &k, &pool, &pool, &[0], 14, 0.25).err().expect("short table").to_string();
+    let e = kernels::paged_causal_attention(&q, &k, &k, &pool, &pool, &[0], 14, 0.25, kernels::KvWindow::ALL).err().expect("short table").to_string();
     assert!(e.contains("holds 16 positions, 17 needed"), "{e}");
 }
 

@@ -593,6 +593,8 @@ impl FusedBlock {
             attn_scale: attn.scale,
             // KvCache::append_with hands over buffers it owns exclusively.
             cache_in_place: true,
+            kv_window: 0,
+            kv_keep: 0,
         };
         // Prepared once: each step's node then has x and the caches as its
         // only graph inputs. A layout the kernel rejects stays on MLX's ops.

@@ -456,7 +456,7 @@ impl KvCache for PagedKvCache {
         let length = k.dim(2) as usize;
         let table = self.table_for(length).map_err(|e| mlx_sys::Error::new(e.to_string()))?;
         let (pool_k, pool_v) = self.layer_pools().map_err(|e| mlx_sys::Error::new(e.to_string()))?;
-        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale)?;
+        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale, kernels::KvWindow::ALL)?;
         self.set_layer_pools(pool_k, pool_v);
         self.offset += length;
         Ok(Some(out))
