@@ -101,7 +101,7 @@ void hide_below_window(const AttnJob& j, int i0, int rows, float* sc) {
   if (j.window <= 0) return;
   for (int r = 0; r < QR; ++r) {
     const int position = j.S + j.gap - j.L + i0 + std::min(r, rows - 1);
-    const int lo = std::max(j.keep, position + 1 - j.window);
+    const int lo = detail::KvWindowRule{j.window, j.keep}.first_recent(position + 1);
     const int packed_lo = lo >= j.split + j.gap ? lo - j.gap : std::min(lo, j.split);
     float* row = sc + (size_t)r * j.S_pad;
     for (int k = j.keep; k < packed_lo; ++k) row[k] = -std::numeric_limits<float>::infinity();
@@ -423,7 +423,7 @@ class PagedCausalAttention : public mx::Primitive {
       // Every query of the call sees at least [0, keep) and [lo, S).
       j.window = window_;
       j.keep = std::min(keep_, j.S);
-      const int lo = std::max(j.keep, offset_ + 1 - window_);
+      const int lo = detail::KvWindowRule{window_, keep_}.first_recent(offset_ + 1);
       j.hidden_lo = j.keep;
       j.hidden_hi = lo;
       const int split = (j.keep + KC - 1) / KC * KC, resume = lo / KC * KC;
@@ -567,10 +567,10 @@ std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::arra
   }
   if (window < 0 || keep < 0) fail("window and keep must be non-negative");
   // Blocks that no new token sees (below the window) may be -1.
-  const int hidden_below = window > 0 ? std::max(keep, offset + 1 - window) : 0;
+  const detail::KvWindowRule rule{window, keep};
   for (size_t i = 0; i < table.size(); ++i) {
-    const bool unseen = window > 0 && (int64_t)i * block >= keep && (int64_t)(i + 1) * block <= hidden_below;
-    if ((table[i] < 0 && !(table[i] == -1 && unseen)) || table[i] >= pool_keys.shape(1)) {
+    if ((table[i] < 0 && !(table[i] == -1 && rule.hides_block((int64_t)i, block, offset + 1))) ||
+        table[i] >= pool_keys.shape(1)) {
       fail("block id " + std::to_string(table[i]) + " at table index " + std::to_string(i) + " is outside the pool");
     }
   }

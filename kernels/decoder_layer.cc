@@ -246,8 +246,7 @@ struct CacheRef {
   };
   Seen seen(int T) const {
     if (window <= 0) return {0, 0};
-    const int k = std::min(keep, T);
-    return {k, std::max(k, T - window)};
+    return {std::min(keep, T), detail::KvWindowRule{window, keep}.first_recent(T)};
   }
 
   // Offset in floats of position t of KV head g.
@@ -908,8 +907,8 @@ class DecoderLayer : public mx::Primitive {
            a.intermediate == b.intermediate && a.offset == b.offset && a.norm_eps == b.norm_eps &&
            a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
            a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale &&
-           a.cache_in_place == b.cache_in_place && a.kv_window == b.kv_window && a.kv_keep == b.kv_keep && slots_ == o->slots_ && offsets_ == o->offsets_ &&
-           tables_ == o->tables_ && prepared_ == o->prepared_;
+           a.cache_in_place == b.cache_in_place && a.kv_window == b.kv_window && a.kv_keep == b.kv_keep &&
+           slots_ == o->slots_ && offsets_ == o->offsets_ && tables_ == o->tables_ && prepared_ == o->prepared_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -1102,12 +1101,10 @@ void check_paged(const mx::array& x, const mx::array& pool_keys, const mx::array
            std::to_string(offsets[b] + L) + " needed");
     }
     // Blocks that no new token sees (below the window) may be -1.
-    const int keep = spec.kv_window > 0 ? spec.kv_keep : 0;
-    const int hidden_below = spec.kv_window > 0 ? std::max(keep, offsets[b] + 1 - spec.kv_window) : 0;
+    const detail::KvWindowRule rule{spec.kv_window, spec.kv_keep};
     for (size_t i = 0; i < tables[b].size(); ++i) {
       const int32_t id = tables[b][i];
-      const bool unseen = (int64_t)i * block >= keep && (int64_t)(i + 1) * block <= hidden_below;
-      if ((id < 0 && !(id == -1 && unseen)) || id >= blocks) {
+      if ((id < 0 && !(id == -1 && rule.hides_block((int64_t)i, block, offsets[b] + 1))) || id >= blocks) {
         fail("block id " + std::to_string(id) + which + " at table index " + std::to_string(i) +
              " is outside the pool of " + std::to_string(blocks));
       }

@@ -60,6 +60,23 @@ inline float dot(const float* a, const float* b, int n) {
   return acc[0];
 }
 
+// A sliding window (DecoderLayerSpec::kv_window, kv_keep): a query at
+// position T - 1 sees [0, min(keep, T)) and [first_recent(T), T). Without a
+// window (window 0) it sees [0, T): first_recent is 0.
+struct KvWindowRule {
+  int window = 0, keep = 0;
+  int first_recent(int T) const {
+    if (window <= 0) return 0;
+    const int kept = keep < T ? keep : T;
+    return T - window > kept ? T - window : kept;
+  }
+  // Whether block i (`block` positions) holds no position that a query at
+  // T - 1 or later sees: a table may hold -1 for it.
+  bool hides_block(int64_t i, int block, int T) const {
+    return window > 0 && i * block >= keep && (i + 1) * block <= first_recent(T);
+  }
+};
+
 // Runs fn(ctx, t) for t in [0, tasks) on the pool, the caller included.
 void parallel_for(int tasks, void (*fn)(void* ctx, int task), void* ctx);
 
