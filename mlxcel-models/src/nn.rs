@@ -169,39 +169,78 @@ impl Linear {
     /// `x` [B, L, in] as B sequences, each computed exactly as
     /// [`forward`](Self::forward) computes it alone (see [`per_sequence`]).
     pub fn forward_per_sequence(&self, x: &Array) -> Result<Array> {
-        let quantized = match &self.weight {
-            LinearWeight::Quantized(q) => Some(q),
-            LinearWeight::Dense(_) => None,
+        let (quantized, dense) = match &self.weight {
+            LinearWeight::Quantized(q) => (Some(q), None),
+            LinearWeight::Dense(w) => (None, Some(w)),
         };
-        per_sequence(x, quantized, self.bias.as_ref(), |rows| self.forward(rows))
+        per_sequence(x, quantized, dense, self.bias.as_ref(), |rows| self.forward(rows))
     }
 }
 
 /// A linear map of `x` [B, L, in] whose every sequence b gets exactly what
-/// `alone(x[b])` gives. Quantized weights (`quantized`, plus `bias`) run once
-/// over all rows with the kernel chosen for one sequence's L rows: its loops
-/// compute each row independently. Dense weights, whose kernel changes its
-/// loops with the row count, run sequence by sequence.
+/// `alone(x[b])` gives, reading the weight once for many sequences.
+/// Quantized weights (`quantized`, plus `bias`) run once over all rows with
+/// the kernel chosen for one sequence's L rows: its loops compute each row
+/// independently. Dense weights (`dense`) go through our dense kernel, which
+/// picks its loop by the row count of the call: fewer than
+/// [`DENSE_PANEL_MIN_ROWS`] rows dot rows of w in place, and more run the
+/// packed panels; both compute each row on its own (one accumulator per row
+/// and output, summed along K in the same order), so only the loop choice
+/// depends on the batch. A call therefore takes every sequence when L alone
+/// reaches the panel loop, and otherwise as many whole sequences as stay
+/// below it (decode: 15 rows a call). Under `MLXCEL_PREFILL=mlx` and on a
+/// GPU the matmul is MLX's, whose kernel and summation order depend on the
+/// row count, so there each sequence runs on its own (weights read once per
+/// sequence, but a row's numerics never depend on its batch).
 fn per_sequence(
     x: &Array,
     quantized: Option<&QuantizedWeight>,
+    dense: Option<&Array>,
     bias: Option<&Array>,
     alone: impl Fn(&Array) -> Result<Array>,
 ) -> Result<Array> {
     let (b, l) = (x.dim(0), x.dim(1));
-    match quantized {
-        _ if b == 1 => alone(x),
-        Some(q) if !prefill_uses_mlx() => {
-            let y = q.matmul_t_choosing_by(x, l as usize)?;
-            Ok(match bias {
-                Some(bias) => y.add(bias)?,
-                None => y,
-            })
+    let with_bias = |y: Array| -> Result<Array> {
+        Ok(match bias {
+            Some(bias) => y.add(bias)?,
+            None => y,
+        })
+    };
+    if b == 1 {
+        return alone(x);
+    }
+    if !prefill_uses_mlx() {
+        if let Some(q) = quantized {
+            return with_bias(q.matmul_t_choosing_by(x, l as usize)?);
         }
-        _ => {
-            let rows = (0..b).map(|i| alone(&x.slice_axis(0, i, i + 1)?)).collect::<Result<Vec<_>>>()?;
-            Ok(mlx_sys::concatenate(&rows, 0)?)
+        if let Some(w) = dense.filter(|_| mlx_sys::Device::default_device() == mlx_sys::Device::Cpu) {
+            let per_call = dense_sequences_per_call(b as usize, l as usize) as i32;
+            if per_call >= b {
+                return with_bias(kernels::dense_matmul(x, w)?);
+            }
+            let chunks = (0..b)
+                .step_by(per_call as usize)
+                .map(|start| with_bias(kernels::dense_matmul(&x.slice_axis(0, start, (start + per_call).min(b))?, w)?))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(mlx_sys::concatenate(&chunks, 0)?);
         }
+    }
+    let rows = (0..b).map(|i| alone(&x.slice_axis(0, i, i + 1)?)).collect::<Result<Vec<_>>>()?;
+    Ok(mlx_sys::concatenate(&rows, 0)?)
+}
+
+/// From this many rows of x on, our dense kernel runs its packed panels
+/// rather than its in-place dot loop (`kDensePanelMinRows` in
+/// `kernels/quantized_gemm.cc`).
+const DENSE_PANEL_MIN_ROWS: usize = 16;
+
+/// How many of `b` sequences of `l` rows one dense kernel call takes so
+/// that it runs the loop one sequence runs alone.
+fn dense_sequences_per_call(b: usize, l: usize) -> usize {
+    if l >= DENSE_PANEL_MIN_ROWS {
+        b
+    } else {
+        ((DENSE_PANEL_MIN_ROWS - 1) / l.max(1)).clamp(1, b.max(1))
     }
 }
 
@@ -247,11 +286,11 @@ impl Embedding {
     /// [`as_linear`](Self::as_linear) of `x` [B, L, hidden] as B sequences,
     /// each exactly as alone.
     pub fn as_linear_per_sequence(&self, x: &Array) -> Result<Array> {
-        let quantized = match self {
-            Embedding::Quantized(q) => Some(q),
-            Embedding::Dense(_) => None,
+        let (quantized, dense) = match self {
+            Embedding::Quantized(q) => (Some(q), None),
+            Embedding::Dense(w) => (None, Some(w)),
         };
-        per_sequence(x, quantized, None, |rows| self.as_linear(rows))
+        per_sequence(x, quantized, dense, None, |rows| self.as_linear(rows))
     }
 }
 
@@ -345,17 +384,32 @@ impl GatedMlp {
     }
 
     pub fn forward_with(&self, x: &Array, kernels: RowKernels) -> Result<Array> {
-        if let Some(hidden) = self.fused_gate_up(x, kernels)? {
+        if let Some(hidden) = self.fused_gate_up(x, kernels.rows(x.size() / x.dim(-1).max(1) as usize))? {
             return self.down_proj.forward_with(&hidden, kernels);
         }
         let gate = self.gate_proj.forward_with(x, kernels)?.silu()?;
         self.down_proj.forward_with(&gate.multiply(&self.up_proj.forward_with(x, kernels)?)?, kernels)
     }
 
+    /// `x` [B, L, hidden] as B sequences in one pass, each exactly as
+    /// [`forward`](Self::forward) computes it alone: every projection runs
+    /// over all rows with the kernel one sequence's L rows choose
+    /// ([`Linear::forward_per_sequence`]).
+    pub fn forward_per_sequence(&self, x: &Array) -> Result<Array> {
+        if x.dim(0) == 1 {
+            return self.forward(x);
+        }
+        if let Some(hidden) = self.fused_gate_up(x, x.dim(1) as usize)? {
+            return self.down_proj.forward_per_sequence(&hidden);
+        }
+        let gate = self.gate_proj.forward_per_sequence(x)?.silu()?;
+        self.down_proj.forward_per_sequence(&gate.multiply(&self.up_proj.forward_per_sequence(x)?)?)
+    }
+
     /// `silu(gate(x)) * up(x)` as one GEMM node for many rows (prefill), when
-    /// both projections are quantized alike and have no bias.
-    fn fused_gate_up(&self, x: &Array, kernels: RowKernels) -> Result<Option<Array>> {
-        let rows = kernels.rows(x.size() / x.dim(-1).max(1) as usize);
+    /// both projections are quantized alike and have no bias; `rows` is the
+    /// row count the kernel choice sees (one sequence's).
+    fn fused_gate_up(&self, x: &Array, rows: usize) -> Result<Option<Array>> {
         if rows < DENSE_PREFILL_MIN_ROWS || prefill_uses_mlx() || self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
             return Ok(None);
         }
@@ -422,9 +476,37 @@ impl Attention {
 
     /// `x`: [B, L, hidden] → [B, L, hidden], appending to `cache`.
     pub fn forward(&self, x: &Array, cache: &mut dyn KvCache, kernels: RowKernels) -> Result<Array> {
+        let project = |linear: &Linear| linear.forward_with(x, kernels);
+        let (q, k, v) = self.split_heads(x, project(&self.q_proj)?, project(&self.k_proj)?, project(&self.v_proj)?)?;
+        let out = self.attend(&q, &k, &v, cache)?;
+        self.o_proj.forward_with(&out, kernels)
+    }
+
+    /// `x` [B, L, hidden] as B sequences, `caches[b]` sequence b's cache:
+    /// the q/k/v and o projections run once over all rows (each weight read
+    /// once per step, [`Linear::forward_per_sequence`]), RoPE and attention
+    /// per sequence at its own cache offset. Each sequence gets exactly what
+    /// [`forward`](Self::forward) gives it alone with `RowKernels::ByCount`.
+    pub fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array> {
+        let project = |linear: &Linear| linear.forward_per_sequence(x);
+        let (q, k, v) = self.split_heads(x, project(&self.q_proj)?, project(&self.k_proj)?, project(&self.v_proj)?)?;
+        let rows = caches
+            .iter_mut()
+            .enumerate()
+            .map(|(b, cache)| {
+                let row = |a: &Array| a.slice_axis(0, b as i32, b as i32 + 1);
+                self.attend(&row(&q)?, &row(&k)?, &row(&v)?, cache.as_mut())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.o_proj.forward_per_sequence(&mlx_sys::concatenate(&rows, 0)?)
+    }
+
+    /// Projections [B, L, n * head_dim] → q, k, v as [B, n, L, head_dim]
+    /// (q and k through their per-head norms).
+    fn split_heads(&self, x: &Array, q: Array, k: Array, v: Array) -> Result<(Array, Array, Array)> {
         let (b, l) = (x.dim(0), x.dim(1));
         let AttentionSpec { heads, kv_heads, head_dim, .. } = self.spec;
-        let split_heads = |y: Array, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
+        let split = |y: Array, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
             let y = y.reshape(&[b, l, n, head_dim])?;
             let y = match norm {
                 Some(norm) => norm.forward(&y)?,
@@ -432,27 +514,31 @@ impl Attention {
             };
             Ok(y.transpose(&[0, 2, 1, 3])?)
         };
-        let q = split_heads(self.q_proj.forward_with(x, kernels)?, heads, &self.q_norm)?;
-        let k = split_heads(self.k_proj.forward_with(x, kernels)?, kv_heads, &self.k_norm)?;
-        let v = split_heads(self.v_proj.forward_with(x, kernels)?, kv_heads, &None)?;
+        Ok((split(q, heads, &self.q_norm)?, split(k, kv_heads, &self.k_norm)?, split(v, kv_heads, &None)?))
+    }
+
+    /// RoPE at the cache's offset, the cache update and attention for one
+    /// cache's q, k, v ([B, n, L, head_dim]) → [B, L, heads * head_dim].
+    fn attend(&self, q: &Array, k: &Array, v: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        let (b, l) = (q.dim(0), q.dim(2));
+        let AttentionSpec { heads, head_dim, .. } = self.spec;
         let offset = cache.offset();
-        let q = self.rope.forward(&q, offset)?;
-        let k = self.rope.forward(&k, offset)?;
-        let out = if let Some(out) = cache.attend(&q, &k, &v, self.scale)? {
+        let q = self.rope.forward(q, offset)?;
+        let k = self.rope.forward(k, offset)?;
+        let out = if let Some(out) = cache.attend(&q, &k, v, self.scale)? {
             out
         } else if !prefill_uses_mlx() {
-            let (k, v) = cache.update_and_fetch(&k, &v)?;
+            let (k, v) = cache.update_and_fetch(&k, v)?;
             // Our causal attention kernel (MLX's for what it does not handle),
             // for decode steps too: MLX's CPU attention is a BLAS matmul. Its
             // result transposes back to [B, L, H, D] without a copy.
             kernels::causal_attention(&q, &k, &v, self.scale)?
         } else {
-            let (k, v) = cache.update_and_fetch(&k, &v)?;
+            let (k, v) = cache.update_and_fetch(&k, v)?;
             let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
             fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask)?
         };
-        let out = out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, heads * head_dim])?;
-        self.o_proj.forward_with(&out, kernels)
+        Ok(out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, heads * head_dim])?)
     }
 }
 
@@ -502,8 +588,14 @@ impl DecoderBlock {
 
     /// `x` [B, L, hidden] as B sequences, `caches[b]` sequence b's cache.
     /// Each sequence's output is exactly what [`forward`](Self::forward)
-    /// gives it alone: the fused block serves all of them in one node
-    /// (weights read once per step); otherwise each runs on its own.
+    /// gives it alone, and each weight is read once per step for all of
+    /// them: the fused block serves all rows in one node; MLX's op-by-op
+    /// path (dense checkpoints, `MLXCEL_FUSED=0`, long prompts) runs the
+    /// norms, projections and MLP once over the [B, L, hidden] batch and
+    /// RoPE and attention per sequence over its own cache
+    /// ([`Attention::forward_batch`], [`GatedMlp::forward_per_sequence`]).
+    /// When the fused block declines a batch whose rows it would take alone
+    /// (a cache it cannot write in place), each sequence runs on its own.
     pub fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array> {
         if caches.len() != x.dim(0) as usize {
             return Err(Error::Mlx(format!("{} caches given for a batch of {}", caches.len(), x.dim(0))));
@@ -511,12 +603,14 @@ impl DecoderBlock {
         if let [cache] = caches {
             return self.forward(x, cache.as_mut());
         }
-        if let Some(fused) = &self.fused {
-            if x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32 {
-                if let Some(out) = fused.forward_batch(x, caches)? {
-                    return Ok(out);
-                }
+        let fused_alone = x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32;
+        if let Some(fused) = self.fused.as_ref().filter(|_| fused_alone) {
+            if let Some(out) = fused.forward_batch(x, caches)? {
+                return Ok(out);
             }
+        } else {
+            let h = x.add(&self.self_attn.forward_batch(&self.input_layernorm.forward(x)?, caches)?)?;
+            return Ok(h.add(&self.mlp.forward_per_sequence(&self.post_attention_layernorm.forward(&h)?)?)?);
         }
         let rows = caches
             .iter_mut()
