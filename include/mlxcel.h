@@ -34,7 +34,7 @@
 // function's signature or a struct's layout changes incompatibly; a program
 // must only run against a library with the same major version. It is also
 // the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
-#define MLXCEL_ABI_VERSION_MAJOR 2
+#define MLXCEL_ABI_VERSION_MAJOR 3
 
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
@@ -154,6 +154,17 @@ typedef struct mlxcel_model_params {
     // needs more than the whole pool fails with
     // `MLXCEL_ERR_KV_POOL_TOO_SMALL`. Since ABI 2.0.
     uint64_t kv_pool_bytes;
+    // A rotating (sliding-window) KV cache of this many positions, as
+    // mlx-lm's `--max-kv-size`: every token attends to the first `kv_keep`
+    // positions and the latest `max_kv_size - kv_keep`, and a generation
+    // holds only those however long it runs. 0 (the default) keeps every
+    // position. Needs a quantized checkpoint on the CPU (the paged KV pool);
+    // otherwise, or when not larger than `kv_keep`, loading fails with
+    // `MLXCEL_ERR_INVALID_ARGUMENT`. Since ABI 3.0.
+    uint32_t max_kv_size;
+    // Positions a rotating cache always keeps (default 4, as mlx-lm);
+    // read only when `max_kv_size` is not 0. Since ABI 3.0.
+    uint32_t kv_keep;
 } mlxcel_model_params;
 
 // A summary of a loaded model. Strings are NUL-terminated (truncated if
@@ -285,14 +296,16 @@ const char *mlxcel_last_error(void);
 const char *mlxcel_status_string(mlxcel_status status);
 
 // The default model parameters: `path` NULL (the default model),
-// `kv_pool_bytes` 0 (the default budget).
+// `kv_pool_bytes` 0 (the default budget), `max_kv_size` 0 (every position
+// kept), `kv_keep` 4.
 struct mlxcel_model_params mlxcel_model_default_params(void);
 
 // Loads a model. On success stores a new handle in `*out_model`; free it
 // with `mlxcel_model_free`.
 //
 // Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
-// `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB),
+// `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB, a
+// `max_kv_size` not larger than `kv_keep` or on a model without the paged pool),
 // `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
 // On failure `*out_model` is set to NULL (if out_model is not NULL) and
 // nothing is allocated. May take seconds (and download the default model on

@@ -59,7 +59,7 @@ fn paged_rows_match_contiguous_caches() {
 fn small_engine(blocks: usize) -> Engine {
     let engine = default_engine();
     let bytes = blocks * engine.kv_pool().block_bytes();
-    Engine::with_limits(engine.model().clone(), EngineLimits { kv_pool_bytes: bytes, ..Default::default() })
+    Engine::with_limits(engine.model().clone(), EngineLimits { kv_pool_bytes: bytes, ..Default::default() }).unwrap()
 }
 
 #[test]

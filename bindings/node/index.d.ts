@@ -159,6 +159,16 @@ export interface LoadOptions {
    * KV_POOL_TOO_SMALL. A bad value rejects with INVALID_PARAMETER.
    */
   kvPoolBytes?: number
+  /**
+   * A rotating KV cache of this many positions (mlx-lm's --max-kv-size): each
+   * token attends to the first `kvKeep` positions and the latest
+   * `maxKvSize - kvKeep`, and a generation holds only those however long it
+   * runs. Needs a quantized checkpoint on the CPU (the paged KV pool); else,
+   * or when not larger than `kvKeep`, loading throws INVALID_PARAMETER.
+   */
+  maxKvSize?: number
+  /** Positions a rotating cache always keeps (attention sinks; default 4). */
+  kvKeep?: number
 }
 
 /**

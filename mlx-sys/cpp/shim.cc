@@ -125,6 +125,7 @@ rust::Vec<int64_t> array_strides(const array& a) {
 }
 size_t array_size(const array& a) { return a.size(); }
 size_t array_nbytes(const array& a) { return a.nbytes(); }
+bool array_is_available(const array& a) { return a.is_available(); }
 
 rust::Vec<uint8_t> array_to_bytes(const array& a) {
   array c = mx::contiguous(a);

@@ -56,6 +56,7 @@ rust::Vec<int32_t> array_shape(const array& a);
 rust::Vec<int64_t> array_strides(const array& a);
 size_t array_size(const array& a);
 size_t array_nbytes(const array& a);
+bool array_is_available(const array& a);
 rust::Vec<uint8_t> array_to_bytes(const array& a);
 rust::String array_to_string(const array& a);
 

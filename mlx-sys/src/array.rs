@@ -148,6 +148,12 @@ impl Array {
         ffi::array_nbytes(&self.raw)
     }
 
+    /// Whether the array has been computed (its data can be read without
+    /// waiting), and with it everything it depends on.
+    pub fn is_available(&self) -> bool {
+        ffi::array_is_available(&self.raw)
+    }
+
     /// Evaluates the array.
     pub fn eval(&self) -> Result<()> {
         Ok(ffi::eval_one(&self.raw)?)

@@ -87,6 +87,7 @@ mod bridge {
         fn arange(start: f64, stop: f64, step: f64, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_size(a: &MlxArray) -> usize;
         fn array_nbytes(a: &MlxArray) -> usize;
+        fn array_is_available(a: &MlxArray) -> bool;
         fn array_to_string(a: &MlxArray) -> Result<String>;
         fn add(a: &MlxArray, b: &MlxArray) -> Result<UniquePtr<MlxArray>>;
         fn subtract(a: &MlxArray, b: &MlxArray) -> Result<UniquePtr<MlxArray>>;

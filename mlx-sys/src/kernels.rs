@@ -338,6 +338,12 @@ impl KvWindow {
         }
         (self.keep.max(0) as usize).max((position + 1).saturating_sub(self.window as usize))
     }
+
+    /// Whether block `index` (`block` positions) holds no position that a
+    /// token at `position` or later sees: its table entry may be `-1`.
+    pub fn hides_block(&self, index: usize, block: usize, position: usize) -> bool {
+        self.window > 0 && index * block >= self.keep.max(0) as usize && (index + 1) * block <= self.first_recent(position)
+    }
 }
 
 /// An evaluated `f32 [kv_heads, blocks, block, head_dim]` pool over an

@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, EngineLimits, Error as EngineError, FinishReason, GenerationOptions, GenerationOutput,
-    GenerationRequest, GenerationStats, Message, Prompt,
+    CancelFlag, Engine, Error as EngineError, FinishReason, GenerationOptions, GenerationOutput,
+    GenerationRequest, GenerationStats, LimitOptions, Message, Prompt,
 };
 
 use handles::Registry;
@@ -111,6 +111,17 @@ pub struct mlxcel_model_params {
     /// needs more than the whole pool fails with
     /// `MLXCEL_ERR_KV_POOL_TOO_SMALL`. Since ABI 2.0.
     pub kv_pool_bytes: u64,
+    /// A rotating (sliding-window) KV cache of this many positions, as
+    /// mlx-lm's `--max-kv-size`: every token attends to the first `kv_keep`
+    /// positions and the latest `max_kv_size - kv_keep`, and a generation
+    /// holds only those however long it runs. 0 (the default) keeps every
+    /// position. Needs a quantized checkpoint on the CPU (the paged KV pool);
+    /// otherwise, or when not larger than `kv_keep`, loading fails with
+    /// `MLXCEL_ERR_INVALID_ARGUMENT`. Since ABI 3.0.
+    pub max_kv_size: u32,
+    /// Positions a rotating cache always keeps (default 4, as mlx-lm);
+    /// read only when `max_kv_size` is not 0. Since ABI 3.0.
+    pub kv_keep: u32,
 }
 
 /// How to generate. Get the defaults from `mlxcel_generate_default_params()`
@@ -564,12 +575,15 @@ pub extern "C" fn mlxcel_status_string(status: mlxcel_status) -> *const c_char {
 // Models
 
 /// The default model parameters: `path` NULL (the default model),
-/// `kv_pool_bytes` 0 (the default budget).
+/// `kv_pool_bytes` 0 (the default budget), `max_kv_size` 0 (every position
+/// kept), `kv_keep` 4.
 #[no_mangle]
 pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
     mlxcel_model_params {
         path: std::ptr::null(),
         kv_pool_bytes: 0,
+        max_kv_size: 0,
+        kv_keep: mlxcel_engine::DEFAULT_KV_KEEP as u32,
     }
 }
 
@@ -577,7 +591,8 @@ pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
 /// with `mlxcel_model_free`.
 ///
 /// Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
-/// `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB),
+/// `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB, a
+/// `max_kv_size` not larger than `kv_keep` or on a model without the paged pool),
 /// `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
 /// On failure `*out_model` is set to NULL (if out_model is not NULL) and
 /// nothing is allocated. May take seconds (and download the default model on
@@ -598,7 +613,12 @@ pub unsafe extern "C" fn mlxcel_model_load(
         } else {
             path_from_c(params.path)
         };
-        let limits = EngineLimits::with_kv_pool_bytes((params.kv_pool_bytes != 0).then_some(params.kv_pool_bytes.into()))?;
+        let limits = LimitOptions {
+            kv_pool_bytes: (params.kv_pool_bytes != 0).then_some(params.kv_pool_bytes.into()),
+            max_kv_size: (params.max_kv_size != 0).then_some(params.max_kv_size.into()),
+            kv_keep: (params.max_kv_size != 0).then_some(params.kv_keep.into()),
+        }
+        .resolve()?;
         *out_model = MODELS.insert(Arc::new(Engine::load_with(&dir, limits)?)) as *mut mlxcel_model;
         // MLX's statics exist now: the exit handler must run before their destructors.
         shutdown::register_exit_handler();

@@ -78,7 +78,7 @@ fn header_declares_every_exported_function() {
         );
     }
     for constant in [
-        "#define MLXCEL_ABI_VERSION_MAJOR 2",
+        "#define MLXCEL_ABI_VERSION_MAJOR 3",
         "MLXCEL_OK = 0,",
         "MLXCEL_CANCELLED = 1,",
         "MLXCEL_ERR_INVALID_HANDLE = -4,",

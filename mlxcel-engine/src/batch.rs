@@ -23,6 +23,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use mlx_sys::kernels::KvWindow;
 use mlx_sys::{async_eval, concatenate, eval, memory, Array, Dtype};
 use mlxcel_models::nn::RowKernels;
 use mlxcel_models::paged::{KvPool, PagedKvCache, RowBlocks};
@@ -169,9 +170,12 @@ impl BatchEngine {
     }
 
     /// A pool of `bytes` for `model`'s rows: paged when its kernels read a
-    /// paged pool, accounting only otherwise.
-    pub fn pool_for(model: &Model, bytes: usize) -> Arc<KvPool> {
-        KvPool::new(model.network().shape(), bytes, model.network().reads_paged_kv())
+    /// paged pool, accounting only otherwise. A sliding `window` needs a
+    /// paged pool.
+    pub fn pool_for(model: &Model, bytes: usize, window: KvWindow) -> Result<Arc<KvPool>> {
+        let network = model.network();
+        KvPool::new(network.shape(), bytes, network.reads_paged_kv(), window)
+            .map_err(|e| Error::InvalidParameter { name: "max_kv_size", message: e.to_string() })
     }
 
     /// The KV pool of this engine's rows.
@@ -179,14 +183,15 @@ impl BatchEngine {
         &self.pool
     }
 
-    /// Pool blocks a row of `request` may need: its prompt and `max_tokens`,
-    /// within the model's context.
+    /// Pool blocks a row of `request` may hold at once: its prompt and
+    /// `max_tokens` within the model's context, or under a window what the
+    /// window keeps.
     fn blocks_needed(&self, request: &RowRequest) -> usize {
         let mut positions = request.prompt.len() + request.params.max_tokens;
         if let Some(context) = self.model.network().shape().max_position_embeddings {
             positions = positions.min(context.max(request.prompt.len()));
         }
-        KvPool::blocks_for(positions)
+        self.pool.window_blocks(positions, request.prefill_chunk)
     }
 
     /// Whether [`open`](Self::open) can take `request` now: false while the
@@ -239,8 +244,10 @@ impl BatchEngine {
             }
         }
         let cached_tokens = adopted.len() * BLOCK_TOKENS;
-        // `fits` was true: the pool has room for every block beyond the adopted ones.
-        let Ok(reservation) = self.pool.reserve(needed - adopted.len()) else {
+        // `fits` was true: the pool has room for every block beyond the
+        // adopted ones (under a window, adopted blocks the prompt's rest does
+        // not see go back to the reservation after its first chunk).
+        let Ok(reservation) = self.pool.reserve(needed.saturating_sub(adopted.len())) else {
             // Gives the adopted blocks back.
             drop(RowBlocks::new(self.pool.clone(), adopted, Default::default()));
             return Err(self.too_small(needed));
@@ -329,6 +336,16 @@ impl BatchEngine {
         let end = if start < last_start { (start + r.prefill_chunk).min(total) } else { total };
         let tokens = token_array(&r.prompt[start..end])?;
         let logits = network.forward_last_with(&tokens, &mut r.caches, r.kernels)?;
+        if !r.block_hashes.is_empty() {
+            // Cached as they fill: under a window the next chunk may hand
+            // this chunk's blocks back. Later readers come after this node.
+            if let Some(paged) = r.caches.first_mut().and_then(|c| c.as_paged()) {
+                let mut blocks = paged.row_blocks().lock().unwrap_or_else(|e| e.into_inner());
+                let full = (end / BLOCK_TOKENS).min(r.block_hashes.len());
+                prefix_cache::store(&self.pool, &r.prompt, &r.block_hashes[..full], blocks.table());
+                blocks.seal(full * BLOCK_TOKENS);
+            }
+        }
         if end < total {
             eval(r.caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter())?;
         } else {
@@ -338,13 +355,6 @@ impl BatchEngine {
             async_eval([&next])?;
             r.queued = Some(next);
             r.phase = Phase::Decoding;
-            if !r.block_hashes.is_empty() {
-                if let Some(paged) = r.caches.first_mut().and_then(|c| c.as_paged()) {
-                    let mut blocks = paged.row_blocks().lock().unwrap_or_else(|e| e.into_inner());
-                    prefix_cache::store(&self.pool, &r.prompt, &r.block_hashes, blocks.table());
-                    blocks.seal(r.block_hashes.len() * BLOCK_TOKENS);
-                }
-            }
         }
         r.prefilled = end;
         Ok(end - start)

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
+use mlx_sys::kernels::KvWindow;
 use mlxcel_models::chat_template::Message;
 use mlxcel_models::{runtime, KvPool, Model};
 
@@ -175,26 +176,72 @@ pub struct EngineLimits {
     /// Cache full prompt blocks and reuse them for later prompts with the
     /// same prefix (default on).
     pub prefix_caching: bool,
+    /// A rotating (sliding-window) KV cache of this many positions, as
+    /// mlx-lm's `--max-kv-size`: every token attends to the first
+    /// [`kv_keep`](Self::kv_keep) positions and the latest
+    /// `max_kv_size - kv_keep`, and a row holds only those blocks however
+    /// long it runs. None (the default) keeps every position. Needs the
+    /// paged pool (the CPU kernels on a quantized checkpoint).
+    pub max_kv_size: Option<usize>,
+    /// Positions at the start that a rotating cache always keeps (attention
+    /// sinks; default [`DEFAULT_KV_KEEP`], mlx-lm's).
+    pub kv_keep: usize,
 }
+
+/// mlx-lm's `RotatingKVCache` keep.
+pub const DEFAULT_KV_KEEP: usize = 4;
 
 impl Default for EngineLimits {
     fn default() -> Self {
-        EngineLimits { kv_pool_bytes: mlxcel_models::paged::DEFAULT_POOL_BYTES, prefix_caching: true }
+        EngineLimits {
+            kv_pool_bytes: mlxcel_models::paged::DEFAULT_POOL_BYTES,
+            prefix_caching: true,
+            max_kv_size: None,
+            kv_keep: DEFAULT_KV_KEEP,
+        }
+    }
+}
+
+/// [`EngineLimits`] as a front end takes them: any integer (a wide type, so
+/// every value it was given is checked here), None for the default.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LimitOptions {
+    /// At least 1 MiB.
+    pub kv_pool_bytes: Option<i128>,
+    /// Larger than `kv_keep`.
+    pub max_kv_size: Option<i128>,
+    /// At least 0; only with `max_kv_size`.
+    pub kv_keep: Option<i128>,
+}
+
+impl LimitOptions {
+    /// The checked limits; an out-of-range value is `InvalidParameter`
+    /// naming the option.
+    pub fn resolve(self) -> Result<EngineLimits> {
+        use crate::options::GenerationOptions as Options;
+        let mut limits = EngineLimits::default();
+        if let Some(bytes) = self.kv_pool_bytes {
+            limits.kv_pool_bytes = Options::integer::<u64>("kv_pool_bytes", bytes)?.try_into().unwrap_or(usize::MAX);
+        }
+        if let Some(keep) = self.kv_keep {
+            limits.kv_keep = Options::integer("kv_keep", keep)?;
+        }
+        limits.max_kv_size = self.max_kv_size.map(|size| Options::integer("max_kv_size", size)).transpose()?;
+        limits.window()?;
+        Ok(limits)
     }
 }
 
 impl EngineLimits {
-    /// The defaults with the KV pool's budget from a front end (in a wide
-    /// type, so any integer it was given is checked here): None keeps the
-    /// default; a budget must be at least 1 MiB.
-    pub fn with_kv_pool_bytes(kv_pool_bytes: Option<i128>) -> Result<Self> {
-        let mut limits = EngineLimits::default();
-        if let Some(bytes) = kv_pool_bytes {
-            limits.kv_pool_bytes = crate::options::GenerationOptions::integer::<u64>("kv_pool_bytes", bytes)?
-                .try_into()
-                .unwrap_or(usize::MAX);
+    /// The positions every token attends to.
+    pub fn window(&self) -> Result<KvWindow> {
+        let Some(size) = self.max_kv_size else { return Ok(KvWindow::ALL) };
+        let invalid = |message: String| Error::InvalidParameter { name: "max_kv_size", message };
+        if size <= self.kv_keep {
+            return Err(invalid(format!("must be larger than kv_keep ({}), got {size}", self.kv_keep)));
         }
-        Ok(limits)
+        let window = i32::try_from(size - self.kv_keep).map_err(|_| invalid(format!("must be below 2**31, got {size}")))?;
+        Ok(KvWindow { window, keep: self.kv_keep as i32 })
     }
 }
 
@@ -205,14 +252,16 @@ impl Engine {
     /// environment at the first model load unless
     /// [`runtime::init`](crate::runtime::init) came first.
     pub fn new(model: Arc<Model>) -> Self {
-        Engine::with_limits(model, EngineLimits::default())
+        Engine::with_limits(model, EngineLimits::default()).expect("the default limits fit every model")
     }
 
-    /// [`new`](Self::new) with its KV pool and prefix cache set by `limits`.
-    pub fn with_limits(model: Arc<Model>, limits: EngineLimits) -> Self {
-        let pool = BatchEngine::pool_for(&model, limits.kv_pool_bytes);
+    /// [`new`](Self::new) with its KV pool and prefix cache set by `limits`;
+    /// `InvalidParameter` when they do not hold (a window the model's
+    /// caches cannot keep).
+    pub fn with_limits(model: Arc<Model>, limits: EngineLimits) -> Result<Self> {
+        let pool = BatchEngine::pool_for(&model, limits.kv_pool_bytes, limits.window()?)?;
         let scheduler = Arc::new(Scheduler::start(model.clone(), pool.clone(), limits.prefix_caching));
-        Engine { scheduler, model, limits, pool }
+        Ok(Engine { scheduler, model, limits, pool })
     }
 
     pub fn limits(&self) -> EngineLimits {
@@ -236,7 +285,7 @@ impl Engine {
             let what = if dir.exists() { "not a directory" } else { "no such model directory" };
             return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
         }
-        Ok(Engine::with_limits(Arc::new(Model::load(dir).map_err(Error::load)?), limits))
+        Engine::with_limits(Arc::new(Model::load(dir).map_err(Error::load)?), limits)
     }
 
     pub fn model(&self) -> &Arc<Model> {

@@ -25,7 +25,7 @@ mod summary;
 
 pub use error::{Error, ErrorKind, Result};
 pub use generate::{
-    generate_batch, CancelFlag, Engine, EngineLimits, FinishReason, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt,
+    generate_batch, CancelFlag, Engine, EngineLimits, FinishReason, LimitOptions, DEFAULT_KV_KEEP, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt,
 };
 pub use options::{GenerationOptions, DEFAULT_PREFILL_CHUNK};
 pub use mlxcel_tokenizer::Message;

@@ -58,10 +58,11 @@ pub fn adopt(pool: &KvPool, prompt: &[u32], hashes: &[u64], max_blocks: usize) -
 }
 
 /// Caches the full blocks of `prompt` that are not cached yet: block `i` is
-/// `table[i]`, written by the prefill of this prompt.
+/// `table[i]`, written by the prefill of this prompt (`-1`: handed back
+/// under a window, after it was cached).
 pub fn store(pool: &KvPool, prompt: &[u32], hashes: &[u64], table: &[BlockId]) {
     for (i, (&hash, &block)) in hashes.iter().zip(table).enumerate() {
-        if !pool.is_cached(hash) {
+        if block >= 0 && !pool.is_cached(hash) {
             pool.cache(hash, block, &prompt[i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS], i);
         }
     }

@@ -757,7 +757,9 @@ impl FusedBlock {
             .map(|(table, c)| kernels::PagedSequence { table, offset: c.offset() as i32 })
             .collect();
         let (pool_keys, pool_values) = caches[0].layer_pools()?;
-        let (out, keys, values) = self.weights.forward_paged(x, &pool_keys, &pool_values, &sequences, &self.spec)?;
+        let window = caches[0].pool().window();
+        let spec = DecoderLayerSpec { kv_window: window.window, kv_keep: window.keep, ..self.spec };
+        let (out, keys, values) = self.weights.forward_paged(x, &pool_keys, &pool_values, &sequences, &spec)?;
         caches[0].set_layer_pools(keys, values);
         for cache in caches.iter_mut() {
             cache.advance(length);

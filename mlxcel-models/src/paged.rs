@@ -16,6 +16,11 @@
 //!   until the pool needs room (least recently used first).
 //! - Rows reserve the blocks they may need before they start
 //!   ([`KvPool::reserve`]), so a running row never finds the pool empty.
+//! - A pool may have a sliding window ([`KvWindow`]): every token sees the
+//!   first `keep` positions and the latest `window`. A row then hands back
+//!   each block that no later token sees, one step after the last node that
+//!   read it was built (that node may still be running), so a row holds at
+//!   most [`KvPool::window_blocks`] blocks however long it runs.
 //!
 //! Models whose kernels cannot read a paged pool (GPUs, dense checkpoints)
 //! get an accounting-only pool: the same budget, reservations and errors,
@@ -27,7 +32,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use mlx_sys::{kernels, Array};
+use mlx_sys::kernels::{self, KvWindow};
+use mlx_sys::Array;
 
 use crate::cache::{AppendWriter, CacheLayout, KvCache};
 use crate::model::ModelShape;
@@ -88,12 +94,27 @@ struct PoolState {
     by_hash: HashMap<u64, BlockId>,
     reserved: usize,
     clock: u64,
+    /// Freed blocks whose pages are handed back once every node built so
+    /// far has run (one may still read them).
+    unmap_later: Vec<BlockId>,
 }
 
 impl PoolState {
     /// Blocks referenced by rows.
     fn in_use(&self) -> usize {
         self.refs.iter().filter(|&&r| r > 0).count()
+    }
+
+    /// Hands back the pages of freed blocks once no node that may read them
+    /// is left to run (every layer's latest pool is computed).
+    fn unmap_freed(&mut self) {
+        if self.unmap_later.is_empty() || !self.layers.iter().all(|(k, v)| k.is_available() && v.is_available()) {
+            return;
+        }
+        for pool in &self.mapped {
+            let _ = kernels::kv_pool_release(pool, &self.unmap_later);
+        }
+        self.unmap_later.clear();
     }
 }
 
@@ -106,6 +127,7 @@ pub struct KvPool {
     budget_bytes: usize,
     shape: PoolShape,
     paged: bool,
+    window: KvWindow,
 }
 
 #[derive(Clone, Copy)]
@@ -127,8 +149,9 @@ pub enum ReserveError {
 impl KvPool {
     /// A pool of `budget_bytes` for `shape`'s layers. `paged` pools hold the
     /// keys and values themselves (CPU kernels); others only account for the
-    /// contiguous caches of their rows.
-    pub fn new(shape: &ModelShape, budget_bytes: usize, paged: bool) -> Arc<KvPool> {
+    /// contiguous caches of their rows. Every layer's attention over the pool
+    /// sees `window` (a paged pool only: contiguous caches keep every position).
+    pub fn new(shape: &ModelShape, budget_bytes: usize, paged: bool, window: KvWindow) -> crate::Result<Arc<KvPool>> {
         let block_bytes = 2 * shape.num_layers * shape.kv_heads * BLOCK_TOKENS * shape.head_dim * std::mem::size_of::<f32>();
         let total = (budget_bytes / block_bytes.max(1)).min(i32::MAX as usize);
         let state = PoolState {
@@ -140,9 +163,35 @@ impl KvPool {
             by_hash: HashMap::new(),
             reserved: 0,
             clock: 0,
+            unmap_later: Vec::new(),
         };
         let shape = PoolShape { layers: shape.num_layers, kv_heads: shape.kv_heads, head_dim: shape.head_dim };
-        Arc::new(KvPool { state: Mutex::new(state), total, block_bytes, budget_bytes, shape, paged: paged && total > 0 })
+        let paged = paged && total > 0;
+        if window != KvWindow::ALL && !paged {
+            return Err(crate::Error::Mlx(
+                "a sliding KV window needs the paged KV pool, which this model's kernels (CPU, quantized) do not read".into(),
+            ));
+        }
+        Ok(Arc::new(KvPool { state: Mutex::new(state), total, block_bytes, budget_bytes, shape, paged, window }))
+    }
+
+    /// The positions every token sees (every position without a window).
+    pub fn window(&self) -> KvWindow {
+        self.window
+    }
+
+    /// The most blocks a row holds at once when its nodes take at most
+    /// `chunk` new positions: without a window, all of `positions`; with
+    /// one, the kept blocks, the window and two nodes' new positions (the
+    /// blocks the node before still reads are handed back one step late),
+    /// and the partial blocks at either end.
+    pub fn window_blocks(&self, positions: usize, chunk: usize) -> usize {
+        let all = Self::blocks_for(positions);
+        if self.window == KvWindow::ALL {
+            return all;
+        }
+        let kept = Self::blocks_for(self.window.keep.max(0) as usize);
+        all.min(kept + Self::blocks_for(self.window.window as usize + 2 * chunk.max(1)) + 2)
     }
 
     /// Whether rows keep their keys and values in this pool.
@@ -168,7 +217,8 @@ impl KvPool {
     }
 
     pub fn usage(&self) -> PoolUsage {
-        let s = self.lock();
+        let mut s = self.lock();
+        s.unmap_freed();
         let in_use = s.in_use();
         let cached_idle = s.cached.keys().filter(|&&b| s.refs[b as usize] == 0).count();
         PoolUsage { total: self.total, in_use, cached_idle, reserved: s.reserved }
@@ -178,7 +228,11 @@ impl KvPool {
     /// accounting-only pool).
     pub fn resident_bytes(&self) -> crate::Result<usize> {
         // Counted outside the lock: the rows need it for every layer of a step.
-        let mapped = self.lock().mapped.clone();
+        let mapped = {
+            let mut s = self.lock();
+            s.unmap_freed();
+            s.mapped.clone()
+        };
         let mut bytes = 0;
         for pool in &mapped {
             bytes += kernels::resident_bytes(pool)?;
@@ -244,30 +298,40 @@ impl KvPool {
             reservation.blocks -= 1;
             s.reserved -= 1;
         }
+        // Written from here on: its pages stay.
+        s.unmap_later.retain(|&b| b != id);
         s.refs[id as usize] = 1;
         Some(id)
     }
 
-    /// Drops one reference to each of `blocks`; a block no row references
-    /// is freed (its pages handed back) unless it is cached.
-    fn release(&self, blocks: &[BlockId]) {
+    /// Drops one reference to each of `blocks` (`-1` entries skipped); a
+    /// block no row references is freed (its pages handed back) unless it is
+    /// cached. With `reservation`, each block that no row references any more
+    /// goes back to it, up to `bound` blocks held and reserved.
+    fn release(&self, blocks: &[BlockId], mut reservation: Option<(&mut Reservation, usize)>) {
         let mut s = self.lock();
         let mut freed = Vec::new();
-        for &b in blocks {
+        for &b in blocks.iter().filter(|&&b| b >= 0) {
             let r = &mut s.refs[b as usize];
             *r -= 1;
-            if *r == 0 && !s.cached.contains_key(&b) {
-                s.free.insert(b);
-                freed.push(b);
+            if *r == 0 {
+                if let Some((reservation, bound)) = reservation.as_mut() {
+                    if reservation.blocks < *bound {
+                        reservation.blocks += 1;
+                        s.reserved += 1;
+                    }
+                }
+                if !s.cached.contains_key(&b) {
+                    s.free.insert(b);
+                    freed.push(b);
+                }
             }
         }
-        if !freed.is_empty() {
-            // Later nodes that write these blocks come after every node that
-            // read them (each node takes the pool its predecessor returned).
-            for pool in &s.mapped {
-                let _ = kernels::kv_pool_release(pool, &freed);
-            }
-        }
+        // Later nodes that write these blocks come after every node that
+        // read them (each node takes the pool its predecessor returned), but
+        // handing pages back is immediate: it waits for the nodes built so far.
+        s.unmap_later.extend(freed);
+        s.unmap_freed();
     }
 
     /// The cached block under `hash` holding `tokens`, with a new reference
@@ -324,11 +388,20 @@ impl Reservation {
 /// is left of its reservation. Dropping it releases both.
 pub struct RowBlocks {
     pool: Arc<KvPool>,
+    /// Block ids by position / [`BLOCK_TOKENS`]; `-1` for a block handed
+    /// back under the pool's window.
     table: Vec<BlockId>,
     reservation: Reservation,
+    /// The most blocks the row holds and reserves at once (what it reserved
+    /// first): blocks handed back under a window refill the reservation up to it.
+    bound: usize,
     /// Positions at the start of the table that other rows may share (cached
     /// or adopted blocks): never written again.
     sealed: usize,
+    /// The offset of the latest node built over the table.
+    built: Option<usize>,
+    /// Blocks below this position, past the kept ones, may be handed back.
+    released_below: usize,
 }
 
 impl RowBlocks {
@@ -336,11 +409,38 @@ impl RowBlocks {
     /// [`KvPool::lookup`]), drawing further blocks from `reservation`.
     pub fn new(pool: Arc<KvPool>, adopted: Vec<BlockId>, reservation: Reservation) -> Self {
         let sealed = adopted.len() * BLOCK_TOKENS;
-        RowBlocks { pool, table: adopted, reservation, sealed }
+        let bound = adopted.len() + reservation.blocks;
+        RowBlocks { pool, table: adopted, reservation, bound, sealed, built: None, released_below: 0 }
     }
 
+    /// Block ids by position / [`BLOCK_TOKENS`] (`-1`: handed back).
     pub fn table(&self) -> &[BlockId] {
         &self.table
+    }
+
+    /// Blocks the row holds.
+    pub fn held(&self) -> usize {
+        self.table.iter().filter(|&&b| b >= 0).count()
+    }
+
+    /// Readies the table for a node writing `length` positions at `offset`:
+    /// under a window, hands back the blocks that the previous node (which
+    /// may still be running) did not read, then covers the new positions.
+    fn prepare(&mut self, offset: usize, length: usize) -> crate::Result<()> {
+        let window = self.pool.window;
+        if let Some(previous) = self.built.filter(|&p| p != offset && window != KvWindow::ALL) {
+            let hidden: Vec<usize> = (0..self.table.len())
+                .filter(|&i| self.table[i] >= 0 && window.hides_block(i, BLOCK_TOKENS, previous.min(offset)))
+                .collect();
+            if !hidden.is_empty() {
+                let ids: Vec<BlockId> = hidden.iter().map(|&i| std::mem::replace(&mut self.table[i], -1)).collect();
+                let bound = self.bound.saturating_sub(self.held());
+                self.pool.release(&ids, Some((&mut self.reservation, bound)));
+                self.released_below = self.released_below.max((hidden[hidden.len() - 1] + 1) * BLOCK_TOKENS);
+            }
+        }
+        self.built = Some(offset);
+        self.cover(offset + length)
     }
 
     /// Extends the table to cover `positions` positions.
@@ -363,11 +463,24 @@ impl RowBlocks {
     pub fn seal(&mut self, positions: usize) {
         self.sealed = self.sealed.max(positions / BLOCK_TOKENS * BLOCK_TOKENS);
     }
+
+    /// The fewest positions the row can be trimmed back to: the sealed ones,
+    /// and under a window those whose next token still sees every block it
+    /// needs.
+    fn trim_floor(&self) -> usize {
+        let window = self.pool.window;
+        let mut floor = self.sealed;
+        if window != KvWindow::ALL && self.released_below > 0 {
+            // A token at p sees p + 1 - window onwards: p >= released_below + window - 1.
+            floor = floor.max((self.released_below + window.window as usize).saturating_sub(1));
+        }
+        floor
+    }
 }
 
 impl Drop for RowBlocks {
     fn drop(&mut self) {
-        self.pool.release(&self.table);
+        self.pool.release(&self.table, None);
         self.pool.unreserve(&mut self.reservation);
     }
 }
@@ -401,10 +514,12 @@ impl PagedKvCache {
         &self.pool
     }
 
-    /// The block table after extending it to `offset + length` positions.
+    /// The block table for a node writing `length` positions at the offset
+    /// (extended to cover them; under a window, blocks no token from the
+    /// previous node on sees are `-1`).
     pub fn table_for(&self, length: usize) -> crate::Result<Vec<BlockId>> {
         let mut blocks = self.blocks.lock().unwrap_or_else(|e| e.into_inner());
-        blocks.cover(self.offset + length)?;
+        blocks.prepare(self.offset, length)?;
         Ok(blocks.table.clone())
     }
 
@@ -436,8 +551,8 @@ impl KvCache for PagedKvCache {
     }
 
     fn trim(&mut self, n: usize) -> usize {
-        let sealed = self.blocks.lock().unwrap_or_else(|e| e.into_inner()).sealed;
-        let n = n.min(self.offset.saturating_sub(sealed));
+        let floor = self.blocks.lock().unwrap_or_else(|e| e.into_inner()).trim_floor();
+        let n = n.min(self.offset.saturating_sub(floor));
         self.offset -= n;
         n
     }
@@ -448,7 +563,7 @@ impl KvCache for PagedKvCache {
 
     fn nbytes(&self) -> usize {
         // This layer's share of the row's blocks.
-        let blocks = self.blocks.lock().unwrap_or_else(|e| e.into_inner()).table.len();
+        let blocks = self.blocks.lock().unwrap_or_else(|e| e.into_inner()).held();
         blocks * self.pool.block_bytes / self.pool.shape.layers.max(1)
     }
 
@@ -456,7 +571,7 @@ impl KvCache for PagedKvCache {
         let length = k.dim(2) as usize;
         let table = self.table_for(length).map_err(|e| mlx_sys::Error::new(e.to_string()))?;
         let (pool_k, pool_v) = self.layer_pools().map_err(|e| mlx_sys::Error::new(e.to_string()))?;
-        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale, kernels::KvWindow::ALL)?;
+        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale, self.pool.window)?;
         self.set_layer_pools(pool_k, pool_v);
         self.offset += length;
         Ok(Some(out))

@@ -54,6 +54,8 @@ pub struct BenchArgs {
     /// Byte budget of the model's KV pool, in MiB (default: the engine's, 1024).
     #[arg(long, value_name = "MIB")]
     pub kv_pool_mib: Option<u64>,
+    #[command(flatten)]
+    pub kv: crate::KvArgs,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -118,7 +120,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     // The runtime's own footprint (binary, libmlx, BLAS) before any model.
     let baseline_rss = rss_bytes("VmRSS:");
     let loaded = Instant::now();
-    let limits = mlxcel_engine::EngineLimits::with_kv_pool_bytes(args.kv_pool_mib.map(|m| i128::from(m) << 20))?;
+    let limits = args.kv.limits(args.kv_pool_mib.map(|m| m.saturating_mul(1 << 20)))?;
     let engine = Engine::load_with(dir, limits)?;
     eprintln!("loaded in {:.2} s", loaded.elapsed().as_secs_f64());
     // Peak RSS counts generation only, not the loader's transient buffers.

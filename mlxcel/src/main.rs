@@ -70,6 +70,33 @@ struct GenerateArgs {
     /// Also print the generated token ids to stderr.
     #[arg(long)]
     show_tokens: bool,
+    #[command(flatten)]
+    kv: KvArgs,
+}
+
+/// The KV cache options of `generate` and `bench`.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct KvArgs {
+    /// A rotating KV cache of N positions (mlx-lm's --max-kv-size): tokens
+    /// attend to the first --kv-keep positions and the latest N - keep, and
+    /// each row holds only those.
+    #[arg(long, value_name = "N")]
+    pub max_kv_size: Option<u64>,
+    /// Positions a rotating cache always keeps (attention sinks).
+    #[arg(long, value_name = "N", default_value_t = mlxcel_engine::DEFAULT_KV_KEEP as u64, requires = "max_kv_size")]
+    pub kv_keep: u64,
+}
+
+impl KvArgs {
+    /// The engine's limits with these options and a pool of `kv_pool_bytes`.
+    pub fn limits(&self, kv_pool_bytes: Option<u64>) -> Result<mlxcel_engine::EngineLimits, mlxcel_engine::Error> {
+        mlxcel_engine::LimitOptions {
+            kv_pool_bytes: kv_pool_bytes.map(i128::from),
+            max_kv_size: self.max_kv_size.map(i128::from),
+            kv_keep: Some(self.kv_keep.into()),
+        }
+        .resolve()
+    }
 }
 
 #[derive(Args)]
@@ -127,7 +154,7 @@ fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {
 
 fn generate(args: GenerateArgs) -> AnyResult<()> {
     let dir = model_dir(args.model)?;
-    let engine = Engine::load(&dir)?;
+    let engine = Engine::load_with(&dir, args.kv.limits(None)?)?;
     let prompt = if args.chat || args.system.is_some() {
         let mut messages = Vec::new();
         if let Some(system) = args.system {
@@ -179,12 +206,12 @@ fn inspect(dir: &Path) -> AnyResult<()> {
     let (config, _) = read_config(dir)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     print_info(dir, &info, &config, &tokenizer);
-    print_engine(network.as_ref());
+    print_engine(network.as_ref())?;
     Ok(())
 }
 
 /// The engine's limits for this model: its KV pool and batch size.
-fn print_engine(network: &dyn mlxcel_models::LanguageModel) {
+fn print_engine(network: &dyn mlxcel_models::LanguageModel) -> AnyResult<()> {
     let shape = network.shape();
     let limits = mlxcel_engine::EngineLimits::default();
     let paged = network.reads_paged_kv();
@@ -195,13 +222,14 @@ fn print_engine(network: &dyn mlxcel_models::LanguageModel) {
         mlxcel_engine::prefix_cache::BLOCK_TOKENS,
         limits.kv_pool_bytes / shape.kv_bytes_per_token().max(1),
     );
-    let pool = mlxcel_models::KvPool::new(shape, limits.kv_pool_bytes, paged);
+    let pool = mlxcel_models::KvPool::new(shape, limits.kv_pool_bytes, paged, mlx_sys::kernels::KvWindow::ALL)?;
     let prefix = mlxcel_engine::batch::caches_prefixes(network, &pool, limits.prefix_caching);
     println!(
         "engine:          batches up to {} rows; prefix cache {}",
         mlxcel_engine::scheduler::MAX_ROWS,
         if prefix { "on (prompts over 32 tokens)" } else { "off" }
     );
+    Ok(())
 }
 
 fn print_info(dir: &Path, info: &ModelInfo, config: &serde_json::Value, tokenizer: &Tokenizer) {

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mlxcel_engine::{
-    CancelFlag, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream, Message,
+    CancelFlag, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream, LimitOptions, Message,
     Prompt,
     StreamEvent,
 };
@@ -107,12 +107,25 @@ impl Task for LoadTask {
 /// Loads a checkpoint directory (or, without a path, the default model,
 /// downloading and converting it on first use, reported on stderr when
 /// `progress` is not false) off the event loop.
-/// `kv_pool_bytes` (a whole number, at least 1 MiB) is checked before the
-/// load starts: a bad one throws INVALID_PARAMETER.
+/// The limits (whole numbers: `kv_pool_bytes` at least 1 MiB, `max_kv_size`
+/// larger than `kv_keep`) are checked before the load starts: a bad one
+/// throws INVALID_PARAMETER.
 #[napi(ts_return_type = "Promise<NativeModel>")]
-pub fn load_model(path: Option<String>, progress: Option<bool>, kv_pool_bytes: Option<f64>) -> Result<AsyncTask<LoadTask>, Code> {
-    let bytes = kv_pool_bytes.map(|v| GenerationOptions::whole_number("kv_pool_bytes", v)).transpose().map_err(coded)?;
-    let limits = EngineLimits::with_kv_pool_bytes(bytes).map_err(coded)?;
+pub fn load_model(
+    path: Option<String>,
+    progress: Option<bool>,
+    kv_pool_bytes: Option<f64>,
+    max_kv_size: Option<f64>,
+    kv_keep: Option<f64>,
+) -> Result<AsyncTask<LoadTask>, Code> {
+    let whole = |name, v: Option<f64>| v.map(|v| GenerationOptions::whole_number(name, v)).transpose().map_err(coded);
+    let limits = LimitOptions {
+        kv_pool_bytes: whole("kv_pool_bytes", kv_pool_bytes)?,
+        max_kv_size: whole("max_kv_size", max_kv_size)?,
+        kv_keep: whole("kv_keep", kv_keep)?,
+    }
+    .resolve()
+    .map_err(coded)?;
     Ok(AsyncTask::new(LoadTask { path, progress: progress.unwrap_or(true), limits }))
 }
 

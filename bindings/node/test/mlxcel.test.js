@@ -335,6 +335,24 @@ describe('bad input', () => {
     assert.deepEqual(await small.generateBatch(prompts, { maxTokens: 90 }), alone)
   })
 
+  test('a rotating KV cache: bad sizes are refused, a long run holds only its window', async () => {
+    await rejectsWith(loadModel({ maxKvSize: 4 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ maxKvSize: 64, kvKeep: -1 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ maxKvSize: 90.5 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ maxKvSize: '90' }), 'INVALID_ARGUMENT')
+    const rotating = await loadModel({ maxKvSize: 90, progress: false })
+    const stats = []
+    for (const m of [model, rotating]) {
+      const chunks = await collect(m.stream(LONG_PROMPT, { maxTokens: 40 }))
+      stats.push(chunks.at(-1).stats)
+    }
+    const [full, windowed] = stats
+    const blockBytes = full.kvCacheBytes / Math.ceil((full.promptTokens + full.generatedTokens - 1) / 16)
+    // Every block without a window; the kept block, the window's and the one the last step read with it.
+    assert.ok(full.kvCacheBytes >= 16 * blockBytes, JSON.stringify(full))
+    assert.ok(windowed.kvCacheBytes <= 10 * blockBytes, JSON.stringify(windowed))
+  })
+
   test('a bad model path rejects with MODEL_LOAD', async () => {
     await rejectsWith(loadModel('/nonexistent/model/dir'), 'MODEL_LOAD')
     await rejectsWith(loadModel(__dirname), 'MODEL_LOAD')

@@ -18,9 +18,8 @@ use std::sync::{Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats,
-    GenerationStream,
-    ModelSummary, Prompt, Quantization, StreamEvent,
+    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats,
+    GenerationStream, LimitOptions, ModelSummary, Prompt, Quantization, StreamEvent,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
@@ -303,10 +302,10 @@ struct Model {
     prefill_chunk: Option<i64>,
 }
 
-fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool, kv_pool_bytes: Option<i128>) -> PyResult<Model> {
+fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool, limits: LimitOptions) -> PyResult<Model> {
     // Checked now, so a bad value fails the load rather than the first generation.
     Sampling::default().options(py, prefill_chunk)?;
-    let limits = EngineLimits::with_kv_pool_bytes(kv_pool_bytes).map_err(|e| engine_error(py, e))?;
+    let limits = limits.resolve().map_err(|e| engine_error(py, e))?;
     let dir = match path {
         Some(dir) => dir,
         None => default_model_dir(py, progress)?,
@@ -340,9 +339,18 @@ impl Model {
     /// Loads a model directory (MLX / Hugging Face layout); `None` loads the
     /// default model (SmolLM2-135M-Instruct, fetched and converted on first use).
     #[new]
-    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None))]
-    fn new(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool, kv_pool_bytes: Option<i128>) -> PyResult<Self> {
-        load_model(py, path, prefill_chunk, progress, kv_pool_bytes)
+    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: Option<PathBuf>,
+        prefill_chunk: Option<i64>,
+        progress: bool,
+        kv_pool_bytes: Option<i128>,
+        max_kv_size: Option<i128>,
+        kv_keep: Option<i128>,
+    ) -> PyResult<Self> {
+        load_model(py, path, prefill_chunk, progress, LimitOptions { kv_pool_bytes, max_kv_size, kv_keep })
     }
 
     /// Generates a continuation of `prompt` (text, or a list of token ids).
@@ -775,9 +783,17 @@ impl ModelInfo {
 
 /// Loads a model directory; `None` loads the default model (SmolLM2-135M-Instruct).
 #[pyfunction]
-#[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None))]
-fn load(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool, kv_pool_bytes: Option<i128>) -> PyResult<Model> {
-    load_model(py, path, prefill_chunk, progress, kv_pool_bytes)
+#[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None))]
+fn load(
+    py: Python<'_>,
+    path: Option<PathBuf>,
+    prefill_chunk: Option<i64>,
+    progress: bool,
+    kv_pool_bytes: Option<i128>,
+    max_kv_size: Option<i128>,
+    kv_keep: Option<i128>,
+) -> PyResult<Model> {
+    load_model(py, path, prefill_chunk, progress, LimitOptions { kv_pool_bytes, max_kv_size, kv_keep })
 }
 
 /// The engine's defaults of every generation keyword argument, and of

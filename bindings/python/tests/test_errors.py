@@ -184,3 +184,24 @@ def test_kv_pool_budget(model):
     prompts = ["Once upon a time", "The capital of France is"]
     alone = [model.generate(p, max_tokens=90) for p in prompts]
     assert small.generate_batch(prompts, max_tokens=90) == alone
+
+
+def test_rotating_kv_cache(model):
+    for kwargs, name in [({"max_kv_size": 4}, "max_kv_size"), ({"max_kv_size": 64, "kv_keep": -1}, "kv_keep")]:
+        with pytest.raises(InvalidParameter, match=name) as err:
+            mlxcel.load(**kwargs)
+        assert err.value.name == name
+    rotating = mlxcel.load(max_kv_size=90)  # the first 4 positions and the latest 86
+    prompt = "The quick brown fox jumps over the lazy dog. " * 25
+    stats = []
+    for m in (model, rotating):
+        with m.stream(prompt, max_tokens=40) as s:
+            "".join(c.text for c in s)
+        stats.append(s.stats)
+    full, windowed = stats
+    positions = full["prompt_tokens"] + full["generated_tokens"] - 1
+    block_bytes = full["kv_cache_bytes"] // -(-positions // 16)
+    # Without a window every position's block; with one the kept block, the
+    # window's and the block the last step still read.
+    assert full["kv_cache_bytes"] >= 16 * block_bytes
+    assert windowed["kv_cache_bytes"] <= 10 * block_bytes, windowed

@@ -646,6 +646,22 @@ static void test_pool(void) {
     }
     for (int i = 0; i < 2; i++) CHECK_STATUS(mlxcel_context_free(ctx[i]), MLXCEL_OK);
     CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+
+    /* A rotating cache: not larger than kv_keep is refused; 90 positions run. */
+    mp = mlxcel_model_default_params();
+    CHECK(mp.max_kv_size == 0 && mp.kv_keep == 4);
+    mp.max_kv_size = 4;
+    CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("max_kv_size");
+    CHECK(model == NULL);
+    mp.max_kv_size = 90;
+    CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_context_new(model, &ctx[0]), MLXCEL_OK);
+    mlxcel_generation_result r;
+    CHECK_STATUS(mlxcel_generate(ctx[0], "Once upon a time", greedy(150), NULL, NULL, text, sizeof text, &r), MLXCEL_OK);
+    CHECK(r.generated_tokens == 150 || r.finish_reason == MLXCEL_FINISH_STOP);
+    CHECK_STATUS(mlxcel_context_free(ctx[0]), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
     printf("pool: ok\n");
 }
 

@@ -22,6 +22,8 @@ def load(
     prefill_chunk: Optional[int] = None,
     progress: bool = True,
     kv_pool_bytes: Optional[int] = None,
+    max_kv_size: Optional[int] = None,
+    kv_keep: Optional[int] = None,
 ) -> Model:
     """Loads a model directory (MLX / Hugging Face layout).
 
@@ -34,10 +36,15 @@ def load(
     keys and values share (None: 1 GiB; at least 1 MiB; only blocks in use
     are resident): a generation that does not fit beside the running ones
     waits, one whose prompt plus ``max_tokens`` exceeds the whole pool raises
-    InvalidParameter naming ``max_tokens``.
+    InvalidParameter naming ``max_tokens``. ``max_kv_size`` makes every
+    generation's KV cache a rotating one of that many positions (mlx-lm's
+    ``--max-kv-size``): each token attends to the first ``kv_keep`` positions
+    (default 4) and the latest ``max_kv_size - kv_keep``, and a generation
+    holds only those however long it runs. It needs a quantized checkpoint
+    on the CPU (the paged KV pool).
 
-    Raises ModelLoadError, or InvalidParameter for a bad ``prefill_chunk`` or
-    ``kv_pool_bytes``.
+    Raises ModelLoadError, or InvalidParameter for a bad ``prefill_chunk``,
+    ``kv_pool_bytes``, ``max_kv_size`` or ``kv_keep``.
     """
 
 def generation_defaults() -> dict:
@@ -141,6 +148,8 @@ class Model:
         prefill_chunk: Optional[int] = None,
         progress: bool = True,
         kv_pool_bytes: Optional[int] = None,
+        max_kv_size: Optional[int] = None,
+        kv_keep: Optional[int] = None,
     ) -> None:
         """Same as ``mlxcel.load(path)``."""
     def generate(
