@@ -135,3 +135,62 @@ fn dropping_the_last_handle_stops_the_scheduler_thread() {
     }
     assert_eq!(threads(), before, "scheduler threads left behind");
 }
+
+/// Short prompts of one length prefill together: the oldest row's `prefill`
+/// runs every such row's prompt in one batched forward (within its budget),
+/// and each row then decodes the tokens it gets alone. A row on its own
+/// budget, or whose chunk is not its last, runs alone.
+#[test]
+fn prompts_of_one_length_prefill_in_one_forward_as_alone() {
+    use mlxcel_engine::batch::{BatchEngine, RowEvent, RowRequest};
+    use std::time::Instant;
+
+    let engine = default_engine();
+    let model = engine.model().clone();
+    let texts = ["The capital of France", "My favourite animal is", "Water boils at a", "The three primary colours"];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| model.tokenizer().encode(t, true).unwrap()).collect();
+    let length = prompts[0].len();
+    assert!(prompts.iter().all(|p| p.len() == length), "{:?}", prompts.iter().map(Vec::len).collect::<Vec<_>>());
+    let long: Vec<u32> = [prompts[0].clone(), prompts[1].clone()].concat();
+    let row_request = |prompt: &[u32], i: usize| RowRequest {
+        prompt: prompt.to_vec(),
+        params: SamplingParams { max_tokens: 16, temperature: if i % 2 == 1 { 0.7 } else { 0.0 }, seed: Some(i as u64), ..Default::default() },
+        prefill_chunk: 512,
+        ignore_eos: true,
+        cache_prompt: true,
+        cancel: None,
+    };
+    let mut requests: Vec<RowRequest> = prompts.iter().enumerate().map(|(i, p)| row_request(p, i)).collect();
+    requests.push(row_request(&long, 4));
+    let want: Vec<Vec<u32>> = requests
+        .iter()
+        .map(|r| {
+            let request = GenerationRequest {
+                params: r.params.clone(),
+                ignore_eos: true,
+                ..GenerationRequest::new(Prompt::Tokens(r.prompt.clone()))
+            };
+            engine.generate(&request, |_| true).unwrap().tokens
+        })
+        .collect();
+
+    let pool = BatchEngine::pool_for(&model, 64 << 20, Default::default()).unwrap();
+    let mut batch = BatchEngine::new(model, pool, true);
+    let rows: Vec<_> = requests.into_iter().map(|r| batch.open(r, Instant::now()).unwrap()).collect();
+    // A budget of three prompts: rows 0-2 together, then row 3, then the longer one alone.
+    assert_eq!(batch.prefill(rows[0], 3 * length), 3 * length);
+    assert_eq!(batch.next_prefill().map(|(row, _)| row), Some(rows[3]));
+    assert_eq!(batch.prefill(rows[3], 3 * length), length);
+    assert_eq!(batch.prefill(rows[4], 512), 2 * length);
+    let mut got = vec![Vec::new(); rows.len()];
+    while !batch.is_empty() {
+        for event in batch.step() {
+            match event {
+                RowEvent::Finished { row, output } => got[rows.iter().position(|&r| r == row).unwrap()] = output.tokens,
+                RowEvent::Failed { error, .. } => panic!("{error}"),
+                RowEvent::Piece { .. } => {}
+            }
+        }
+    }
+    assert_eq!(got, want, "rows prefilled together differ from alone");
+}

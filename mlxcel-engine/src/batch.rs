@@ -122,6 +122,14 @@ impl Row {
         self.cancel.as_ref().is_some_and(CancelFlag::is_cancelled)
     }
 
+    /// The length of the row's next prompt chunk when it is the last one:
+    /// the remainder of 1..=`prefill_chunk` tokens, as alone.
+    fn last_chunk(&self) -> Option<usize> {
+        let total = self.prompt.len();
+        let last_start = total - ((total - 1) % self.prefill_chunk + 1);
+        (self.phase == Phase::Prefilling && self.prefilled >= last_start).then(|| total - self.prefilled)
+    }
+
     /// Positions in this row's caches.
     fn cached(&self) -> usize {
         self.caches.first().map_or(0, |c| c.offset())
@@ -299,8 +307,11 @@ impl BatchEngine {
     /// tokens last. Chunks fall where they fall for the row alone (multiples
     /// of its `prefill_chunk`, the remainder last), so its numerics do not
     /// depend on the budget. After the last chunk the row samples its first
-    /// token and decodes from the next [`submit`](Self::submit). Returns the
-    /// prompt tokens run; a failure ends the row with its error.
+    /// token and decodes from the next [`submit`](Self::submit). When the
+    /// row's next chunk is its last, the last chunks of the same length of
+    /// other rows run with it in one batched forward, as the budget allows
+    /// (each row still computed as alone). Returns the prompt tokens run; a
+    /// failure ends its row with its error.
     pub fn prefill(&mut self, row: RowId, budget: usize) -> usize {
         let mut done = 0;
         loop {
@@ -311,6 +322,12 @@ impl BatchEngine {
             if self.rows[index].cancelled() {
                 self.end(index, FinishReason::Cancelled);
                 return done;
+            }
+            let companions = self.last_chunk_companions(index, budget.saturating_sub(done));
+            if !companions.is_empty() {
+                let mut rows = vec![index];
+                rows.extend(companions);
+                return done + self.prefill_last_chunks(&rows);
             }
             match self.prefill_chunk(index) {
                 Ok(n) => done += n,
@@ -325,15 +342,84 @@ impl BatchEngine {
         }
     }
 
+    /// Other prefilling rows whose next chunk, like row `index`'s, is their
+    /// last and of the same length: they can share its forward. Only on the
+    /// kernels a batched forward picks (`ByCount`: prompts of up to 32
+    /// tokens, or any without the prefix cache), and as many as fit in
+    /// `budget` tokens with it (none when it alone takes the budget).
+    fn last_chunk_companions(&self, index: usize, budget: usize) -> Vec<usize> {
+        let Some(length) = self.rows[index].last_chunk() else { return Vec::new() };
+        if self.rows[index].kernels != RowKernels::ByCount {
+            return Vec::new();
+        }
+        let room = (budget / length).saturating_sub(1);
+        (0..self.rows.len())
+            .filter(|&i| i != index)
+            .filter(|&i| {
+                let r = &self.rows[i];
+                r.kernels == RowKernels::ByCount && r.last_chunk() == Some(length) && !r.cancelled()
+            })
+            .take(room)
+            .collect()
+    }
+
+    /// The last prompt chunks of `rows` (of one length) in one batched
+    /// forward, each row then sampling its first token. If the batch fails,
+    /// each row runs alone, so only a row at fault fails. Returns the prompt
+    /// tokens run.
+    fn prefill_last_chunks(&mut self, rows: &[usize]) -> usize {
+        let before: Vec<usize> = rows.iter().map(|&i| self.rows[i].cached()).collect();
+        let result = (|| -> Result<Vec<Array>> {
+            let inputs = rows
+                .iter()
+                .map(|&i| token_array(&self.rows[i].prompt[self.rows[i].prefilled..]))
+                .collect::<Result<Vec<_>>>()?;
+            let logits = {
+                let mut caches: Vec<&mut [Box<dyn KvCache>]> = Vec::with_capacity(rows.len());
+                let mut by_index: Vec<Option<&mut Row>> = self.rows.iter_mut().map(Some).collect();
+                for &i in rows {
+                    caches.push(&mut by_index[i].take().expect("each row once").caches);
+                }
+                self.model.network().forward_batch(&concatenate(&inputs, 0)?, &mut caches)?
+            };
+            let mut next = Vec::with_capacity(rows.len());
+            for (b, (&i, tokens)) in rows.iter().zip(&inputs).enumerate() {
+                let r = &mut self.rows[i];
+                let recent = recent_for(&r.params, &r.history[..r.prompt.len() - 1], tokens)?;
+                next.push(r.sampler.sample(&logits.slice_axis(0, b as i32, b as i32 + 1)?, recent.as_ref())?);
+            }
+            async_eval(next.iter())?;
+            Ok(next)
+        })();
+        match result {
+            Ok(next) => {
+                let mut done = 0;
+                for (&i, token) in rows.iter().zip(next) {
+                    let r = &mut self.rows[i];
+                    done += r.prompt.len() - r.prefilled;
+                    r.prefilled = r.prompt.len();
+                    r.queued = Some(token);
+                    r.phase = Phase::Decoding;
+                }
+                done
+            }
+            Err(_) => {
+                for (&i, &offset) in rows.iter().zip(&before) {
+                    self.rows[i].rewind(offset);
+                }
+                let ids: Vec<RowId> = rows.iter().map(|&i| self.rows[i].id).collect();
+                ids.into_iter().map(|id| self.prefill(id, 0)).sum()
+            }
+        }
+    }
+
     /// The next prompt chunk of row `index`; returns its length.
     fn prefill_chunk(&mut self, index: usize) -> Result<usize> {
         let network = self.model.network();
         let r = &mut self.rows[index];
         let total = r.prompt.len();
-        // The last chunk holds the remainder: 1..=chunk tokens, as alone.
-        let last_start = total - ((total - 1) % r.prefill_chunk + 1);
         let start = r.prefilled;
-        let end = if start < last_start { (start + r.prefill_chunk).min(total) } else { total };
+        let end = if r.last_chunk().is_none() { (start + r.prefill_chunk).min(total) } else { total };
         let tokens = token_array(&r.prompt[start..end])?;
         let logits = network.forward_last_with(&tokens, &mut r.caches, r.kernels)?;
         if !r.block_hashes.is_empty() {

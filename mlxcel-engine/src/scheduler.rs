@@ -9,7 +9,9 @@
 //! 2. ends rows whose cancel flag is set or whose client went away;
 //! 3. queues one decode step over every decoding row;
 //! 4. runs one prefill chunk of the oldest prefilling row, so a long prompt
-//!    delays the decoding rows by at most one chunk per token;
+//!    delays the decoding rows by at most one chunk per token (short prompts
+//!    of one length that arrive together prefill in one batched forward,
+//!    within that chunk's budget);
 //! 5. reads the step's tokens back and sends each row's events to its client.
 //!
 //! Concurrent `generate` calls on one engine are therefore batched: their
