@@ -252,10 +252,11 @@ impl BatchEngine {
             }
         }
         let cached_tokens = adopted.len() * BLOCK_TOKENS;
-        // `fits` was true: the pool has room for every block beyond the
-        // adopted ones (under a window, adopted blocks the prompt's rest does
-        // not see go back to the reservation after its first chunk).
-        let Ok(reservation) = self.pool.reserve(needed.saturating_sub(adopted.len())) else {
+        // Under a window the row holds only the adopted blocks it still sees.
+        self.pool.drop_hidden(&mut adopted, cached_tokens);
+        let held = adopted.iter().filter(|&&b| b >= 0).count();
+        // `fits` was true: the pool has room for every block beyond the adopted ones.
+        let Ok(reservation) = self.pool.reserve(needed.saturating_sub(held)) else {
             // Gives the adopted blocks back.
             drop(RowBlocks::new(self.pool.clone(), adopted, Default::default()));
             return Err(self.too_small(needed));

@@ -334,6 +334,19 @@ impl KvPool {
         s.unmap_freed();
     }
 
+    /// Under a window, hands back the blocks of `table` (adopted by a row
+    /// whose next token is at `position`) that no token from there on sees:
+    /// their entries become `-1`.
+    pub fn drop_hidden(&self, table: &mut [BlockId], position: usize) {
+        let hidden: Vec<BlockId> = table
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, b)| **b >= 0 && self.window.hides_block(*i, BLOCK_TOKENS, position))
+            .map(|(_, b)| std::mem::replace(b, -1))
+            .collect();
+        self.release(&hidden, None);
+    }
+
     /// The cached block under `hash` holding `tokens`, with a new reference
     /// to it.
     pub fn lookup(&self, hash: u64, tokens: &[u32]) -> Option<BlockId> {
@@ -406,11 +419,14 @@ pub struct RowBlocks {
 
 impl RowBlocks {
     /// A table starting with `adopted` (referenced already, e.g. by
-    /// [`KvPool::lookup`]), drawing further blocks from `reservation`.
+    /// [`KvPool::lookup`]; `-1` for blocks [`KvPool::drop_hidden`] handed
+    /// back), drawing further blocks from `reservation`.
     pub fn new(pool: Arc<KvPool>, adopted: Vec<BlockId>, reservation: Reservation) -> Self {
         let sealed = adopted.len() * BLOCK_TOKENS;
-        let bound = adopted.len() + reservation.blocks;
-        RowBlocks { pool, table: adopted, reservation, bound, sealed, built: None, released_below: 0 }
+        let released_below = adopted.iter().rposition(|&b| b < 0).map_or(0, |i| (i + 1) * BLOCK_TOKENS);
+        let mut blocks = RowBlocks { pool, table: adopted, reservation, bound: 0, sealed, built: None, released_below };
+        blocks.bound = blocks.held() + blocks.reservation.blocks;
+        blocks
     }
 
     /// Block ids by position / [`BLOCK_TOKENS`] (`-1`: handed back).
