@@ -885,117 +885,227 @@ void rows_avx2_int8(const Job& j, int n0, int n1) {
 
 // ---------------------------------------------------------------------------
 // AVX-512 VNNI loop (bits 4 and 8): integer dot products against activations
-// quantized per group to two int8 halves, x ~ s * (a + b / 256). A chunk is
-// 16 words of a row; lane l holds word c*16 + l. For bits 8 a word is 4
-// unsigned bytes in order, dotted with 4 bytes of a (and of b) by vpdpbusd.
-// For bits 4 the low nibbles of the word's bytes are its values 0, 2, 4, 6
-// and the high nibbles 1, 3, 5, 7; the activation planes hold the matching
-// even and odd values. Per chunk, (dot_a << 8) + dot_b is exact in int32
-// (at most 8 * 15 * 127 * 257 for bits 4, 4 * 255 * 127 * 257 for bits 8),
-// converts to f32 once and is scaled by the lane's weight scale times the
-// activation scale / 256.
+// quantized per group to two int8 halves, x ~ s * (a + b / 256). A block is
+// 16 output rows, one per 32-bit lane: 8 words of the 16 rows at a time are
+// transposed into 8 vectors (word k of every row in vector k), dotted with
+// the matching 4 activation bytes broadcast to all lanes, so that each lane
+// sums a whole group in int32. The float epilogue then runs once per group
+// and row, and the lanes are the outputs (no horizontal sums). For bits 8 a
+// word is 4 unsigned bytes in order, dotted with 4 bytes of a (and of b) by
+// vpdpbusd. For bits 4 the low nibbles of the word's bytes are its values
+// 0, 2, 4, 6 and the high nibbles 1, 3, 5, 7; the activation planes hold the
+// matching even and odd values. Per group, (dot_a << 8) + dot_b is exact in
+// int32 (|a| <= 127, |b| <= 128): at most group * 255 * (127 * 256 + 128)
+// for bits 8, 2.131e9 < 2^31 up to the group of 256 that make_job allows. It
+// converts to f32 once and is scaled by the row's weight scale times the
+// activation scale / 256. A row's result depends on its own lane alone, the
+// same whatever M is or wherever the row falls in a block.
 
-template <int BITS, int MT, int NR>
+// Words at .. at+7 of 16 rows (row l from rows[l]; the words past `valid`
+// read as zero) as t[k] = word at+k of every row, row l in lane l.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), always_inline)) inline void
+transpose_words(const uint32_t* const (&rows)[16], size_t at, __mmask8 valid, __m512i (&t)[8]) {
+  // Rows i and i + 8 in the low and high 256 bits; then an 8 x 8 transpose
+  // of 32-bit words within each half.
+  __m512i r[8], u[8], s[8];
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(valid, rows[i] + at)),
+                              _mm256_maskz_loadu_epi32(valid, rows[i + 8] + at), 1);
+  }
+  for (int i = 0; i < 8; i += 2) {
+    u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // s[k] (and s[k + 4], rows 4-7 and 12-15): word k of rows 0-3 | word k+4
+  // of rows 0-3 | word k of rows 8-11 | word k+4 of rows 8-11.
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm512_unpacklo_epi64(u[i], u[i + 2]);
+    s[i + 1] = _mm512_unpackhi_epi64(u[i], u[i + 2]);
+    s[i + 2] = _mm512_unpacklo_epi64(u[i + 1], u[i + 3]);
+    s[i + 3] = _mm512_unpackhi_epi64(u[i + 1], u[i + 3]);
+  }
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_permutex2var_epi64(s[k], first, s[k + 4]);
+    t[k + 4] = _mm512_permutex2var_epi64(s[k], second, s[k + 4]);
+  }
+}
+
+// `count` (0..16) values of dtype `ty` from element `at` on, as f32 lanes
+// 0..count-1 (zero above).
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) inline __m512 load16_as_f32(const void* p, Ty ty,
+                                                                                                   size_t at,
+                                                                                                   int count) {
+  const __mmask16 k = (__mmask16)((1u << count) - 1);
+  if (ty == Ty::F32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + at);
+  const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + at);
+  return ty == Ty::F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The scales or biases of a block's rows (row l's first at element at[l]) as
+// f32, group-major: out[g * 16 + l]. 16 groups at a time are loaded (16 rows
+// x 16 groups) and transposed.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c"), always_inline)) inline void
+groups_by_lane(const void* p, Ty ty, const size_t (&at)[16], int G, float* out) {
+  for (int g0 = 0; g0 < G; g0 += 16) {
+    const int count = std::min(16, G - g0);
+    __m512 r[16], t[16], u[16];
+    for (int l = 0; l < 16; ++l) r[l] = load16_as_f32(p, ty, at[l] + g0, count);
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // u[4i + j], 128-bit lane L: rows 4i .. 4i+3 of group 4L + j.
+    for (int i = 0; i < 16; i += 4) {
+      u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+      u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+      u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xee);
+      const __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+      const __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xee);
+      const __m512 col[4] = {_mm512_shuffle_f32x4(v0, v2, 0x88), _mm512_shuffle_f32x4(v0, v2, 0xdd),
+                             _mm512_shuffle_f32x4(v1, v3, 0x88), _mm512_shuffle_f32x4(v1, v3, 0xdd)};
+      for (int L = 0; L < 4; ++L) {
+        if (4 * L + j < count) _mm512_storeu_ps(out + (size_t)(g0 + 4 * L + j) * 16, col[L]);
+      }
+    }
+  }
+}
+
+// The 4 bytes at p in every lane.
+__attribute__((target("avx512f"), always_inline)) inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// Activation rows m0 .. m0+MT-1 against the block of 16 rows `rows` (output
+// rows n ..; lanes outside `store` are not written). st, bt: the block's f32
+// scales and biases, 16 per group (lane l: row l).
+template <int BITS, int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma"), always_inline)) inline void
-tile_vnni(const Job& j, const uint32_t* wr, const float* sf, const float* bf, size_t gs, int m0, int n) {
-  const int chunks = j.chunks;
-  const int tail_words = j.wpr - (chunks - 1) * 16;
-  const __mmask16 tail = (__mmask16)((1u << tail_words) - 1);
-  const int wpg = j.wpg;
+tile_vnni(const Job& j, const uint32_t* const (&rows)[16], const float* st, const float* bt, int m0, int n,
+          __mmask16 store) {
+  // Independent int32 sums per activation half and row, enough chains to
+  // hide vpdpbusd's latency when MT is small (integer sums: the split does
+  // not change the result).
+  constexpr int NA = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
+  const int wpg = j.wpg, wpr = j.wpr;
+  const size_t plane = (size_t)j.chunks * 64;  // bytes per activation plane
   const size_t rw = j.wpr;
-  const size_t plane = (size_t)chunks * 64;  // bytes per activation plane
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i gidx = wpg < 16 ? _mm512_srli_epi32(lane, __builtin_ctz(wpg)) : _mm512_setzero_si512();
   const __m512i nib = _mm512_set1_epi8(0x0f);
 
   const int8_t* xq[MT];
   const float* xs[MT];
+  const float* xsum[MT];
   for (int m = 0; m < MT; ++m) {
     xq[m] = j.xq + (size_t)(m0 + m) * j.xq_stride;
     xs[m] = j.xscale + (size_t)(m0 + m) * j.G;
+    xsum[m] = j.xsum + (size_t)(m0 + m) * j.G;
   }
-  __m512 y[NR][MT];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) y[r][m] = _mm512_setzero_ps();
+  __m512i acc_a[MT][NA], acc_b[MT][NA];
+  __m512 y[MT];
+  for (int m = 0; m < MT; ++m) {
+    y[m] = _mm512_setzero_ps();
+    for (int i = 0; i < NA; ++i) acc_a[m][i] = acc_b[m][i] = _mm512_setzero_si512();
+  }
 
-  for (int c = 0; c < chunks; ++c) {
-    const __mmask16 km = c == chunks - 1 ? tail : (__mmask16)0xffff;
-    const size_t xo = (size_t)c * 64;
-    const int g0 = (c * 16) / wpg;
-    __m512 xscale[MT];
-    for (int m = 0; m < MT; ++m) {
-      xscale[m] = wpg < 16 ? _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(xs[m] + g0)) : _mm512_set1_ps(xs[m][g0]);
-    }
-    for (int r = 0; r < NR; ++r) {
+  int g = 0, left = wpg;  // the current group, its words still to come
+  for (int w0 = 0; w0 < wpr; w0 += 8) {
+    const int words = std::min(8, wpr - w0);
+    if (w0 % 16 == 0) {
       // The rows are read once, in order: fetch ahead of the hardware
       // prefetcher, which alone leaves decode waiting on L3.
-      prefetch_weights(j, wr + (r + j.prefetch_rows) * rw + c * 16);
-      const __m512i v = _mm512_maskz_loadu_epi32(km, wr + r * rw + c * 16);
-      const float* srow = sf + r * gs;
-      const __m512 wscale = wpg < 16 ? _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(srow + g0)) : _mm512_set1_ps(srow[g0]);
-      __m512i lo, hi;
-      if constexpr (BITS == 4) {
-        lo = _mm512_and_si512(v, nib);
-        hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
-      }
+      for (int l = 0; l < 16; ++l) prefetch_weights(j, rows[l] + j.prefetch_rows * rw + w0);
+    }
+    __m512i t[8];
+    transpose_words(rows, (size_t)w0, (__mmask8)((1u << words) - 1), t);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      if (k == words) break;
+      const size_t at = (size_t)(w0 + k) * 4;  // the word's activation bytes in each plane
+#pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
-        const int8_t* q = xq[m] + xo;
-        __m512i acc;
-        // One chain: (dot_a << 8) + dot_b, dot_b accumulated onto the
-        // shifted dot_a (the same exact int32 as summing them apart).
+        const int8_t* q = xq[m] + at;
         if constexpr (BITS == 4) {
-          acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-          acc = _mm512_slli_epi32(_mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q + plane)), 8);
-          acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(q + 2 * plane));
-          acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(q + 3 * plane));
+          const __m512i lo = _mm512_and_si512(t[k], nib), hi = _mm512_and_si512(_mm512_srli_epi32(t[k], 4), nib);
+          const int i = (2 * k) % NA, i1 = (2 * k + 1) % NA;
+          acc_a[m][i] = _mm512_dpbusd_epi32(acc_a[m][i], lo, bcast4(q));
+          acc_a[m][i1] = _mm512_dpbusd_epi32(acc_a[m][i1], hi, bcast4(q + plane));
+          acc_b[m][i] = _mm512_dpbusd_epi32(acc_b[m][i], lo, bcast4(q + 2 * plane));
+          acc_b[m][i1] = _mm512_dpbusd_epi32(acc_b[m][i1], hi, bcast4(q + 3 * plane));
         } else {
-          acc = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(q)), 8);
-          acc = _mm512_dpbusd_epi32(acc, v, _mm512_loadu_si512(q + plane));
+          const int i = k % NA;
+          acc_a[m][i] = _mm512_dpbusd_epi32(acc_a[m][i], t[k], bcast4(q));
+          acc_b[m][i] = _mm512_dpbusd_epi32(acc_b[m][i], t[k], bcast4(q + plane));
         }
-        y[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(wscale, xscale[m]), y[r][m]);
+      }
+      if (--left == 0) {
+        const __m512 ws = _mm512_loadu_ps(st + (size_t)g * 16), bs = _mm512_loadu_ps(bt + (size_t)g * 16);
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) {
+          __m512i a = acc_a[m][0], b = acc_b[m][0];
+          for (int i = 1; i < NA; ++i) {
+            a = _mm512_add_epi32(a, acc_a[m][i]);
+            b = _mm512_add_epi32(b, acc_b[m][i]);
+          }
+          const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b));
+          y[m] = _mm512_fmadd_ps(d, _mm512_mul_ps(ws, _mm512_set1_ps(xs[m][g])), y[m]);
+          y[m] = _mm512_fmadd_ps(bs, _mm512_set1_ps(xsum[m][g]), y[m]);
+          for (int i = 0; i < NA; ++i) acc_a[m][i] = acc_b[m][i] = _mm512_setzero_si512();
+        }
+        ++g;
+        left = wpg;
       }
     }
   }
-  finish_tile_avx512<MT, NR>(j, y, bf, gs, m0, n);
+  for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(j.y + (size_t)(m0 + m) * j.N + n, store, y[m]);
 }
 
 template <int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) void rows_vnni(const Job& j, int n0,
                                                                                                  int n1) {
-  const size_t gs = (size_t)j.G;
-  RowScratch& sc = tl_scratch;
-  sc.ensure(4 * j.G, 16);
-  int n = n0;
-  auto block = [&](int rows) __attribute__((always_inline)) {
-    convert_row_avx512(j.scales, j.sty, (size_t)n * gs, rows * j.G, sc.s.data());
-    convert_row_avx512(j.biases, j.sty, (size_t)n * gs, rows * j.G, sc.b.data());
-    return reinterpret_cast<const uint32_t*>(j.w + (size_t)n * j.row_bytes);
-  };
-  if (j.M == 1) {
-    for (; n + 4 <= n1; n += 4) tile_vnni<BITS, 1, 4>(j, block(4), sc.s.data(), sc.b.data(), gs, 0, n);
-  } else {
-    // 4 x 4 tiles: each weight vector serves 4 activation rows and each
-    // activation vector 4 output rows.
-    for (; n + 4 <= n1; n += 4) {
-      const uint32_t* wr = block(4);
-      int m = 0;
-      for (; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
-      switch (j.M - m) {
-        case 3: tile_vnni<BITS, 3, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
-        case 2: tile_vnni<BITS, 2, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
-        case 1: tile_vnni<BITS, 1, 4>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
-        default: break;
-      }
+  const int G = j.G;
+  const size_t gs = (size_t)G;
+  const size_t group_bytes = j.sty == Ty::F32 ? 4 : 2;
+  // The block's scales and biases, group-major.
+  thread_local std::vector<float> st, bt;
+  st.resize(16 * gs);
+  bt.resize(16 * gs);
+  for (int n = n0; n < n1; n += 16) {
+    // A short last block repeats its last row in the unused lanes.
+    const int valid = std::min(16, n1 - n);
+    const uint32_t* rows[16];
+    size_t group_at[16];
+    for (int l = 0; l < 16; ++l) {
+      const size_t row = (size_t)n + std::min(l, valid - 1);
+      rows[l] = reinterpret_cast<const uint32_t*>(j.w + row * j.row_bytes);
+      group_at[l] = row * gs;
     }
-  }
-  for (; n < n1; ++n) {
-    const uint32_t* wr = block(1);
+    // The scales and biases of the rows the weights are fetched for.
+    const size_t ahead = (size_t)(n + 16 + j.prefetch_rows) * gs * group_bytes;
+    for (size_t b = 0; b < 16 * gs * group_bytes; b += 64) {
+      prefetch_weights(j, static_cast<const char*>(j.scales) + ahead + b);
+      prefetch_weights(j, static_cast<const char*>(j.biases) + ahead + b);
+    }
+    groups_by_lane(j.scales, j.sty, group_at, G, st.data());
+    groups_by_lane(j.biases, j.sty, group_at, G, bt.data());
+    const __mmask16 store = (__mmask16)((1u << valid) - 1);
+    // Up to 8 activation rows per pass share each transposed weight vector.
     int m = 0;
-    for (; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n);
+    for (; m + 8 <= j.M; m += 8) tile_vnni<BITS, 8>(j, rows, st.data(), bt.data(), m, n, store);
     switch (j.M - m) {
-      case 3: tile_vnni<BITS, 3, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
-      case 2: tile_vnni<BITS, 2, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
-      case 1: tile_vnni<BITS, 1, 1>(j, wr, sc.s.data(), sc.b.data(), gs, m, n); break;
+      case 7: tile_vnni<BITS, 7>(j, rows, st.data(), bt.data(), m, n, store); break;
+      case 6: tile_vnni<BITS, 6>(j, rows, st.data(), bt.data(), m, n, store); break;
+      case 5: tile_vnni<BITS, 5>(j, rows, st.data(), bt.data(), m, n, store); break;
+      case 4: tile_vnni<BITS, 4>(j, rows, st.data(), bt.data(), m, n, store); break;
+      case 3: tile_vnni<BITS, 3>(j, rows, st.data(), bt.data(), m, n, store); break;
+      case 2: tile_vnni<BITS, 2>(j, rows, st.data(), bt.data(), m, n, store); break;
+      case 1: tile_vnni<BITS, 1>(j, rows, st.data(), bt.data(), m, n, store); break;
       default: break;
     }
   }
@@ -1013,10 +1123,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prepare_vnni(
   const size_t plane = (size_t)j.chunks * 64;
   j.xq_stride = plane * planes;
   xq.assign((size_t)M * j.xq_stride, 0);
-  // tile_vnni reads 16 scales from a row's first group of a chunk: the zero
-  // padding keeps the lanes past the last group finite and normal (a
-  // denormal there costs a microcode assist per multiply).
-  xscale.assign((size_t)M * G + 16, 0.0f);
+  xscale.assign((size_t)M * G, 0.0f);
   // Within 16 bytes of values k..k+15 (two 4-bit words): even values first.
   const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const __m512i v128 = _mm512_set1_epi32(128), v256 = _mm512_set1_epi32(256), one = _mm512_set1_epi32(1);
@@ -1115,7 +1222,9 @@ void prepare_int16(Job& j, const float* xf, std::vector<int8_t>& xq, std::vector
   constexpr int L = 8;
   j.xq_stride = (size_t)j.chunks * planes * L * 2 * sizeof(int16_t);
   xq.assign((size_t)M * j.xq_stride, 0);
-  // The tile reads 8 scales from a chunk's first group (see prepare_vnni).
+  // The tile reads 8 scales from a chunk's first group: the zero padding
+  // keeps the lanes past the last group finite and normal (a denormal there
+  // costs a microcode assist per multiply).
   xscale.assign((size_t)M * G + 16, 0.0f);
   thread_local std::vector<int16_t> x16;
   x16.resize((size_t)K);
@@ -1305,6 +1414,8 @@ int plan_tasks(Job& j, int threads) {
     tasks = std::max(1, std::min(tasks, j.N));
   }
   j.rows_per_task = (j.N + tasks - 1) / tasks;
+  // The VNNI loop takes output rows in blocks of 16.
+  if (j.path == Path::Avx512Vnni) j.rows_per_task = (j.rows_per_task + 15) / 16 * 16;
   return (j.N + j.rows_per_task - 1) / j.rows_per_task;
 }
 
@@ -1360,7 +1471,10 @@ Job make_job(int M, int N, int K, int group_size, int bits, size_t row_bytes, Ty
   j.prefetch_rows = (int)std::clamp<size_t>(12288 / std::max<size_t>(row_bytes, 1), 4, 64);
   j.prefetch_l2 = cpu::features().amd;
   j.path = resolve_path_impl(requested);
-  if (j.path == Path::Avx512Vnni && ((bits != 4 && bits != 8) || group_size % 16 != 0)) j.path = Path::Avx512;
+  // (Group sums stay exact in int32 up to 256 values; see tile_vnni.)
+  if (j.path == Path::Avx512Vnni && ((bits != 4 && bits != 8) || group_size % 16 != 0 || group_size > 256)) {
+    j.path = Path::Avx512;
+  }
   j.lanes = lanes_for(j.path, bits, group_size);
   if (j.lanes == 0) j.path = Path::Portable;
   if (bits == 2 || bits == 4 || bits == 8) {
