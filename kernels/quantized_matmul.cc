@@ -908,10 +908,12 @@ transpose_words(const uint32_t* const (&rows)[16], size_t at, __mmask8 valid, __
   // Rows i and i + 8 in the low and high 256 bits; then an 8 x 8 transpose
   // of 32-bit words within each half.
   __m512i r[8], u[8], s[8];
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi32(valid, rows[i] + at)),
-                              _mm256_maskz_loadu_epi32(valid, rows[i + 8] + at), 1);
+  __m256i w[16];
+  for (int l = 0; l < 16; ++l) {
+    w[l] = valid == 0xff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + at))
+                         : _mm256_maskz_loadu_epi32(valid, rows[l] + at);
   }
+  for (int i = 0; i < 8; ++i) r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(w[i]), w[i + 8], 1);
   for (int i = 0; i < 8; i += 2) {
     u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
     u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -1095,14 +1097,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
     groups_by_lane(j.scales, j.sty, group_at, G, st.data());
     groups_by_lane(j.biases, j.sty, group_at, G, bt.data());
     const __mmask16 store = (__mmask16)((1u << valid) - 1);
-    // Up to 8 activation rows per pass share each transposed weight vector.
+    // Up to 4 activation rows per pass share each transposed weight vector
+    // (8 spill, and are slower than transposing twice).
     int m = 0;
-    for (; m + 8 <= j.M; m += 8) tile_vnni<BITS, 8>(j, rows, st.data(), bt.data(), m, n, store);
+    for (; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4>(j, rows, st.data(), bt.data(), m, n, store);
     switch (j.M - m) {
-      case 7: tile_vnni<BITS, 7>(j, rows, st.data(), bt.data(), m, n, store); break;
-      case 6: tile_vnni<BITS, 6>(j, rows, st.data(), bt.data(), m, n, store); break;
-      case 5: tile_vnni<BITS, 5>(j, rows, st.data(), bt.data(), m, n, store); break;
-      case 4: tile_vnni<BITS, 4>(j, rows, st.data(), bt.data(), m, n, store); break;
       case 3: tile_vnni<BITS, 3>(j, rows, st.data(), bt.data(), m, n, store); break;
       case 2: tile_vnni<BITS, 2>(j, rows, st.data(), bt.data(), m, n, store); break;
       case 1: tile_vnni<BITS, 1>(j, rows, st.data(), bt.data(), m, n, store); break;
