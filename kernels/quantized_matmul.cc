@@ -985,13 +985,20 @@ __attribute__((target("avx512f"), always_inline)) inline __m512i bcast4(const in
   return _mm512_set1_epi32(v);
 }
 
+// Where a VNNI tile takes its weight vectors from: transposed from the rows
+// (and kept for the block's next tiles), or as an earlier tile kept them.
+enum class WeightSource { Transpose, TransposeAndKeep, Kept };
+
 // Activation rows m0 .. m0+MT-1 against the block of 16 rows `rows` (output
 // rows n ..; lanes outside `store` are not written). st, bt: the block's f32
-// scales and biases, 16 per group (lane l: row l).
-template <int BITS, int MT>
+// scales and biases, 16 per group (lane l: row l). kept: the block's weight
+// vectors as tile_vnni dots them (bits 4: low and high nibbles), 2 (bits 4)
+// or 1 (bits 8) per word.
+template <int BITS, int MT, WeightSource SRC>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma"), always_inline)) inline void
-tile_vnni(const Job& j, const uint32_t* const (&rows)[16], const float* st, const float* bt, int m0, int n,
-          __mmask16 store) {
+tile_vnni(const Job& j, const uint32_t* const (&rows)[16], const float* st, const float* bt, __m512i* kept, int m0,
+          int n, __mmask16 store) {
+  constexpr int V = BITS == 4 ? 2 : 1;
   // Independent int32 sums per activation half and row, enough chains to
   // hide vpdpbusd's latency when MT is small (integer sums: the split does
   // not change the result).
@@ -1019,31 +1026,47 @@ tile_vnni(const Job& j, const uint32_t* const (&rows)[16], const float* st, cons
   int g = 0, left = wpg;  // the current group, its words still to come
   for (int w0 = 0; w0 < wpr; w0 += 8) {
     const int words = std::min(8, wpr - w0);
-    if (w0 % 16 == 0) {
-      // The rows are read once, in order: fetch ahead of the hardware
-      // prefetcher, which alone leaves decode waiting on L3.
-      for (int l = 0; l < 16; ++l) prefetch_weights(j, rows[l] + j.prefetch_rows * rw + w0);
-    }
     __m512i t[8];
-    transpose_words(rows, (size_t)w0, (__mmask8)((1u << words) - 1), t);
+    if constexpr (SRC != WeightSource::Kept) {
+      if (w0 % 16 == 0) {
+        // The rows are read once, in order: fetch ahead of the hardware
+        // prefetcher, which alone leaves decode waiting on L3.
+        for (int l = 0; l < 16; ++l) prefetch_weights(j, rows[l] + j.prefetch_rows * rw + w0);
+      }
+      transpose_words(rows, (size_t)w0, (__mmask8)((1u << words) - 1), t);
+    }
 #pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {
       if (k == words) break;
       const size_t at = (size_t)(w0 + k) * 4;  // the word's activation bytes in each plane
+      __m512i wv[V];
+      __m512i* keep = kept + (size_t)(w0 + k) * V;
+      if constexpr (SRC == WeightSource::Kept) {
+        for (int v = 0; v < V; ++v) wv[v] = _mm512_load_si512(keep + v);
+      } else {
+        if constexpr (BITS == 4) {
+          wv[0] = _mm512_and_si512(t[k], nib);
+          wv[1] = _mm512_and_si512(_mm512_srli_epi32(t[k], 4), nib);
+        } else {
+          wv[0] = t[k];
+        }
+        if constexpr (SRC == WeightSource::TransposeAndKeep) {
+          for (int v = 0; v < V; ++v) _mm512_store_si512(keep + v, wv[v]);
+        }
+      }
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
         const int8_t* q = xq[m] + at;
         if constexpr (BITS == 4) {
-          const __m512i lo = _mm512_and_si512(t[k], nib), hi = _mm512_and_si512(_mm512_srli_epi32(t[k], 4), nib);
           const int i = (2 * k) % NA, i1 = (2 * k + 1) % NA;
-          acc_a[m][i] = _mm512_dpbusd_epi32(acc_a[m][i], lo, bcast4(q));
-          acc_a[m][i1] = _mm512_dpbusd_epi32(acc_a[m][i1], hi, bcast4(q + plane));
-          acc_b[m][i] = _mm512_dpbusd_epi32(acc_b[m][i], lo, bcast4(q + 2 * plane));
-          acc_b[m][i1] = _mm512_dpbusd_epi32(acc_b[m][i1], hi, bcast4(q + 3 * plane));
+          acc_a[m][i] = _mm512_dpbusd_epi32(acc_a[m][i], wv[0], bcast4(q));
+          acc_a[m][i1] = _mm512_dpbusd_epi32(acc_a[m][i1], wv[1], bcast4(q + plane));
+          acc_b[m][i] = _mm512_dpbusd_epi32(acc_b[m][i], wv[0], bcast4(q + 2 * plane));
+          acc_b[m][i1] = _mm512_dpbusd_epi32(acc_b[m][i1], wv[1], bcast4(q + 3 * plane));
         } else {
           const int i = k % NA;
-          acc_a[m][i] = _mm512_dpbusd_epi32(acc_a[m][i], t[k], bcast4(q));
-          acc_b[m][i] = _mm512_dpbusd_epi32(acc_b[m][i], t[k], bcast4(q + plane));
+          acc_a[m][i] = _mm512_dpbusd_epi32(acc_a[m][i], wv[0], bcast4(q));
+          acc_b[m][i] = _mm512_dpbusd_epi32(acc_b[m][i], wv[0], bcast4(q + plane));
         }
       }
       if (--left == 0) {
@@ -1078,6 +1101,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
   thread_local std::vector<float> st, bt;
   st.resize(16 * gs);
   bt.resize(16 * gs);
+  // The block's weight vectors, kept by its first pass when M > 4 (64-byte
+  // aligned within the buffer).
+  thread_local std::vector<int32_t> kept_words;
+  if (j.M > 4) kept_words.resize((size_t)j.wpr * (BITS == 4 ? 2 : 1) * 16 + 16);
+  __m512i* const kept = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(kept_words.data()) + 63) & ~(uintptr_t)63);
   for (int n = n0; n < n1; n += 16) {
     // A short last block repeats its last row in the unused lanes.
     const int valid = std::min(16, n1 - n);
@@ -1097,14 +1125,29 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
     groups_by_lane(j.scales, j.sty, group_at, G, st.data());
     groups_by_lane(j.biases, j.sty, group_at, G, bt.data());
     const __mmask16 store = (__mmask16)((1u << valid) - 1);
-    // Up to 4 activation rows per pass share each transposed weight vector
-    // (8 spill, and are slower than transposing twice).
+    // Up to 4 activation rows per pass share each weight vector (8 would
+    // spill); past 4 rows the first pass keeps the transposed vectors for the
+    // others.
+    constexpr auto T = WeightSource::Transpose, TK = WeightSource::TransposeAndKeep, K = WeightSource::Kept;
+    const float *s = st.data(), *b = bt.data();
+    __m512i* w = kept;
     int m = 0;
-    for (; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4>(j, rows, st.data(), bt.data(), m, n, store);
+    if (j.M <= 4) {
+      switch (j.M) {
+        case 4: tile_vnni<BITS, 4, T>(j, rows, s, b, w, 0, n, store); break;
+        case 3: tile_vnni<BITS, 3, T>(j, rows, s, b, w, 0, n, store); break;
+        case 2: tile_vnni<BITS, 2, T>(j, rows, s, b, w, 0, n, store); break;
+        case 1: tile_vnni<BITS, 1, T>(j, rows, s, b, w, 0, n, store); break;
+        default: break;
+      }
+      continue;
+    }
+    tile_vnni<BITS, 4, TK>(j, rows, s, b, w, 0, n, store);
+    for (m = 4; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4, K>(j, rows, s, b, w, m, n, store);
     switch (j.M - m) {
-      case 3: tile_vnni<BITS, 3>(j, rows, st.data(), bt.data(), m, n, store); break;
-      case 2: tile_vnni<BITS, 2>(j, rows, st.data(), bt.data(), m, n, store); break;
-      case 1: tile_vnni<BITS, 1>(j, rows, st.data(), bt.data(), m, n, store); break;
+      case 3: tile_vnni<BITS, 3, K>(j, rows, s, b, w, m, n, store); break;
+      case 2: tile_vnni<BITS, 2, K>(j, rows, s, b, w, m, n, store); break;
+      case 1: tile_vnni<BITS, 1, K>(j, rows, s, b, w, m, n, store); break;
       default: break;
     }
   }

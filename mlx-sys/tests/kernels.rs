@@ -283,6 +283,32 @@ fn more_rows_of_x() {
 }
 
 #[test]
+fn each_row_of_x_is_bit_identical_to_it_alone() {
+    let _g = lock();
+    // The engine batches rows of different sequences into one call: each row
+    // must come out the same whatever M is and wherever it falls, on every
+    // path. N = 37 leaves short blocks of output rows; M = 9 runs tiles of
+    // 4, 4 and 1 activation rows.
+    for (bits, group, k) in [(4, 64, 576), (8, 32, 256), (4, 128, 256), (8, 64, 192)] {
+        let q = make_weights(500 + bits as u64 + group as u64, 37, k, group, bits, Dtype::Float16);
+        let m = 9;
+        let x = make_x(501, &[m, k], Dtype::Float32);
+        for &path in &ALL_PATHS {
+            let run = |x: &Array| {
+                to_f32(&kernels::quantized_matmul_with_path(x, &q.w, &q.scales, &q.biases, group, bits, path).unwrap())
+            };
+            let all = run(&x);
+            for i in 0..m {
+                let alone = run(&x.slice_axis(0, i, i + 1).unwrap());
+                let n = alone.len();
+                let label = format!("bits={bits} group={group} path={path:?} row {i}");
+                assert_eq!(&all[i as usize * n..(i as usize + 1) * n], &alone[..], "{label}");
+            }
+        }
+    }
+}
+
+#[test]
 fn other_bit_widths() {
     let _g = lock();
     for (bits, group) in [(2, 32), (2, 64), (2, 128), (3, 32), (3, 64), (5, 32), (6, 32), (6, 64)] {
