@@ -27,14 +27,15 @@ namespace mlxcel::kernels {
 //
 // Portable, Avx2 and Avx512 are exact f32 (weights unpacked to f32, f32
 // FMAs). The integer paths quantize each group of activations to 16 bits and
-// run integer dot products: Avx512Vnni (bits 4 and 8; other widths take
-// Avx512) as two int8 halves x ~ s * (a + b / 256) with s = max|x| / 127
-// (vpdpbusd), Avx2Int8 (bits 2, 4, 8) as int16 x ~ s * x16 with
-// s = max|x| / 32512 (vpmaddwd), and NeonInt8 (aarch64, baseline ARMv8-A
-// Advanced SIMD; bits 2, 4, 8, other widths take Portable) with the same
-// int16 activations (vmlal_s16). Either way the error per activation is at
-// most max|x of its group| / 65024, far below the f16 rounding GPUs apply to
-// activations. The bias term uses exact f32 sums.
+// run integer dot products: Avx512Vnni (bits 4 and 8, groups a multiple of
+// 16 up to 256; others take Avx512) as two int8 halves
+// x ~ s * (a + b / 256) with s = max|x| / 127 (vpdpbusd), Avx2Int8 (bits 2,
+// 4, 8) as int16 x ~ s * x16 with s = max|x| / 32512 (vpmaddwd), and
+// NeonInt8 (aarch64, baseline ARMv8-A Advanced SIMD; bits 2, 4, 8, other
+// widths take Portable) with the same int16 activations (vmlal_s16). Either
+// way the error per activation is at most max|x of its group| / 65024, far
+// below the f16 rounding GPUs apply to activations. The bias term uses exact
+// f32 sums.
 enum class Path : int { Auto = -1, Portable = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4, NeonInt8 = 5 };
 
 // The path `Auto` resolves to in this process.

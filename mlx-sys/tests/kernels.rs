@@ -106,12 +106,12 @@ fn reference(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, 
 }
 
 /// Whether `path` runs an integer loop (activations quantized to 16 bits)
-/// for this layout on this CPU: VNNI for bits 4 and 8 with groups of 16k,
-/// AVX2 and NEON (aarch64) for bits 2, 4 and 8 when a group spans a power of
-/// two below 8 words or a multiple of 8.
+/// for this layout on this CPU: VNNI for bits 4 and 8 with groups of 16k up
+/// to 256, AVX2 and NEON (aarch64) for bits 2, 4 and 8 when a group spans a
+/// power of two below 8 words or a multiple of 8.
 fn uses_vnni(path: KernelPath, bits: usize, group: usize) -> bool {
     match kernels::path_name(path).as_str() {
-        "avx512-vnni" => (bits == 4 || bits == 8) && group % 16 == 0,
+        "avx512-vnni" => (bits == 4 || bits == 8) && group % 16 == 0 && group <= 256,
         "avx2-int8" | "neon-int8" => {
             let words_per_group = group * bits / 32;
             matches!(bits, 2 | 4 | 8)
