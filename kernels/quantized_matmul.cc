@@ -936,9 +936,8 @@ transpose_words(const uint32_t* const (&rows)[16], size_t at, __mmask8 valid, __
 
 // `count` (0..16) values of dtype `ty` from element `at` on, as f32 lanes
 // 0..count-1 (zero above).
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) inline __m512 load16_as_f32(const void* p, Ty ty,
-                                                                                                   size_t at,
-                                                                                                   int count) {
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) inline __m512
+load16_as_f32(const void* p, Ty ty, size_t at, int count) {
   const __mmask16 k = (__mmask16)((1u << count) - 1);
   if (ty == Ty::F32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + at);
   const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + at);
@@ -1105,7 +1104,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
   // aligned within the buffer).
   thread_local std::vector<int32_t> kept_words;
   if (j.M > 4) kept_words.resize((size_t)j.wpr * (BITS == 4 ? 2 : 1) * 16 + 16);
-  __m512i* const kept = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(kept_words.data()) + 63) & ~(uintptr_t)63);
+  __m512i* const kept =
+      reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(kept_words.data()) + 63) & ~(uintptr_t)63);
   for (int n = n0; n < n1; n += 16) {
     // A short last block repeats its last row in the unused lanes.
     const int valid = std::min(16, n1 - n);
@@ -1116,8 +1116,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
       rows[l] = reinterpret_cast<const uint32_t*>(j.w + row * j.row_bytes);
       group_at[l] = row * gs;
     }
-    // The scales and biases of the rows the weights are fetched for.
-    const size_t ahead = (size_t)(n + 16 + j.prefetch_rows) * gs * group_bytes;
+    // The scales and biases of the rows whose weights the tiles fetch ahead.
+    const size_t ahead = (size_t)(n + j.prefetch_rows) * gs * group_bytes;
     for (size_t b = 0; b < 16 * gs * group_bytes; b += 64) {
       prefetch_weights(j, static_cast<const char*>(j.scales) + ahead + b);
       prefetch_weights(j, static_cast<const char*>(j.biases) + ahead + b);
@@ -1130,8 +1130,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
     // others.
     constexpr auto T = WeightSource::Transpose, TK = WeightSource::TransposeAndKeep, K = WeightSource::Kept;
     const float *s = st.data(), *b = bt.data();
-    __m512i* w = kept;
-    int m = 0;
+    __m512i* const w = kept;
     if (j.M <= 4) {
       switch (j.M) {
         case 4: tile_vnni<BITS, 4, T>(j, rows, s, b, w, 0, n, store); break;
@@ -1143,7 +1142,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
       continue;
     }
     tile_vnni<BITS, 4, TK>(j, rows, s, b, w, 0, n, store);
-    for (m = 4; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4, K>(j, rows, s, b, w, m, n, store);
+    int m = 4;
+    for (; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4, K>(j, rows, s, b, w, m, n, store);
     switch (j.M - m) {
       case 3: tile_vnni<BITS, 3, K>(j, rows, s, b, w, m, n, store); break;
       case 2: tile_vnni<BITS, 2, K>(j, rows, s, b, w, m, n, store); break;
