@@ -302,18 +302,6 @@ struct Model {
     prefill_chunk: Option<i64>,
 }
 
-fn load_model(py: Python<'_>, path: Option<PathBuf>, prefill_chunk: Option<i64>, progress: bool, limits: LimitOptions) -> PyResult<Model> {
-    // Checked now, so a bad value fails the load rather than the first generation.
-    Sampling::default().options(py, prefill_chunk)?;
-    let limits = limits.resolve().map_err(|e| engine_error(py, e))?;
-    let dir = match path {
-        Some(dir) => dir,
-        None => default_model_dir(py, progress)?,
-    };
-    let engine = py.detach(|| Engine::load_with(&dir, limits)).map_err(|e| engine_error(py, e))?;
-    Ok(Model { engine, prefill_chunk })
-}
-
 impl Model {
     fn start(&self, py: Python<'_>, prompt: Prompt, sampling: &Sampling<'_, '_>) -> PyResult<GenerationStream> {
         let request = sampling.options(py, self.prefill_chunk)?.request(prompt).map_err(|e| engine_error(py, e))?;
@@ -350,7 +338,15 @@ impl Model {
         max_kv_size: Option<i128>,
         kv_keep: Option<i128>,
     ) -> PyResult<Self> {
-        load_model(py, path, prefill_chunk, progress, LimitOptions { kv_pool_bytes, max_kv_size, kv_keep })
+        // Checked now, so a bad value fails the load rather than the first generation.
+        Sampling::default().options(py, prefill_chunk)?;
+        let limits = LimitOptions { kv_pool_bytes, max_kv_size, kv_keep }.resolve().map_err(|e| engine_error(py, e))?;
+        let dir = match path {
+            Some(dir) => dir,
+            None => default_model_dir(py, progress)?,
+        };
+        let engine = py.detach(|| Engine::load_with(&dir, limits)).map_err(|e| engine_error(py, e))?;
+        Ok(Model { engine, prefill_chunk })
     }
 
     /// Generates a continuation of `prompt` (text, or a list of token ids).
@@ -781,21 +777,6 @@ impl ModelInfo {
 // ---------------------------------------------------------------------------
 // Module functions
 
-/// Loads a model directory; `None` loads the default model (SmolLM2-135M-Instruct).
-#[pyfunction]
-#[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None))]
-fn load(
-    py: Python<'_>,
-    path: Option<PathBuf>,
-    prefill_chunk: Option<i64>,
-    progress: bool,
-    kv_pool_bytes: Option<i128>,
-    max_kv_size: Option<i128>,
-    kv_keep: Option<i128>,
-) -> PyResult<Model> {
-    load_model(py, path, prefill_chunk, progress, LimitOptions { kv_pool_bytes, max_kv_size, kv_keep })
-}
-
 /// The engine's defaults of every generation keyword argument, and of
 /// `prefill_chunk`: what an omitted (or None) argument means.
 #[pyfunction]
@@ -884,7 +865,7 @@ mod _mlxcel {
 
     #[pymodule_export]
     use super::{
-        _matmul_seconds, _stop_engines, default_model_path, generation_defaults, load, Chunk, Model, ModelInfo, Stream,
+        _matmul_seconds, _stop_engines, default_model_path, generation_defaults, Chunk, Model, ModelInfo, Stream,
     };
 
     #[pymodule_init]

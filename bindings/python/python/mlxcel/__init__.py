@@ -59,8 +59,11 @@ from ._mlxcel import (  # noqa: E402
     __version__,
     default_model_path,
     generation_defaults,
-    load,
 )
+
+#: Loads a model: ``mlxcel.load(path, **options)`` is ``Model(path, **options)``
+#: (see ``Model`` for the options).
+load = Model
 
 # Ends every generation (one cancelled by Ctrl-C or close() may still be in
 # its current step) and stops the engines' scheduler threads before MLX is

@@ -16,37 +16,6 @@ Message = Mapping[str, Any]
 PromptLike = Union[str, Sequence[int]]
 Stop = Union[str, Sequence[str], None]
 
-def load(
-    path: Union[str, os.PathLike[str], None] = None,
-    *,
-    prefill_chunk: Optional[int] = None,
-    progress: bool = True,
-    kv_pool_bytes: Optional[int] = None,
-    max_kv_size: Optional[int] = None,
-    kv_keep: Optional[int] = None,
-) -> Model:
-    """Loads a model directory (MLX / Hugging Face layout).
-
-    ``None`` loads the default model, SmolLM2-135M-Instruct, fetched and
-    converted into ``~/.cache/mlxcel`` on first use; that first fetch reports
-    its steps on ``sys.stderr`` unless ``progress=False``. ``prefill_chunk`` is
-    the number of prompt tokens per forward pass (None: the engine's default,
-    512): small values let ``Stream.close()`` stop a long prompt sooner.
-    ``kv_pool_bytes`` is the byte budget of the KV pool every generation's
-    keys and values share (None: 1 GiB; at least 1 MiB; only blocks in use
-    are resident): a generation that does not fit beside the running ones
-    waits, one whose prompt plus ``max_tokens`` exceeds the whole pool raises
-    InvalidParameter naming ``max_tokens``. ``max_kv_size`` makes every
-    generation's KV cache a rotating one of that many positions (mlx-lm's
-    ``--max-kv-size``): each token attends to the first ``kv_keep`` positions
-    (default 4) and the latest ``max_kv_size - kv_keep``, and a generation
-    holds only those however long it runs. It needs a quantized checkpoint
-    on the CPU (the paged KV pool).
-
-    Raises ModelLoadError, or InvalidParameter for a bad ``prefill_chunk``,
-    ``kv_pool_bytes``, ``max_kv_size`` or ``kv_keep``.
-    """
-
 def generation_defaults() -> dict:
     """The engine's default of every generation keyword argument and of
     ``prefill_chunk``: what an omitted argument means, the same in C and Node."""
@@ -151,7 +120,27 @@ class Model:
         max_kv_size: Optional[int] = None,
         kv_keep: Optional[int] = None,
     ) -> None:
-        """Same as ``mlxcel.load(path)``."""
+        """Loads a model directory (MLX / Hugging Face layout).
+
+        ``None`` loads the default model, SmolLM2-135M-Instruct, fetched and
+        converted into ``~/.cache/mlxcel`` on first use; that first fetch reports
+        its steps on ``sys.stderr`` unless ``progress=False``. ``prefill_chunk`` is
+        the number of prompt tokens per forward pass (None: the engine's default,
+        512): small values let ``Stream.close()`` stop a long prompt sooner.
+        ``kv_pool_bytes`` is the byte budget of the KV pool every generation's
+        keys and values share (None: 1 GiB; at least 1 MiB; only blocks in use
+        are resident): a generation that does not fit beside the running ones
+        waits, one whose prompt plus ``max_tokens`` exceeds the whole pool raises
+        InvalidParameter naming ``max_tokens``. ``max_kv_size`` makes every
+        generation's KV cache a rotating one of that many positions (mlx-lm's
+        ``--max-kv-size``): each token attends to the first ``kv_keep`` positions
+        (default 4) and the latest ``max_kv_size - kv_keep``, and a generation
+        holds only those however long it runs. It needs a quantized checkpoint
+        on the CPU (the paged KV pool).
+
+        Raises ModelLoadError, or InvalidParameter for a bad ``prefill_chunk``,
+        ``kv_pool_bytes``, ``max_kv_size`` or ``kv_keep``.
+        """
     def generate(
         self,
         prompt: PromptLike,
