@@ -199,7 +199,8 @@ impl BatchEngine {
         if let Some(context) = self.model.network().shape().max_position_embeddings {
             positions = positions.min(context.max(request.prompt.len()));
         }
-        self.pool.window_blocks(positions, request.prefill_chunk)
+        // No node takes more new positions than a prompt chunk.
+        self.pool.window_blocks(positions, request.prefill_chunk.min(request.prompt.len()))
     }
 
     /// Whether [`open`](Self::open) can take `request` now: false while the
