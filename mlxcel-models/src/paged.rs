@@ -64,6 +64,9 @@ pub struct PoolUsage {
     pub cached_idle: usize,
     /// Blocks promised to rows and not yet taken.
     pub reserved: usize,
+    /// Free blocks whose pages are still resident: they are handed back
+    /// once the node that may still read them has run.
+    pub unmapping: usize,
 }
 
 impl PoolUsage {
@@ -221,7 +224,7 @@ impl KvPool {
         s.unmap_freed();
         let in_use = s.in_use();
         let cached_idle = s.cached.keys().filter(|&&b| s.refs[b as usize] == 0).count();
-        PoolUsage { total: self.total, in_use, cached_idle, reserved: s.reserved }
+        PoolUsage { total: self.total, in_use, cached_idle, reserved: s.reserved, unmapping: s.unmap_later.len() }
     }
 
     /// Bytes of the pool's memory that are resident (0 for an
