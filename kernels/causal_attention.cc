@@ -16,6 +16,7 @@
 
 #include "cpu_features.h"
 #include "detail.h"
+#include "kv_q8.h"
 
 #ifdef MLXCEL_X86
 #include "simd_math.h"
@@ -93,6 +94,10 @@ struct AttnJob {
   // chunked), and positions [hidden_lo, hidden_hi) are packed as zeros
   // (hidden from every query; their blocks may be gone).
   int window = 0, keep = 0, split = 0, gap = 0, hidden_lo = 0, hidden_hi = 0;
+  // An 8-bit pool (kv_q8.h; k and v then unused): layer `layer` of it.
+  const uint8_t* q8 = nullptr;
+  detail::KvQ8Layout q8_layout;
+  int layer = 0;
 };
 
 // Hides from each of the QR rows of the task at i0 (rows past `rows` repeat
@@ -129,6 +134,16 @@ void pack_kv(void* ctx, int t) {
         kt[(size_t)d * j.S_pad + s] = 0.0f;
         vp[(size_t)s * j.D + d] = 0.0f;
       }
+      continue;
+    }
+    if (j.q8) {
+      const uint8_t* block = j.q8 + (size_t)j.table[position / j.block] * j.q8_layout.block_bytes();
+      const int row = position % j.block;
+      using detail::kv_q8_row;
+      detail::kv_q8_dequantize(kv_q8_row(block + j.q8_layout.section(j.layer, 0, h), j.q8_layout, row), j.D,
+                               kt + s, j.S_pad);
+      detail::kv_q8_dequantize(kv_q8_row(block + j.q8_layout.section(j.layer, 1, h), j.q8_layout, row), j.D,
+                               vp + (size_t)s * j.D);
       continue;
     }
     if (j.table) {
@@ -394,17 +409,26 @@ class CausalAttention : public mx::UnaryPrimitive {
 // positions written (in place when the pool inputs are dense).
 class PagedCausalAttention : public mx::Primitive {
  public:
-  PagedCausalAttention(mx::Stream stream, float scale, std::vector<int32_t> table, int offset, int window, int keep)
-      : mx::Primitive(stream), scale_(scale), table_(std::move(table)), offset_(offset), window_(window), keep_(keep) {}
+  PagedCausalAttention(mx::Stream stream, float scale, std::vector<int32_t> table, int offset, int window, int keep,
+                       int layer)
+      : mx::Primitive(stream),
+        scale_(scale),
+        table_(std::move(table)),
+        offset_(offset),
+        window_(window),
+        keep_(keep),
+        layer_(layer) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
+    const bool q8 = inputs[3].dtype() == mx::uint8;
     bool copy[2];
     for (int c = 0; c < 2; ++c) {
       const mx::array& in = inputs[3 + c];
-      copy[c] = !(in.flags().row_contiguous && in.data_size() == in.size());
+      // An 8-bit pool is dense (kv_pool_buffer_q8) and written in place only.
+      copy[c] = !q8 && !(in.flags().row_contiguous && in.data_size() == in.size());
       if (copy[c]) {
         outputs[1 + c].set_data(mx::allocator::malloc(outputs[1 + c].nbytes()));
       } else {
@@ -417,7 +441,7 @@ class PagedCausalAttention : public mx::Primitive {
     j.H = q.shape(1);
     j.L = q.shape(2);
     j.D = q.shape(3);
-    j.Hkv = pool.shape(0);
+    j.Hkv = q8 ? pool.shape(3) : pool.shape(0);
     j.S = offset_ + j.L;
     if (window_ > 0) {
       // Every query of the call sees at least [0, keep) and [lo, S).
@@ -439,26 +463,51 @@ class PagedCausalAttention : public mx::Primitive {
     j.isa = attention_isa();
     j.block = pool.shape(2);
     j.blocks = pool.shape(1);
+    if (q8) {
+      j.q8_layout = detail::KvQ8Layout{pool.shape(1), pool.shape(3), 0, j.D};
+      j.q8_layout.block = (int)(pool.shape(4) / j.q8_layout.row_bytes());
+      j.block = j.q8_layout.block;
+      j.blocks = pool.shape(0);
+      j.layer = layer_;
+    }
     for (int d = 0; d < 4; ++d) j.qs.s[d] = q.strides()[d];
     Strides4 ks, vs, pks, pvs;
     for (int d = 0; d < 4; ++d) {
       ks.s[d] = k.strides()[d];
       vs.s[d] = v.strides()[d];
-      pks.s[d] = inputs[3].strides()[d];
-      pvs.s[d] = inputs[4].strides()[d];
+      pks.s[d] = q8 ? 0 : inputs[3].strides()[d];
+      pvs.s[d] = q8 ? 0 : inputs[4].strides()[d];
     }
     const int pool_shape[4] = {pool.shape(0), pool.shape(1), pool.shape(2), pool.shape(3)};
+    uint8_t* pool8 = q8 ? outputs[1].data<uint8_t>() : nullptr;
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
     for (auto& a : outputs) enc.set_output_array(a);
     enc.dispatch([j, table = table_, offset = offset_, ks, vs, pks, pvs, copy_keys = copy[0], copy_values = copy[1],
                   pool_shape, qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
                   pk_in = inputs[3].data<float>(), pv_in = inputs[4].data<float>(), op = out.data<float>(),
-                  pk = outputs[1].data<float>(), pv = outputs[2].data<float>()]() mutable {
+                  pk = outputs[1].data<float>(), pv = outputs[2].data<float>(), pool8]() mutable {
       if (copy_keys) copy_strided(pk_in, pks, pk, pool_shape);
       if (copy_values) copy_strided(pv_in, pvs, pv, pool_shape);
       // The new positions into their blocks.
-      for (int h = 0; h < j.Hkv; ++h) {
+      if (pool8) {
+        std::vector<float> row(j.D);
+        for (int h = 0; h < j.Hkv; ++h) {
+          for (int l = 0; l < j.L; ++l) {
+            const int t = offset + l;
+            uint8_t* block = pool8 + (size_t)table[t / j.block] * j.q8_layout.block_bytes();
+            for (int c = 0; c < 2; ++c) {
+              const float* src = c == 0 ? kp + h * ks.s[1] + l * ks.s[2] : vp + h * vs.s[1] + l * vs.s[2];
+              const int64_t step = c == 0 ? ks.s[3] : vs.s[3];
+              for (int d = 0; d < j.D; ++d) row[d] = src[d * step];
+              detail::kv_q8_quantize(row.data(), j.D,
+                                     detail::kv_q8_row(block + j.q8_layout.section(j.layer, c, h), j.q8_layout, t % j.block));
+            }
+          }
+        }
+        j.q8 = pool8;
+      }
+      for (int h = 0; h < (pool8 ? 0 : j.Hkv); ++h) {
         for (int l = 0; l < j.L; ++l) {
           const int t = offset + l;
           const size_t at = (((size_t)h * j.blocks + table[t / j.block]) * j.block + t % j.block) * j.D;
@@ -486,7 +535,7 @@ class PagedCausalAttention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const PagedCausalAttention*>(&other);
     return o && o->scale_ == scale_ && o->table_ == table_ && o->offset_ == offset_ && o->window_ == window_ &&
-           o->keep_ == keep_;
+           o->keep_ == keep_ && o->layer_ == layer_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -504,7 +553,7 @@ class PagedCausalAttention : public mx::Primitive {
 
   float scale_;
   std::vector<int32_t> table_;
-  int offset_, window_, keep_;
+  int offset_, window_, keep_, layer_;
 };
 
 [[noreturn]] void fail(const std::string& message) {
@@ -540,7 +589,7 @@ mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::arr
 std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                                               const mx::array& pool_keys, const mx::array& pool_values,
                                               const std::vector<int32_t>& table, int offset, float scale,
-                                              int window, int keep, mx::StreamOrDevice s) {
+                                              int window, int keep, int layer, mx::StreamOrDevice s) {
   mx::Stream stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
   auto shape = [](const mx::array& a) {
@@ -548,13 +597,36 @@ std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::arra
     for (int i = 0; i < (int)a.ndim(); ++i) out += (i ? ", " : "") + std::to_string(a.shape(i));
     return out + "]";
   };
+  const bool q8 = pool_keys.dtype() == mx::uint8;
   for (const auto* a : {&q, &k, &v, &pool_keys, &pool_values}) {
+    if (q8 && (a == &pool_keys || a == &pool_values)) continue;
     if (a->dtype() != mx::float32 || a->ndim() != 4) fail("q, k, v and the pools must be float32 of rank 4");
   }
-  const int H = q.shape(1), L = q.shape(2), D = q.shape(3), Hkv = pool_keys.shape(0), block = pool_keys.shape(2);
+  const int H = q.shape(1), L = q.shape(2), D = q.shape(3);
   if (q.shape(0) != 1 || L < 1 || D % 16 != 0) fail("q must be [1, H, L >= 1, D % 16 == 0], got " + shape(q));
-  if (pool_keys.shape() != pool_values.shape() || pool_keys.shape(3) != D || block < 8 || (block & (block - 1)) != 0 ||
-      Hkv < 1 || H % Hkv != 0) {
+  int Hkv = 0, block = 0, blocks = 0;
+  if (q8) {
+    if (pool_keys.id() != pool_values.id()) fail("an 8-bit pool must be passed as both the keys and the values pool");
+    if (D % detail::kKvQ8Group != 0) fail("an 8-bit KV pool needs head_dim a multiple of 64; got " + std::to_string(D));
+    const detail::KvQ8Layout layout{0, 0, 0, D};
+    if (pool_keys.ndim() != 5 || pool_keys.shape(2) != 2 || pool_keys.shape(4) % (int64_t)layout.row_bytes() != 0) {
+      fail("an 8-bit pool must be uint8 [blocks, layers, 2, kv_heads, block * " + std::to_string(layout.row_bytes()) +
+           "], got " + shape(pool_keys));
+    }
+    Hkv = pool_keys.shape(3);
+    block = (int)(pool_keys.shape(4) / (int64_t)layout.row_bytes());
+    blocks = pool_keys.shape(0);
+    if (layer < 0 || layer >= pool_keys.shape(1)) {
+      fail("layer " + std::to_string(layer) + " is outside the 8-bit pool's " + std::to_string(pool_keys.shape(1)) +
+           " layers");
+    }
+  } else {
+    Hkv = pool_keys.shape(0);
+    block = pool_keys.shape(2);
+    blocks = pool_keys.shape(1);
+  }
+  if (block < 8 || (block & (block - 1)) != 0 || Hkv < 1 || H % Hkv != 0 ||
+      (!q8 && (pool_keys.shape() != pool_values.shape() || pool_keys.shape(3) != D))) {
     fail("pools must both be [kv_heads dividing " + std::to_string(H) + ", blocks, block (a power of two >= 8), " +
          std::to_string(D) + "], got " + shape(pool_keys) + " and " + shape(pool_values));
   }
@@ -570,13 +642,14 @@ std::vector<mx::array> paged_causal_attention(const mx::array& q, const mx::arra
   const detail::KvWindowRule rule{window, keep};
   for (size_t i = 0; i < table.size(); ++i) {
     if ((table[i] < 0 && !(table[i] == -1 && rule.hides_block((int64_t)i, block, offset + 1))) ||
-        table[i] >= pool_keys.shape(1)) {
+        table[i] >= blocks) {
       fail("block id " + std::to_string(table[i]) + " at table index " + std::to_string(i) + " is outside the pool");
     }
   }
   auto outs = mx::array::make_arrays({mx::Shape{1, L, H, D}, pool_keys.shape(), pool_values.shape()},
-                                     {mx::float32, mx::float32, mx::float32},
-                                     std::make_shared<PagedCausalAttention>(stream, scale, table, offset, window, keep),
+                                     {mx::float32, pool_keys.dtype(), pool_values.dtype()},
+                                     std::make_shared<PagedCausalAttention>(stream, scale, table, offset, window, keep,
+                                                                            layer),
                                      {q, k, v, pool_keys, pool_values});
   return {mx::transpose(outs[0], {0, 2, 1, 3}, stream), outs[1], outs[2]};
 }

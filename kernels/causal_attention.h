@@ -52,8 +52,10 @@ mlx::core::array causal_attention(
 // sees only positions [0, keep) and [p + 1 - window, p] (as
 // DecoderLayerSpec::kv_window), table entries of blocks no new token sees
 // may be -1, and the result still does not depend on how a prompt is cut
-// into calls. Returns {out [1, H, L, D] as causal_attention does, keys
-// pool, values pool}. CPU only; throws std::invalid_argument naming the
+// into calls. An 8-bit pool (kv_pool_buffer_q8, passed as both pools) holds
+// every layer: `layer` is this one, the new rows are quantized as
+// decoder_layer_paged does, and attention reads them dequantized. Returns
+// {out [1, H, L, D] as causal_attention does, keys pool, values pool}. CPU only; throws std::invalid_argument naming the
 // input that does not fit.
 std::vector<mlx::core::array> paged_causal_attention(
     const mlx::core::array& q,
@@ -66,6 +68,7 @@ std::vector<mlx::core::array> paged_causal_attention(
     float scale,
     int window = 0,
     int keep = 0,
+    int layer = 0,
     mlx::core::StreamOrDevice s = {});
 
 }  // namespace mlxcel::kernels

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "detail.h"
+#include "kv_q8.h"
 #include "simd_math.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -239,6 +240,17 @@ struct CacheRef {
   float* values = nullptr;
   // The sliding window (DecoderLayerSpec::kv_window, kv_keep); 0 = none.
   int window = 0, keep = 0;
+  // An 8-bit paged pool (keys and values then unused): every layer's
+  // blocks, this one's at `layer` (kv_q8.h).
+  uint8_t* q8 = nullptr;
+  detail::KvQ8Layout q8_layout;
+  int layer = 0;
+
+  // Row t of head g's keys (kind 0) or values (1) in an 8-bit pool.
+  detail::KvQ8Row q8_row(int kind, int g, int t) const {
+    uint8_t* section = q8 + (size_t)table[t >> block_shift] * q8_layout.block_bytes() + q8_layout.section(layer, kind, g);
+    return detail::kv_q8_row(section, q8_layout, t & (block - 1));
+  }
 
   // The positions a query at position T - 1 sees: [0, keep) and [lo, T).
   struct Seen {
@@ -597,6 +609,237 @@ AttendFn attend_for(int head_dim) {
 #endif
 }
 
+// ---------------------------------------------------------------------------
+// Attention over an 8-bit pool, as mlx-lm's quantized attention computes it:
+// q . k = sum over groups of scale * (q . k_q) + bias * sum(q), and
+// out = sum_t p_t * (scale * v_q + bias), the bias terms summed apart.
+
+inline float dot_u8(const float* a, const uint8_t* b, int n) {
+  float acc[8] = {};
+  for (int i = 0; i < n; i += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * (float)b[i + l];
+  }
+  for (int w = 4; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
+
+constexpr int kMaxQ8Groups = 16;  // head_dim <= 1024 (check_paged)
+
+void attend_q8_portable(const float* q, const CacheRef& c, int g, int T, float* scores, float* out) {
+  const int D = c.dim, G = D / detail::kKvQ8Group;
+  float qsum[kMaxQ8Groups], bsum[kMaxQ8Groups];
+  for (int gi = 0; gi < G; ++gi) {
+    qsum[gi] = 0.0f;
+    for (int d = gi * detail::kKvQ8Group; d < (gi + 1) * detail::kKvQ8Group; ++d) qsum[gi] += q[d];
+    bsum[gi] = 0.0f;
+  }
+  const CacheRef::Seen w = c.seen(T);
+  const int seen = w.keep + (T - w.lo);
+  auto position = [&](int i) { return i < w.keep ? i : w.lo + (i - w.keep); };
+  float m = -INFINITY;
+  for (int i = 0; i < seen; ++i) {
+    const detail::KvQ8Row r = c.q8_row(0, g, position(i));
+    float s = 0.0f;
+    for (int gi = 0; gi < G; ++gi) {
+      const int d0 = gi * detail::kKvQ8Group;
+      s += r.scales[gi] * dot_u8(q + d0, r.q + d0, detail::kKvQ8Group) + r.biases[gi] * qsum[gi];
+    }
+    scores[i] = s;
+    m = std::max(m, s);
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < seen; ++i) {
+    scores[i] = std::exp(scores[i] - m);
+    sum += scores[i];
+  }
+  const float inv = 1.0f / sum;
+  std::fill(out, out + D, 0.0f);
+  for (int i = 0; i < seen; ++i) {
+    const float p = scores[i] * inv;
+    const detail::KvQ8Row r = c.q8_row(1, g, position(i));
+    for (int gi = 0; gi < G; ++gi) {
+      const float ws = p * r.scales[gi];
+      bsum[gi] += p * r.biases[gi];
+      for (int d = gi * detail::kKvQ8Group; d < (gi + 1) * detail::kKvQ8Group; ++d) out[d] += ws * (float)r.q[d];
+    }
+  }
+  for (int gi = 0; gi < G; ++gi) {
+    for (int d = gi * detail::kKvQ8Group; d < (gi + 1) * detail::kKvQ8Group; ++d) out[d] += bsum[gi];
+  }
+}
+
+#ifdef MLXCEL_X86
+#define MLXCEL_Q8_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")))
+#define MLXCEL_Q8_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+MLXCEL_Q8_AVX512 inline __m512 u8x16_avx512(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+MLXCEL_Q8_AVX2 inline __m256 u8x8_avx2(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Asks for a section's cache lines (a block's rows of one head lie apart
+// from the next block's).
+inline void prefetch_bytes(const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+template <int NG>
+inline float q8_bias_term(const float (&qsum)[NG], const detail::KvQ8Row& r) {
+  float b = 0.0f;
+  for (int gi = 0; gi < NG; ++gi) b += r.biases[gi] * qsum[gi];
+  return b;
+}
+
+// The scaled q . k_q of one row as 8 partial sums.
+template <int NG>
+MLXCEL_Q8_AVX512 inline __m256 qk_q8_avx512(const __m512 (&qv)[4 * NG], const detail::KvQ8Row& r) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int gi = 0; gi < NG; ++gi) {
+    const uint8_t* k = r.q + gi * detail::kKvQ8Group;
+    __m512 a = _mm512_mul_ps(qv[4 * gi], u8x16_avx512(k));
+    for (int i = 1; i < 4; ++i) a = _mm512_fmadd_ps(qv[4 * gi + i], u8x16_avx512(k + 16 * i), a);
+    acc = _mm512_fmadd_ps(a, _mm512_set1_ps(r.scales[gi]), acc);
+  }
+  return _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+}
+
+template <int NG>
+MLXCEL_Q8_AVX2 inline __m256 qk_q8_avx2(const __m256 (&qv)[8 * NG], const detail::KvQ8Row& r) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int gi = 0; gi < NG; ++gi) {
+    const uint8_t* k = r.q + gi * detail::kKvQ8Group;
+    __m256 a = _mm256_mul_ps(qv[8 * gi], u8x8_avx2(k));
+    for (int i = 1; i < 8; ++i) a = _mm256_fmadd_ps(qv[8 * gi + i], u8x8_avx2(k + 8 * i), a);
+    acc = _mm256_fmadd_ps(a, _mm256_set1_ps(r.scales[gi]), acc);
+  }
+  return acc;
+}
+
+// The scores of the positions seen, densely ([0, keep) then [lo, T)), 8
+// positions at a time from multiples of 8 (never across a block); returns
+// their count and sets m to their max. One definition per instruction set.
+#define MLXCEL_Q8_SCORES(NAME, TARGET, VEC, VECS_PER_GROUP, QK)                                                 \
+  template <int NG>                                                                                             \
+  TARGET int NAME(const CacheRef& c, int g, int T, const VEC (&qv)[VECS_PER_GROUP * NG], const float (&qsum)[NG], \
+                  float* scores, float& m) {                                                                    \
+    const CacheRef::Seen w = c.seen(T);                                                                         \
+    const int segments[2][2] = {{0, w.keep}, {w.lo, T}};                                                        \
+    m = -INFINITY;                                                                                              \
+    int n = 0;                                                                                                  \
+    const size_t section = c.q8_layout.section_bytes();                                                         \
+    for (const auto& segment : segments) {                                                                      \
+      const int end_all = segment[1];                                                                           \
+      float* sc = scores + n - segment[0]; /* sc[t]: the score of position t */                                 \
+      for (int t = segment[0]; t < end_all;) {                                                                  \
+        const int rows = !(t & 7) && t + 8 <= end_all ? 8 : 1;                                                  \
+        if (rows == 8 && !(t & (c.block - 1)) && t + c.block < end_all) {                                       \
+          prefetch_bytes(c.q8_row(0, g, t + c.block).q, section);                                               \
+        }                                                                                                       \
+        for (int p = 0; p < rows; ++p, ++t) {                                                                   \
+          const detail::KvQ8Row r = c.q8_row(0, g, t);                                                          \
+          sc[t] = simd::hsum256(QK<NG>(qv, r)) + q8_bias_term<NG>(qsum, r);                                     \
+          m = std::max(m, sc[t]);                                                                               \
+        }                                                                                                       \
+      }                                                                                                         \
+      n += end_all - segment[0];                                                                                \
+    }                                                                                                           \
+    return n;                                                                                                   \
+  }
+MLXCEL_Q8_SCORES(q8_scores_avx512, MLXCEL_Q8_AVX512, __m512, 4, qk_q8_avx512)
+MLXCEL_Q8_SCORES(q8_scores_avx2, MLXCEL_Q8_AVX2, __m256, 8, qk_q8_avx2)
+#undef MLXCEL_Q8_SCORES
+
+template <int NG>
+MLXCEL_Q8_AVX512 void attend_q8_avx512(const float* q, const CacheRef& c, int g, int T, float* scores, float* out) {
+  constexpr int NV = 4 * NG;
+  __m512 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  float qsum[NG], bsum[NG];
+  for (int gi = 0; gi < NG; ++gi) {
+    qsum[gi] = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(qv[4 * gi], qv[4 * gi + 1]), _mm512_add_ps(qv[4 * gi + 2], qv[4 * gi + 3])));
+    bsum[gi] = 0.0f;
+  }
+  float m;
+  const int n = q8_scores_avx512<NG>(c, g, T, qv, qsum, scores, m);
+  softmax_avx512(scores, n, m);
+  __m512 o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = _mm512_setzero_ps();
+  const CacheRef::Seen w = c.seen(T);
+  for (int i = 0; i < n; ++i) {
+    const int t = i < w.keep ? i : w.lo + (i - w.keep);
+    const float p = scores[i];
+    const detail::KvQ8Row r = c.q8_row(1, g, t);
+    for (int gi = 0; gi < NG; ++gi) {
+      const __m512 ws = _mm512_set1_ps(p * r.scales[gi]);
+      bsum[gi] += p * r.biases[gi];
+      const uint8_t* v = r.q + gi * detail::kKvQ8Group;
+      for (int k = 0; k < 4; ++k) o[4 * gi + k] = _mm512_fmadd_ps(ws, u8x16_avx512(v + 16 * k), o[4 * gi + k]);
+    }
+  }
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_add_ps(o[i], _mm512_set1_ps(bsum[i / 4])));
+}
+
+template <int NG>
+MLXCEL_Q8_AVX2 void attend_q8_avx2(const float* q, const CacheRef& c, int g, int T, float* scores, float* out) {
+  constexpr int NV = 8 * NG;
+  __m256 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  float qsum[NG], bsum[NG];
+  for (int gi = 0; gi < NG; ++gi) {
+    __m256 s = qv[8 * gi];
+    for (int i = 1; i < 8; ++i) s = _mm256_add_ps(s, qv[8 * gi + i]);
+    qsum[gi] = simd::hsum256(s);
+    bsum[gi] = 0.0f;
+  }
+  float m;
+  const int n = q8_scores_avx2<NG>(c, g, T, qv, qsum, scores, m);
+  softmax_avx2(scores, n, m);
+  __m256 o[NV];
+  for (int i = 0; i < NV; ++i) o[i] = _mm256_setzero_ps();
+  const CacheRef::Seen w = c.seen(T);
+  for (int i = 0; i < n; ++i) {
+    const int t = i < w.keep ? i : w.lo + (i - w.keep);
+    const float p = scores[i];
+    const detail::KvQ8Row r = c.q8_row(1, g, t);
+    for (int gi = 0; gi < NG; ++gi) {
+      const __m256 ws = _mm256_set1_ps(p * r.scales[gi]);
+      bsum[gi] += p * r.biases[gi];
+      const uint8_t* v = r.q + gi * detail::kKvQ8Group;
+      for (int k = 0; k < 8; ++k) o[8 * gi + k] = _mm256_fmadd_ps(ws, u8x8_avx2(v + 8 * k), o[8 * gi + k]);
+    }
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(o[i], _mm256_set1_ps(bsum[i / 8])));
+}
+#endif  // MLXCEL_X86
+
+// The 8-bit pool's loop for this head_dim on this CPU (always one).
+AttendFn attend_q8_for(int head_dim) {
+#ifdef MLXCEL_X86
+  if (vector_ops().dot == dot_avx512) {
+    switch (head_dim) {
+      case 64: return attend_q8_avx512<1>;
+      case 128: return attend_q8_avx512<2>;
+      case 256: return attend_q8_avx512<4>;
+      default: break;
+    }
+  }
+  if (vector_ops().dot == dot_avx2) {
+    switch (head_dim) {
+      case 64: return attend_q8_avx2<1>;
+      case 128: return attend_q8_avx2<2>;
+      default: break;
+    }
+  }
+#endif
+  (void)head_dim;
+  return attend_q8_portable;
+}
+
 // Softmax(q k^T) v for the heads of one task of one sequence, every new
 // row, causal.
 void attention_task(void* ctx, int task) {
@@ -611,7 +854,7 @@ void attention_task(void* ctx, int task) {
   const CacheRef& c = p.caches[b];
   thread_local std::vector<float> scores;
   scores.resize((size_t)c.offset + p.L);
-  const AttendFn attend = attend_for(D);
+  const AttendFn attend = c.q8 ? attend_q8_for(D) : attend_for(D);
   for (int h = h0; h < h1; ++h) {
     const int g = h / group;
     for (int l = 0; l < p.L; ++l) {
@@ -665,7 +908,7 @@ void run_layer(const Pointers& p) {
   sc.g.resize((size_t)L * I);
   sc.u.resize((size_t)L * I);
 
-  if (p.pool_copy) {
+  if (p.pool_copy) {  // never for an 8-bit pool (written in place only)
     copy_pool(p.pool_copy->keys_in, p.pool_copy->keys_in_strides, p.pool_copy->keys, p.pool_shape);
     copy_pool(p.pool_copy->values_in, p.pool_copy->values_in_strides, p.pool_copy->values, p.pool_shape);
   } else {
@@ -723,6 +966,14 @@ void run_layer(const Pointers& p) {
   // New keys and values into each sequence's cache.
   for (int l = 0; l < L; ++l) {
     const CacheRef& c = p.caches[l / p.L];
+    if (c.q8) {
+      for (int g = 0; g < s.kv_heads; ++g) {
+        const int t = c.offset + l % p.L;
+        detail::kv_q8_quantize(&sc.k[(size_t)l * kvn + (size_t)g * D], D, c.q8_row(0, g, t));
+        detail::kv_q8_quantize(&sc.v[(size_t)l * kvn + (size_t)g * D], D, c.q8_row(1, g, t));
+      }
+      continue;
+    }
     for (int g = 0; g < s.kv_heads; ++g) {
       const size_t at = c.at(g, c.offset + l % p.L);
       std::memcpy(c.keys + at, &sc.k[(size_t)l * kvn + (size_t)g * D], D * sizeof(float));
@@ -831,8 +1082,28 @@ class DecoderLayer : public mx::Primitive {
     // (spec.cache_in_place), else copy it. (MLX's donation check cannot help
     // here: each output holds its own copy of the inputs.) A paged layer has
     // one pool for every sequence.
+    const bool q8 = paged && inputs[at.keys].dtype() == mx::uint8;
     const int buffers = paged ? 1 : B;
-    for (int b = 0; b < buffers; ++b) {
+    if (q8) {
+      // One 8-bit pool for keys and values, always written in place (check_paged).
+      outputs[1].copy_shared_buffer(inputs[at.keys]);
+      outputs[2].copy_shared_buffer(inputs[at.values]);
+      const mx::array& pool = inputs[at.keys];
+      detail::KvQ8Layout layout{pool.shape(1), pool.shape(3), 0, spec_.head_dim};
+      layout.block = (int)(pool.shape(4) / layout.row_bytes());
+      for (int b = 0; b < B; ++b) {
+        CacheRef& cache = p.caches[b];
+        cache.q8 = outputs[1].data<uint8_t>();
+        cache.q8_layout = layout;
+        cache.layer = spec_.kv_layer;
+        cache.block = layout.block;
+        cache.block_shift = __builtin_ctz((unsigned)cache.block);
+        cache.blocks = pool.shape(0);
+        cache.table = tables_[b];
+        cache.capacity = (int)cache.table.size() * cache.block;
+      }
+    }
+    for (int b = 0; b < (q8 ? 0 : buffers); ++b) {
       CacheRef& cache = p.caches[b];
       for (int c = 0; c < 2; ++c) {
         const mx::array& in = inputs[(c == 0 ? at.keys : at.values) + b];
@@ -851,7 +1122,7 @@ class DecoderLayer : public mx::Primitive {
         (c == 0 ? cache.keys : cache.values) = o.data<float>();
       }
     }
-    if (paged) {
+    if (paged && !q8) {
       const mx::array& pool = inputs[at.keys];
       for (int d = 0; d < 4; ++d) p.pool_shape[d] = pool.shape(d);
       if (p.caches[0].copy_keys || p.caches[0].copy_values) p.pool_copy = p.caches[0];
@@ -865,7 +1136,7 @@ class DecoderLayer : public mx::Primitive {
         cache.table = tables_[b];
         cache.capacity = (int)cache.table.size() * cache.block;
       }
-    } else {
+    } else if (!paged) {
       for (int b = 0; b < B; ++b) p.caches[b].capacity = p.caches[b].block = inputs[at.keys + b].shape(2);
     }
     for (int b = 0; b < B; ++b) {
@@ -907,7 +1178,7 @@ class DecoderLayer : public mx::Primitive {
            a.intermediate == b.intermediate && a.offset == b.offset && a.norm_eps == b.norm_eps &&
            a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
            a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale &&
-           a.cache_in_place == b.cache_in_place && a.kv_window == b.kv_window && a.kv_keep == b.kv_keep &&
+           a.cache_in_place == b.cache_in_place && a.kv_window == b.kv_window && a.kv_keep == b.kv_keep && a.kv_layer == b.kv_layer &&
            slots_ == o->slots_ && offsets_ == o->offsets_ && tables_ == o->tables_ && prepared_ == o->prepared_;
   }
 
@@ -1082,7 +1353,31 @@ void check_paged(const mx::array& x, const mx::array& pool_keys, const mx::array
     fail("x must be float32 [" + std::to_string(B) + ", L, " + std::to_string(spec.hidden) + "], got shape " +
          shape_str(x));
   }
+  const bool q8 = pool_keys.dtype() == mx::uint8;
+  int blocks = 0, block = 0;
+  if (q8) {
+    const detail::KvQ8Layout layout{pool_keys.ndim() == 5 ? pool_keys.shape(1) : 0, spec.kv_heads, 16, spec.head_dim};
+    if (pool_keys.id() != pool_values.id()) fail("an 8-bit pool must be passed as both the keys and the values pool");
+    if (spec.head_dim % detail::kKvQ8Group != 0 || spec.head_dim > 1024) {
+      fail("an 8-bit KV pool needs head_dim a multiple of 64, at most 1024; got " + std::to_string(spec.head_dim));
+    }
+    const int64_t section = pool_keys.ndim() == 5 ? pool_keys.shape(4) : 0;
+    block = (int)(section / (int64_t)layout.row_bytes());
+    if (pool_keys.ndim() != 5 || pool_keys.shape(2) != 2 || pool_keys.shape(3) != spec.kv_heads ||
+        section % (int64_t)layout.row_bytes() != 0 || block < 8 || (block & (block - 1)) != 0) {
+      fail("an 8-bit pool must be uint8 [blocks, layers, 2, " + std::to_string(spec.kv_heads) +
+           ", block (a power of two >= 8) * " + std::to_string(layout.row_bytes()) + "], got shape " +
+           shape_str(pool_keys));
+    }
+    if (spec.kv_layer < 0 || spec.kv_layer >= pool_keys.shape(1)) {
+      fail("kv_layer " + std::to_string(spec.kv_layer) + " is outside the 8-bit pool's " +
+           std::to_string(pool_keys.shape(1)) + " layers");
+    }
+    if (!spec.cache_in_place) fail("an 8-bit pool is written in place only (cache_in_place)");
+    blocks = pool_keys.shape(0);
+  }
   for (const auto& [a, name] : {std::pair{&pool_keys, "keys"}, std::pair{&pool_values, "values"}}) {
+    if (q8) break;
     if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != spec.kv_heads || a->shape(3) != spec.head_dim ||
         a->shape(2) < 8 || (a->shape(2) & (a->shape(2) - 1)) != 0 || a->shape() != pool_keys.shape()) {
       fail(std::string(name) + " pool must be float32 [" + std::to_string(spec.kv_heads) +
@@ -1090,7 +1385,11 @@ void check_paged(const mx::array& x, const mx::array& pool_keys, const mx::array
            shape_str(*a));
     }
   }
-  const int L = x.shape(1), blocks = pool_keys.shape(1), block = pool_keys.shape(2);
+  if (!q8) {
+    blocks = pool_keys.shape(1);
+    block = pool_keys.shape(2);
+  }
+  const int L = x.shape(1);
   // Blocks written by this node, each by one sequence only.
   std::vector<int32_t> written;
   for (int b = 0; b < B; ++b) {
@@ -1134,7 +1433,7 @@ std::vector<mx::array> decoder_layer_paged(const std::shared_ptr<const PreparedD
   slots.keys = 1;
   slots.values = 2;
   return mx::array::make_arrays({x.shape(), pool_keys.shape(), pool_values.shape()},
-                                {mx::float32, mx::float32, mx::float32},
+                                {mx::float32, pool_keys.dtype(), pool_values.dtype()},
                                 std::make_shared<DecoderLayer>(stream, spec, slots, offsets, weights, tables),
                                 {x, pool_keys, pool_values});
 }

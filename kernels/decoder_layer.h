@@ -52,6 +52,9 @@ struct DecoderLayerSpec {
   // token sees may be -1 in the tables.
   int kv_window = 0;
   int kv_keep = 0;
+  // The layer's index in an 8-bit paged pool (kv_pool_buffer_q8), which
+  // holds every layer; unused otherwise.
+  int kv_layer = 0;
   // The caller owns the cache buffers: nothing reads them at positions
   // >= offset except nodes evaluated after this one, so the new rows can be
   // written into the input buffers even while other references exist (the
@@ -144,6 +147,13 @@ std::vector<mlx::core::array> decoder_layer_batch(
 // pools are written in place (spec.cache_in_place) or copied whole, and
 // attention reads the blocks where they lie. Every row is computed exactly
 // as with a contiguous cache. Returns {out [B, L, hidden], keys, values}.
+//
+// An 8-bit pool (kv_pool_buffer_q8, passed as both pool_keys and
+// pool_values, written in place only) holds the layer spec.kv_layer: each
+// new key and value row is quantized as mx::quantize does (group 64, 8 bits,
+// f32 scales and biases), and attention reads the quantized rows as mlx-lm's
+// quantized attention does, q . k = sum over groups of scale * (q . k_q) +
+// bias * sum(q), and likewise for the values.
 std::vector<mlx::core::array> decoder_layer_paged(
     const std::shared_ptr<const PreparedDecoderLayer>& weights,
     const mlx::core::array& x,

@@ -2,6 +2,8 @@
 
 #include "kv_pool.h"
 
+#include "kv_q8.h"
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -20,13 +22,10 @@ size_t page_size() {
   return page;
 }
 
-}  // namespace
-
-mx::array kv_pool_buffer(int blocks, int kv_heads, int block, int head_dim) {
-  if (blocks <= 0 || kv_heads <= 0 || block <= 0 || head_dim <= 0) {
-    throw std::invalid_argument("[mlxcel::kernels::kv_pool_buffer] dimensions must be positive");
-  }
-  const size_t bytes = (size_t)blocks * kv_heads * block * head_dim * sizeof(float);
+// An evaluated, page-aligned array of `shape` over an anonymous mapping.
+mx::array mapped_array(const mx::Shape& shape, mx::Dtype dtype) {
+  size_t bytes = dtype.size();
+  for (int d : shape) bytes *= (size_t)d;
   // An MLX buffer points at the allocator's header, `delta` bytes before the
   // data (a size on the CPU): the mapping starts one page early, so that
   // the data, and with it every block, is page aligned.
@@ -43,18 +42,43 @@ mx::array kv_pool_buffer(int blocks, int kv_heads, int block, int head_dim) {
   char* header = data - delta;
   if (delta >= (ptrdiff_t)sizeof(size_t)) *reinterpret_cast<size_t*>(header) = bytes;
   mx::allocator::Data owned(mx::allocator::Buffer(header), [base, mapped](mx::allocator::Buffer) { munmap(base, mapped); });
-  mx::array pool(std::move(owned), mx::Shape{kv_heads, blocks, block, head_dim}, mx::float32);
+  mx::array pool(std::move(owned), shape, dtype);
   if (pool.data<void>() != data) {
     throw std::runtime_error("[mlxcel::kernels::kv_pool_buffer] MLX did not take the mapping as it is");
   }
   return pool;
 }
 
+}  // namespace
+
+mx::array kv_pool_buffer(int blocks, int kv_heads, int block, int head_dim) {
+  if (blocks <= 0 || kv_heads <= 0 || block <= 0 || head_dim <= 0) {
+    throw std::invalid_argument("[mlxcel::kernels::kv_pool_buffer] dimensions must be positive");
+  }
+  return mapped_array(mx::Shape{kv_heads, blocks, block, head_dim}, mx::float32);
+}
+
+mx::array kv_pool_buffer_q8(int blocks, int layers, int kv_heads, int block, int head_dim) {
+  if (blocks <= 0 || layers <= 0 || kv_heads <= 0 || block <= 0 || head_dim <= 0) {
+    throw std::invalid_argument("[mlxcel::kernels::kv_pool_buffer_q8] dimensions must be positive");
+  }
+  if (head_dim % detail::kKvQ8Group != 0) {
+    throw std::invalid_argument("[mlxcel::kernels::kv_pool_buffer_q8] an 8-bit KV cache quantizes groups of " +
+                                std::to_string(detail::kKvQ8Group) + " features; head_dim " +
+                                std::to_string(head_dim) + " is not a multiple");
+  }
+  const detail::KvQ8Layout layout{layers, kv_heads, block, head_dim};
+  return mapped_array(mx::Shape{blocks, layers, 2, kv_heads, (int)layout.section_bytes()}, mx::uint8);
+}
+
 void kv_pool_release(const mx::array& pool, const std::vector<int32_t>& ids) {
-  if (pool.ndim() != 4 || pool.dtype() != mx::float32 || pool.status() == mx::array::unscheduled || !pool.data<void>()) {
+  const bool q8 = pool.ndim() == 5 && pool.dtype() == mx::uint8;
+  if (!(q8 || (pool.ndim() == 4 && pool.dtype() == mx::float32)) || pool.status() == mx::array::unscheduled ||
+      !pool.data<void>()) {
     throw std::invalid_argument("[mlxcel::kernels::kv_pool_release] not a pool");
   }
-  const int heads = pool.shape(0), blocks = pool.shape(1);
+  // Runs of one block: per KV head in a float pool, one in an 8-bit pool.
+  const int heads = q8 ? 1 : pool.shape(0), blocks = q8 ? pool.shape(0) : pool.shape(1);
   const size_t run_bytes = pool.nbytes() / ((size_t)heads * blocks), page = page_size();
   char* base = static_cast<char*>(const_cast<void*>(pool.data<void>()));
   for (int32_t id : ids) {

@@ -174,7 +174,7 @@ fn prompts_of_one_length_prefill_in_one_forward_as_alone() {
         })
         .collect();
 
-    let pool = BatchEngine::pool_for(&model, 64 << 20, Default::default()).unwrap();
+    let pool = BatchEngine::pool_for(&model, 64 << 20, Default::default(), Default::default()).unwrap();
     let mut batch = BatchEngine::new(model, pool, true);
     let rows: Vec<_> = requests.into_iter().map(|r| batch.open(r, Instant::now()).unwrap()).collect();
     // A budget of three prompts: rows 0-2 together, then row 3, then the longer one alone.

@@ -47,7 +47,7 @@ fn teacher_forced(case: &Value, ids: &[u32], chunk: usize) -> (f32, f32, usize) 
     let network = engine.model().network();
     let (max_size, keep) = window_of(case);
     let window = KvWindow { window: (max_size - keep) as i32, keep: keep as i32 };
-    let pool = KvPool::new(network.shape(), 64 << 20, true, window).unwrap();
+    let pool = KvPool::new(network.shape(), 64 << 20, true, window, Default::default()).unwrap();
     let bound = pool.window_blocks(ids.len(), chunk);
     let blocks = RowBlocks::new(pool.clone(), Vec::new(), pool.reserve(bound).unwrap());
     let mut caches = PagedKvCache::for_row(blocks, network.shape().num_layers, 0);

@@ -459,6 +459,7 @@ kernels::DecoderLayerSpec to_kernel_spec(const DecoderLayerSpec& s) {
   k.attn_scale = s.attn_scale;
   k.kv_window = s.kv_window;
   k.kv_keep = s.kv_keep;
+  k.kv_layer = s.kv_layer;
   k.cache_in_place = s.cache_in_place;
   return k;
 }
@@ -528,13 +529,16 @@ std::unique_ptr<ArrayList> kernels_decoder_layer_paged(const PreparedLayer& weig
                                              std::vector<int>(offsets.begin(), offsets.end()), to_kernel_spec(spec));
   return list;
 }
-std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale, int32_t window, int32_t keep) {
+std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale, int32_t window, int32_t keep, int32_t layer) {
   auto list = std::make_unique<ArrayList>();
-  list->items = kernels::paged_causal_attention(q, k, v, pool_keys, pool_values, std::vector<int32_t>(table.begin(), table.end()), offset, scale, window, keep);
+  list->items = kernels::paged_causal_attention(q, k, v, pool_keys, pool_values, std::vector<int32_t>(table.begin(), table.end()), offset, scale, window, keep, layer);
   return list;
 }
 ArrayPtr kernels_kv_pool_buffer(int32_t blocks, int32_t kv_heads, int32_t block, int32_t head_dim) {
   return wrap(kernels::kv_pool_buffer(blocks, kv_heads, block, head_dim));
+}
+ArrayPtr kernels_kv_pool_buffer_q8(int32_t blocks, int32_t layers, int32_t kv_heads, int32_t block, int32_t head_dim) {
+  return wrap(kernels::kv_pool_buffer_q8(blocks, layers, kv_heads, block, head_dim));
 }
 void kernels_kv_pool_release(const array& pool, rust::Slice<const int32_t> ids) {
   kernels::kv_pool_release(pool, std::vector<int32_t>(ids.begin(), ids.end()));

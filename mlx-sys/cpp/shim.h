@@ -225,9 +225,10 @@ std::unique_ptr<ArrayList> kernels_decoder_layer_batch(const PreparedLayer& weig
 // decoder_layer_batch over a paged pool; tables[b] is table_lens[b] ids of the flat list.
 std::unique_ptr<ArrayList> kernels_decoder_layer_paged(const PreparedLayer& weights, const array& x, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> tables, rust::Slice<const int32_t> table_lens, rust::Slice<const int32_t> offsets, const DecoderLayerSpec& spec);
 // Causal attention over a paged pool (kernels/causal_attention.h): {out, keys pool, values pool}.
-std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale, int32_t window, int32_t keep);
+std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale, int32_t window, int32_t keep, int32_t layer);
 // KV pool memory (kernels/kv_pool.h).
 ArrayPtr kernels_kv_pool_buffer(int32_t blocks, int32_t kv_heads, int32_t block, int32_t head_dim);
+ArrayPtr kernels_kv_pool_buffer_q8(int32_t blocks, int32_t layers, int32_t kv_heads, int32_t block, int32_t head_dim);
 void kernels_kv_pool_release(const array& pool, rust::Slice<const int32_t> ids);
 size_t kernels_resident_bytes(const array& a);
 // Dequantized rows of a quantized embedding table (kernels/quantized_embedding.h).

@@ -59,6 +59,7 @@ fn main() -> mlx_sys::Result<()> {
         cache_in_place: true,
         kv_window: 0,
         kv_keep: 0,
+        kv_layer: 0,
     };
     let layer = PreparedDecoderLayer::new(&weights, &spec)?;
     let key = random::key(9)?;

@@ -27,6 +27,7 @@ mod bridge {
         cache_in_place: bool,
         kv_window: i32,
         kv_keep: i32,
+        kv_layer: i32,
     }
 
     /// One quantized projection of a fused decoder block; `bias` may be null.
@@ -216,8 +217,9 @@ mod bridge {
         #[allow(clippy::too_many_arguments)]
         fn kernels_decoder_layer_paged(weights: &PreparedLayer, x: &MlxArray, pool_keys: &MlxArray, pool_values: &MlxArray, tables: &[i32], table_lens: &[i32], offsets: &[i32], spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         #[allow(clippy::too_many_arguments)]
-        fn kernels_paged_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, pool_keys: &MlxArray, pool_values: &MlxArray, table: &[i32], offset: i32, scale: f32, window: i32, keep: i32) -> Result<UniquePtr<ArrayList>>;
+        fn kernels_paged_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, pool_keys: &MlxArray, pool_values: &MlxArray, table: &[i32], offset: i32, scale: f32, window: i32, keep: i32, layer: i32) -> Result<UniquePtr<ArrayList>>;
         fn kernels_kv_pool_buffer(blocks: i32, kv_heads: i32, block: i32, head_dim: i32) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_kv_pool_buffer_q8(blocks: i32, layers: i32, kv_heads: i32, block: i32, head_dim: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_kv_pool_release(pool: &MlxArray, ids: &[i32]) -> Result<()>;
         fn kernels_resident_bytes(a: &MlxArray) -> Result<usize>;
         #[allow(clippy::too_many_arguments)]

@@ -289,7 +289,9 @@ impl PreparedDecoderLayer {
 /// positions `0..keep` and `p + 1 - window..=p` (as
 /// [`DecoderLayerSpec::kv_window`]), blocks no new token sees may be `-1`
 /// in `table`, and the result still does not depend on how a prompt is cut
-/// into calls. Returns (out `[1, H, L, D]`, keys pool, values pool). CPU only.
+/// into calls. An 8-bit pool ([`kv_pool_buffer_q8`], passed as both pools)
+/// holds every layer; `layer` picks this one (ignored for an f32 pool).
+/// Returns (out `[1, H, L, D]`, keys pool, values pool). CPU only.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_causal_attention(
     q: &Array,
@@ -301,6 +303,7 @@ pub fn paged_causal_attention(
     offset: i32,
     scale: f32,
     window: KvWindow,
+    layer: i32,
 ) -> Result<(Array, Array, Array)> {
     let list = ffi::kernels_paged_causal_attention(
         &q.raw,
@@ -313,6 +316,7 @@ pub fn paged_causal_attention(
         scale,
         window.window,
         window.keep,
+        layer,
     )?;
     three_arrays(&list)
 }
@@ -353,8 +357,26 @@ pub fn kv_pool_buffer(blocks: i32, kv_heads: i32, block: i32, head_dim: i32) -> 
     Array::from_ffi(ffi::kernels_kv_pool_buffer(blocks, kv_heads, block, head_dim))
 }
 
+/// An evaluated 8-bit pool over an anonymous mapping, for every layer's keys
+/// and values: `u8 [blocks, layers, 2, kv_heads, section]`, a section being one
+/// head's `block` rows of `head_dim` bytes, then their f32 scales and biases
+/// (one per 64 features; mlx-lm's `QuantizedKVCache`, group 64, 8 bits). A
+/// block is one contiguous run, so its pages can be handed back. Pass it as
+/// both pools of [`PreparedDecoderLayer::forward_paged`] (with
+/// `spec.kv_layer` and `cache_in_place`) and [`paged_causal_attention`].
+/// `head_dim` must be a multiple of 64.
+pub fn kv_pool_buffer_q8(blocks: i32, layers: i32, kv_heads: i32, block: i32, head_dim: i32) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_kv_pool_buffer_q8(blocks, layers, kv_heads, block, head_dim))
+}
+
+/// Bytes of one block of an 8-bit pool: every layer's keys and values for
+/// `block` positions.
+pub fn kv_q8_block_bytes(layers: usize, kv_heads: usize, block: usize, head_dim: usize) -> usize {
+    2 * layers * kv_heads * block * (head_dim + 8 * head_dim / 64)
+}
+
 /// Returns the pages wholly inside blocks `ids` of `pool` (from
-/// [`kv_pool_buffer`]) to the system; they read as zeros afterwards. No
+/// [`kv_pool_buffer`] or [`kv_pool_buffer_q8`]) to the system; they read as zeros afterwards. No
 /// queued evaluation may read those blocks.
 pub fn kv_pool_release(pool: &Array, ids: &[i32]) -> Result<()> {
     Ok(ffi::kernels_kv_pool_release(&pool.raw, ids)?)

@@ -252,6 +252,7 @@ impl Layer {
                 cache_in_place: false,
                 kv_window: 0,
                 kv_keep: 0,
+                kv_layer: 0,
             },
             input_norm: norm(1, h),
             post_norm: norm(2, h),
@@ -1451,7 +1452,7 @@ fn paged_causal_attention_matches_contiguous() {
         let table = scattered_tables(&[offset + l], blocks).remove(0);
         let pool_k = pool_holding(seed + 5, blocks, &[&k_old], &[table.clone()], &[offset]);
         let pool_v = pool_holding(seed + 6, blocks, &[&v_old], &[table.clone()], &[offset]);
-        let (got, pk, pv) = kernels::paged_causal_attention(&q, &k_new, &v_new, &pool_k, &pool_v, &table, offset, 0.125, kernels::KvWindow::ALL).unwrap();
+        let (got, pk, pv) = kernels::paged_causal_attention(&q, &k_new, &v_new, &pool_k, &pool_v, &table, offset, 0.125, kernels::KvWindow::ALL, 0).unwrap();
         assert_eq!(got.shape(), want.shape());
         assert_eq!(to_f32(&got), to_f32(&want), "seed {seed}: paged attention differs");
         assert_eq!(to_f32(&pool_rows(&pk, &table, offset + l)), to_f32(&k_all), "seed {seed}: keys in the pool");
@@ -1527,7 +1528,7 @@ fn windowed_paged_attention_is_masked_and_chunking_invariant() {
                 }
                 let part = |x: &Array| x.slice_axis(2, a, b).unwrap();
                 let (out, pk, pv) = kernels::paged_causal_attention(
-                    &part(&q), &part(&k), &part(&v), &pool_k, &pool_v, &visible, a, 0.125, window,
+                    &part(&q), &part(&k), &part(&v), &pool_k, &pool_v, &visible, a, 0.125, window, 0,
                 )
                 .unwrap();
                 let out = to_f32(&out);
@@ -1629,7 +1630,7 @@ fn paged_bad_inputs_are_errors() {
     assert!(prepared.forward_paged(&x2, &pool, &pool, &seqs, &spec).is_ok());
     let q = randn(754, &[1, 4, 3, 16], 1.0);
     let k = randn(755, &[1, 2, 3, 16], 1.0);
-    let e = kernels::paged_causal_attention(&q, &k, &k, &pool, &pool, &[0], 14, 0.25, kernels::KvWindow::ALL).err().expect("short table").to_string();
+    let e = kernels::paged_causal_attention(&q, &k, &k, &pool, &pool, &[0], 14, 0.25, kernels::KvWindow::ALL, 0).err().expect("short table").to_string();
     assert!(e.contains("holds 16 positions, 17 needed"), "{e}");
 }
 

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use mlx_sys::kernels::KvWindow;
 use mlx_sys::{async_eval, concatenate, eval, memory, Array, Dtype};
 use mlxcel_models::nn::RowKernels;
-use mlxcel_models::paged::{KvPool, PagedKvCache, RowBlocks};
+use mlxcel_models::paged::{KvFormat, KvPool, PagedKvCache, RowBlocks};
 use mlxcel_models::{KvCache, LanguageModel, Model};
 use mlxcel_tokenizer::StreamDecodeState;
 
@@ -178,12 +178,17 @@ impl BatchEngine {
     }
 
     /// A pool of `bytes` for `model`'s rows: paged when its kernels read a
-    /// paged pool, accounting only otherwise. A sliding `window` needs a
-    /// paged pool.
-    pub fn pool_for(model: &Model, bytes: usize, window: KvWindow) -> Result<Arc<KvPool>> {
+    /// paged pool, accounting only otherwise. A sliding `window` and an
+    /// 8-bit `format` need a paged pool.
+    pub fn pool_for(model: &Model, bytes: usize, window: KvWindow, format: KvFormat) -> Result<Arc<KvPool>> {
         let network = model.network();
-        KvPool::new(network.shape(), bytes, network.reads_paged_kv(), window)
-            .map_err(|e| Error::InvalidParameter { name: "max_kv_size", message: e.to_string() })
+        let name = if format != KvFormat::F32 && (!network.reads_paged_kv() || network.shape().head_dim % 64 != 0) {
+            "kv_bits"
+        } else {
+            "max_kv_size"
+        };
+        KvPool::new(network.shape(), bytes, network.reads_paged_kv(), window, format)
+            .map_err(|e| Error::InvalidParameter { name, message: e.to_string() })
     }
 
     /// The KV pool of this engine's rows.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use crossbeam_channel::Receiver;
 use mlx_sys::kernels::KvWindow;
 use mlxcel_models::chat_template::Message;
-use mlxcel_models::{runtime, KvPool, Model};
+use mlxcel_models::{runtime, KvFormat, KvPool, Model};
 
 use crate::batch::{validate_prompt, BatchEngine, RowEvent, RowRequest};
 use crate::error::{Error, Result};
@@ -186,6 +186,10 @@ pub struct EngineLimits {
     /// Positions at the start that a rotating cache always keeps (attention
     /// sinks; default [`DEFAULT_KV_KEEP`], mlx-lm's).
     pub kv_keep: usize,
+    /// How the pool keeps keys and values: f32 (the default) or 8 bits as
+    /// mlx-lm's `--kv-bits 8` (group 64), 3.6 times fewer bytes per
+    /// position. Needs the paged pool and head_dim a multiple of 64.
+    pub kv_format: KvFormat,
 }
 
 /// mlx-lm's `RotatingKVCache` keep.
@@ -198,6 +202,7 @@ impl Default for EngineLimits {
             prefix_caching: true,
             max_kv_size: None,
             kv_keep: DEFAULT_KV_KEEP,
+            kv_format: KvFormat::F32,
         }
     }
 }
@@ -212,6 +217,8 @@ pub struct LimitOptions {
     pub max_kv_size: Option<i128>,
     /// At least 0; only with `max_kv_size`.
     pub kv_keep: Option<i128>,
+    /// 8 for an 8-bit KV cache; None keeps f32.
+    pub kv_bits: Option<i128>,
 }
 
 impl LimitOptions {
@@ -227,6 +234,10 @@ impl LimitOptions {
             limits.kv_keep = Options::integer("kv_keep", keep)?;
         }
         limits.max_kv_size = self.max_kv_size.map(|size| Options::integer("max_kv_size", size)).transpose()?;
+        if let Some(bits) = self.kv_bits {
+            Options::integer::<u32>("kv_bits", bits)?;
+            limits.kv_format = KvFormat::Q8;
+        }
         limits.window()?;
         Ok(limits)
     }
@@ -259,7 +270,7 @@ impl Engine {
     /// `InvalidParameter` when they do not hold (a window the model's
     /// caches cannot keep).
     pub fn with_limits(model: Arc<Model>, limits: EngineLimits) -> Result<Self> {
-        let pool = BatchEngine::pool_for(&model, limits.kv_pool_bytes, limits.window()?)?;
+        let pool = BatchEngine::pool_for(&model, limits.kv_pool_bytes, limits.window()?, limits.kv_format)?;
         let scheduler = Arc::new(Scheduler::start(model.clone(), pool.clone(), limits.prefix_caching));
         Ok(Engine { scheduler, model, limits, pool })
     }

@@ -30,6 +30,7 @@ pub use generate::{
 pub use options::{GenerationOptions, DEFAULT_PREFILL_CHUNK};
 pub use mlxcel_tokenizer::Message;
 pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
+pub use mlxcel_models::KvFormat;
 pub use sampling::SamplingParams;
 pub use scheduler::shutdown;
 pub use stream::{GenerationStream, StreamEvent};

@@ -15,7 +15,7 @@ pub mod runtime;
 pub mod weights;
 
 pub use cache::{KvCache, StandardKvCache};
-pub use paged::{KvPool, PagedKvCache, RowBlocks};
+pub use paged::{KvFormat, KvPool, PagedKvCache, RowBlocks};
 pub use mlxcel_tokenizer::{chat_template, tokenizer};
 pub use error::{Error, Result};
 pub use model::{LanguageModel, Model, ModelInfo, ModelShape};

@@ -689,6 +689,7 @@ impl FusedBlock {
             cache_in_place: true,
             kv_window: 0,
             kv_keep: 0,
+            kv_layer: 0,
         };
         // Prepared once: each step's node then has x and the caches as its
         // only graph inputs. A layout the kernel rejects stays on MLX's ops.
@@ -758,7 +759,7 @@ impl FusedBlock {
             .collect();
         let (pool_keys, pool_values) = caches[0].layer_pools()?;
         let window = caches[0].pool().window();
-        let spec = DecoderLayerSpec { kv_window: window.window, kv_keep: window.keep, ..self.spec };
+        let spec = DecoderLayerSpec { kv_window: window.window, kv_keep: window.keep, kv_layer: caches[0].layer() as i32, ..self.spec };
         let (out, keys, values) = self.weights.forward_paged(x, &pool_keys, &pool_values, &sequences, &spec)?;
         caches[0].set_layer_pools(keys, values);
         for cache in caches.iter_mut() {

@@ -22,6 +22,12 @@
 //!   read it was built (that node may still be running), so a row holds at
 //!   most [`KvPool::window_blocks`] blocks however long it runs.
 //!
+//! - A pool keeps its keys and values in f32 or, as mlx-lm's
+//!   `QuantizedKVCache` (group 64, 8 bits), in 8 bits with an f32 scale and
+//!   bias per 64 features ([`KvFormat`]): 72 bytes per position and head of
+//!   64 features instead of 256. An 8-bit pool is one mapping for every
+//!   layer, block-major, so a freed block is one run of whole pages.
+//!
 //! Models whose kernels cannot read a paged pool (GPUs, dense checkpoints)
 //! get an accounting-only pool: the same budget, reservations and errors,
 //! over their contiguous caches.
@@ -52,6 +58,28 @@ pub const BLOCK_TOKENS: usize = 16;
 pub const DEFAULT_POOL_BYTES: usize = 1 << 30;
 
 pub type BlockId = i32;
+
+/// How a pool keeps its keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvFormat {
+    /// f32, as the kernels compute them.
+    #[default]
+    F32,
+    /// mlx-lm's `QuantizedKVCache` with group 64 and 8 bits: each
+    /// position's 64-feature groups as uint8 with an f32 scale and bias
+    /// (quantized as `mx.quantize` does). Needs head_dim a multiple of 64.
+    Q8,
+}
+
+impl KvFormat {
+    /// Bits per stored feature (mlx-lm's `kv_bits`), 32 for f32.
+    pub fn bits(self) -> u32 {
+        match self {
+            KvFormat::F32 => 32,
+            KvFormat::Q8 => 8,
+        }
+    }
+}
 
 /// How much a pool holds, in blocks of [`KvPool::block_bytes`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -131,6 +159,7 @@ pub struct KvPool {
     shape: PoolShape,
     paged: bool,
     window: KvWindow,
+    format: KvFormat,
 }
 
 #[derive(Clone, Copy)]
@@ -153,9 +182,13 @@ impl KvPool {
     /// A pool of `budget_bytes` for `shape`'s layers. `paged` pools hold the
     /// keys and values themselves (CPU kernels); others only account for the
     /// contiguous caches of their rows. Every layer's attention over the pool
-    /// sees `window` (a paged pool only: contiguous caches keep every position).
-    pub fn new(shape: &ModelShape, budget_bytes: usize, paged: bool, window: KvWindow) -> crate::Result<Arc<KvPool>> {
-        let block_bytes = 2 * shape.num_layers * shape.kv_heads * BLOCK_TOKENS * shape.head_dim * std::mem::size_of::<f32>();
+    /// sees `window`, and it keeps keys and values in `format` (both a paged
+    /// pool only: contiguous caches keep every position in f32).
+    pub fn new(shape: &ModelShape, budget_bytes: usize, paged: bool, window: KvWindow, format: KvFormat) -> crate::Result<Arc<KvPool>> {
+        let block_bytes = match format {
+            KvFormat::F32 => 2 * shape.num_layers * shape.kv_heads * BLOCK_TOKENS * shape.head_dim * std::mem::size_of::<f32>(),
+            KvFormat::Q8 => kernels::kv_q8_block_bytes(shape.num_layers, shape.kv_heads, BLOCK_TOKENS, shape.head_dim),
+        };
         let total = (budget_bytes / block_bytes.max(1)).min(i32::MAX as usize);
         let state = PoolState {
             layers: Vec::new(),
@@ -175,12 +208,30 @@ impl KvPool {
                 "a sliding KV window needs the paged KV pool, which this model's kernels (CPU, quantized) do not read".into(),
             ));
         }
-        Ok(Arc::new(KvPool { state: Mutex::new(state), total, block_bytes, budget_bytes, shape, paged, window }))
+        if format == KvFormat::Q8 {
+            if !paged {
+                return Err(crate::Error::Mlx(
+                    "an 8-bit KV cache needs the paged KV pool, which this model's kernels (CPU, quantized) do not read".into(),
+                ));
+            }
+            if shape.head_dim % 64 != 0 {
+                return Err(crate::Error::Mlx(format!(
+                    "an 8-bit KV cache quantizes groups of 64 features; this model's head_dim {} is not a multiple of 64",
+                    shape.head_dim
+                )));
+            }
+        }
+        Ok(Arc::new(KvPool { state: Mutex::new(state), total, block_bytes, budget_bytes, shape, paged, window, format }))
     }
 
     /// The positions every token sees (every position without a window).
     pub fn window(&self) -> KvWindow {
         self.window
+    }
+
+    /// How the pool keeps keys and values.
+    pub fn format(&self) -> KvFormat {
+        self.format
     }
 
     /// The most blocks a row holds at once when its nodes take at most
@@ -272,9 +323,20 @@ impl KvPool {
         if self.paged && s.layers.is_empty() {
             // Mapped on first use; pages become resident as blocks are written.
             let PoolShape { layers, kv_heads, head_dim } = self.shape;
-            let pool = || kernels::kv_pool_buffer(self.total as i32, kv_heads as i32, BLOCK_TOKENS as i32, head_dim as i32);
-            s.layers = (0..layers).map(|_| Ok((pool()?, pool()?))).collect::<mlx_sys::Result<Vec<_>>>()?;
-            s.mapped = s.layers.iter().flat_map(|(k, v)| [k.clone(), v.clone()]).collect();
+            let (blocks, heads, block, dim) = (self.total as i32, kv_heads as i32, BLOCK_TOKENS as i32, head_dim as i32);
+            match self.format {
+                KvFormat::F32 => {
+                    let pool = || kernels::kv_pool_buffer(blocks, heads, block, dim);
+                    s.layers = (0..layers).map(|_| Ok((pool()?, pool()?))).collect::<mlx_sys::Result<Vec<_>>>()?;
+                    s.mapped = s.layers.iter().flat_map(|(k, v)| [k.clone(), v.clone()]).collect();
+                }
+                KvFormat::Q8 => {
+                    // One array for every layer's keys and values, passed as both.
+                    let pool = kernels::kv_pool_buffer_q8(blocks, layers as i32, heads, block, dim)?;
+                    s.layers = vec![(pool.clone(), pool.clone()); layers];
+                    s.mapped = vec![pool];
+                }
+            }
         }
         Ok(self.take_locked(&mut s, reservation))
     }
@@ -549,9 +611,19 @@ impl PagedKvCache {
     }
 
     /// Takes the pools a kernel returned (with `length` new positions of
-    /// every row it served written) as this layer's current ones.
+    /// every row it served written) as this layer's current ones. An 8-bit
+    /// pool is one array: the keys output stands for both.
     pub fn set_layer_pools(&self, keys: Array, values: Array) {
-        self.pool.lock().layers[self.layer] = (keys, values);
+        let pools = match self.pool.format {
+            KvFormat::F32 => (keys, values),
+            KvFormat::Q8 => (keys.clone(), keys),
+        };
+        self.pool.lock().layers[self.layer] = pools;
+    }
+
+    /// This cache's layer of the model (its place in an 8-bit pool).
+    pub fn layer(&self) -> usize {
+        self.layer
     }
 
     /// Counts `length` positions written at the offset.
@@ -590,7 +662,7 @@ impl KvCache for PagedKvCache {
         let length = k.dim(2) as usize;
         let table = self.table_for(length).map_err(|e| mlx_sys::Error::new(e.to_string()))?;
         let (pool_k, pool_v) = self.layer_pools().map_err(|e| mlx_sys::Error::new(e.to_string()))?;
-        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale, self.pool.window)?;
+        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale, self.pool.window, self.layer as i32)?;
         self.set_layer_pools(pool_k, pool_v);
         self.offset += length;
         Ok(Some(out))

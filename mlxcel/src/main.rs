@@ -85,6 +85,10 @@ pub struct KvArgs {
     /// Positions a rotating cache always keeps (attention sinks).
     #[arg(long, value_name = "N", default_value_t = mlxcel_engine::DEFAULT_KV_KEEP as u64, requires = "max_kv_size")]
     pub kv_keep: u64,
+    /// Keep keys and values in 8 bits (mlx-lm's --kv-bits, group 64): 3.6
+    /// times more positions in the same pool. 8 is the only choice.
+    #[arg(long, value_name = "BITS")]
+    pub kv_bits: Option<u32>,
 }
 
 impl KvArgs {
@@ -94,6 +98,7 @@ impl KvArgs {
             kv_pool_bytes: kv_pool_bytes.map(i128::from),
             max_kv_size: self.max_kv_size.map(i128::from),
             kv_keep: Some(self.kv_keep.into()),
+            kv_bits: self.kv_bits.map(i128::from),
         }
         .resolve()
     }
@@ -216,13 +221,17 @@ fn print_engine(network: &dyn mlxcel_models::LanguageModel) -> AnyResult<()> {
     let limits = mlxcel_engine::EngineLimits::default();
     let paged = network.reads_paged_kv();
     let pool_kind = if paged { "paged: the kernels read its blocks in place" } else { "accounting only: these kernels read contiguous caches" };
+    let pool = mlxcel_models::KvPool::new(shape, limits.kv_pool_bytes, paged, mlx_sys::kernels::KvWindow::ALL, limits.kv_format)?;
+    let tokens = |pool: &mlxcel_models::KvPool| pool.usage().total * mlxcel_engine::prefix_cache::BLOCK_TOKENS;
+    let q8 = mlxcel_models::KvPool::new(shape, limits.kv_pool_bytes, paged, mlx_sys::kernels::KvWindow::ALL, mlxcel_models::KvFormat::Q8)
+        .map(|q8| format!("{} with --kv-bits 8", tokens(&q8)))
+        .unwrap_or_else(|e| format!("no --kv-bits 8: {e}"));
     println!(
-        "KV pool:         {} in {}-token blocks, {} tokens over all rows ({pool_kind})",
+        "KV pool:         {} in {}-token blocks, {} tokens over all rows in f32, {q8} ({pool_kind})",
         human_bytes(limits.kv_pool_bytes as u64),
         mlxcel_engine::prefix_cache::BLOCK_TOKENS,
-        limits.kv_pool_bytes / shape.kv_bytes_per_token().max(1),
+        tokens(&pool),
     );
-    let pool = mlxcel_models::KvPool::new(shape, limits.kv_pool_bytes, paged, mlx_sys::kernels::KvWindow::ALL)?;
     let prefix = mlxcel_engine::batch::caches_prefixes(network, &pool, limits.prefix_caching);
     println!(
         "engine:          batches up to {} rows; prefix cache {}",
