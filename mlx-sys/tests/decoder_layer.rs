@@ -1660,6 +1660,244 @@ fn pool_pages_are_resident_only_when_used() {
 }
 
 // ---------------------------------------------------------------------------
+// The 8-bit pool (mlx-lm's QuantizedKVCache: group 64, 8 bits).
+
+/// Where one head's row lives in an 8-bit pool `[blocks, layers, 2, kv_heads, section]`.
+struct Q8Pool {
+    bytes: Vec<u8>,
+    layers: usize,
+    kv_heads: usize,
+    block: usize,
+    dim: usize,
+}
+
+impl Q8Pool {
+    fn read(pool: &Array, dim: i32) -> Q8Pool {
+        let shape = pool.shape();
+        let dim = dim as usize;
+        let row = dim + 8 * (dim / 64);
+        Q8Pool {
+            bytes: pool.to_vec::<u8>().unwrap(),
+            layers: shape[1] as usize,
+            kv_heads: shape[3] as usize,
+            block: shape[4] as usize / row,
+            dim,
+        }
+    }
+
+    /// (quantized bytes, scales, biases) of position `t` of `table`.
+    fn row(&self, table: &[i32], layer: usize, kind: usize, head: usize, t: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+        let groups = self.dim / 64;
+        let section = self.block * (self.dim + 8 * groups);
+        let block_bytes = section * 2 * self.kv_heads * self.layers;
+        let at = table[t / self.block] as usize * block_bytes + ((layer * 2 + kind) * self.kv_heads + head) * section;
+        let r = t % self.block;
+        let floats = |from: usize| -> Vec<f32> {
+            (0..groups).map(|g| f32::from_le_bytes(self.bytes[from + 4 * g..from + 4 * g + 4].try_into().unwrap())).collect()
+        };
+        let q = self.bytes[at + r * self.dim..at + (r + 1) * self.dim].to_vec();
+        let scales = floats(at + self.block * self.dim + r * groups * 4);
+        let biases = floats(at + self.block * self.dim + self.block * groups * 4 + r * groups * 4);
+        (q, scales, biases)
+    }
+}
+
+/// MLX's own 8-bit quantization of one row: (bytes, scales, biases).
+fn mx_quantize_row(row: &[f32]) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+    let a = Array::from_slice(row, &[1, row.len() as i32]).unwrap();
+    let (w, s, b) = quantize(&a, 64, 8).unwrap();
+    let bytes = w.to_vec::<u32>().unwrap().iter().flat_map(|x| x.to_le_bytes()).collect();
+    (bytes, to_f32(&s), to_f32(&b))
+}
+
+/// `x` ([1, H, S, D]) through MLX's quantize and dequantize (group 64, 8 bits).
+fn mx_round_trip(x: &Array) -> Array {
+    let (w, s, b) = quantize(x, 64, 8).unwrap();
+    let out = mlx_sys::dequantize(&w, &s, &b, 64, 8).unwrap();
+    out.eval().unwrap();
+    out
+}
+
+const Q8_WIDE: Config = Config { hidden: 128, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 128, ..LLAMA };
+
+/// The fused block writes each new key and value row into its layer of an
+/// 8-bit pool exactly as `mx.quantize` quantizes it (bytes, scales and
+/// biases), in every sequence's own blocks, and leaves the other layers'
+/// sections untouched.
+#[test]
+fn eight_bit_pool_rows_are_mx_quantize() {
+    let _g = lock();
+    let wide128 = Config { head_dim: 128, heads: 2, kv_heads: 1, ..Q8_WIDE };
+    for (seed, c) in [(81u64, Q8_WIDE), (82, wide128)] {
+        let layer = Layer::new(seed, c);
+        let (b, l, layers, blocks) = (2, 20, 3, 23);
+        let x = randn(seed ^ 0x8b17, &[b, l, c.hidden], 1.0);
+        let spec = DecoderLayerSpec { cache_in_place: true, kv_layer: 1, ..layer.spec(0) };
+        let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+        // The f32 rows, from contiguous caches.
+        let caches: Vec<(Array, Array)> = (0..b).map(|i| (random_cache(seed + i as u64, &layer, l), random_cache(seed + 9, &layer, l))).collect();
+        let refs: Vec<kernels::SequenceCache<'_>> = caches.iter().map(|(k, v)| kernels::SequenceCache { keys: k, values: v, offset: 0 }).collect();
+        let f32_spec = DecoderLayerSpec { kv_layer: 0, ..layer.spec(0) };
+        let (want_out, written) = prepared.forward_batch(&x, &refs, &f32_spec).unwrap();
+        let pool = kernels::kv_pool_buffer_q8(blocks, layers, c.kv_heads, POOL_BLOCK, c.head_dim).unwrap();
+        let tables = scattered_tables(&[l, l], blocks);
+        let sequences: Vec<kernels::PagedSequence<'_>> = tables.iter().map(|t| kernels::PagedSequence { table: t, offset: 0 }).collect();
+        let (out, pk, _) = prepared.forward_paged(&x, &pool, &pool, &sequences, &spec).unwrap();
+        mlx_sys::eval([&out, &pk]).unwrap();
+        let q8 = Q8Pool::read(&pk, c.head_dim);
+        let d = c.head_dim as usize;
+        for (i, table) in tables.iter().enumerate() {
+            for (kind, rows) in [to_f32(&written[i].0), to_f32(&written[i].1)].iter().enumerate() {
+                for head in 0..c.kv_heads as usize {
+                    for t in 0..l as usize {
+                        let f = &rows[(head * l as usize + t) * d..][..d];
+                        assert_eq!(q8.row(table, 1, kind, head, t), mx_quantize_row(f), "seed {seed}, sequence {i}, kind {kind}, head {head}, position {t}");
+                        assert!(q8.row(table, 0, kind, head, t).0.iter().all(|&x| x == 0), "layer 0 was written");
+                        assert!(q8.row(table, 2, kind, head, t).0.iter().all(|&x| x == 0), "layer 2 was written");
+                    }
+                }
+            }
+        }
+        // The output attends over the quantized rows: close to the f32 one, not equal.
+        let (got, want) = (to_f32(&out), to_f32(&want_out));
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        eprintln!("seed {seed}: 8-bit vs f32 cache, max|Δ|/max|ref| {worst:.2e}");
+        assert!(worst > 0.0 && worst < 2e-2, "seed {seed}: {worst}");
+    }
+}
+
+/// Prefill attention over an 8-bit pool is attention over the rows as
+/// `mx.dequantize` restores them, bit for bit, across two calls (the
+/// second reads what the first wrote) and with a window.
+#[test]
+fn eight_bit_prefill_attention_is_attention_over_dequantized_rows() {
+    let _g = lock();
+    for (seed, heads, kv_heads, d, first, l, window) in [
+        (91u64, 4, 2, 64, 37, 29, kernels::KvWindow::ALL),
+        (92, 4, 4, 128, 16, 16, kernels::KvWindow::ALL),
+        (93, 6, 3, 64, 60, 21, kernels::KvWindow { window: 40, keep: 4 }),
+    ] {
+        let total = first + l;
+        let q = randn(seed, &[1, heads, total, d], 1.0);
+        let k = randn(seed + 1, &[1, kv_heads, total, d], 1.0);
+        let v = randn(seed + 2, &[1, kv_heads, total, d], 1.0);
+        let blocks = 23;
+        let table = scattered_tables(&[total], blocks).remove(0);
+        let pool = kernels::kv_pool_buffer_q8(blocks, 2, kv_heads, POOL_BLOCK, d).unwrap();
+        let part = |x: &Array, a: i32, b: i32| x.slice_axis(2, a, b).unwrap();
+        let (_, pool, _) = kernels::paged_causal_attention(&part(&q, 0, first), &part(&k, 0, first), &part(&v, 0, first), &pool, &pool, &table, 0, 0.125, window, 1).unwrap();
+        let (got, pool, _) = kernels::paged_causal_attention(&part(&q, first, total), &part(&k, first, total), &part(&v, first, total), &pool, &pool, &table, first, 0.125, window, 1).unwrap();
+        let (kd, vd) = (mx_round_trip(&k), mx_round_trip(&v));
+        let got = to_f32(&got);
+        let want = if window == kernels::KvWindow::ALL {
+            to_f32(&part(&kernels::causal_attention(&q, &kd, &vd, 0.125).unwrap(), first, total))
+        } else {
+            windowed_attention_f64(&part(&q, first, total), &kd, &vd, 0.125, window)
+        };
+        let worst = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        if window == kernels::KvWindow::ALL {
+            assert_eq!(got, want, "seed {seed}: not attention over the dequantized rows");
+        } else {
+            assert!(worst < 1e-5, "seed {seed}: windowed, max|Δ| {worst}");
+        }
+        let rows = Q8Pool::read(&pool, d);
+        let kf = to_f32(&k);
+        for t in [0, first as usize - 1, first as usize, total as usize - 1] {
+            let f = &kf[((kv_heads as usize - 1) * total as usize + t) * d as usize..][..d as usize];
+            assert_eq!(rows.row(&table, 1, 0, kv_heads as usize - 1, t), mx_quantize_row(f), "seed {seed}, position {t}");
+        }
+    }
+}
+
+/// Decode over an 8-bit pool (the fused block's factored dot products)
+/// against the f32 block over the same keys and values as `mx.dequantize`
+/// restores them: only the new position, quantized in one and not in the
+/// other, differs. With and without a window.
+#[test]
+fn eight_bit_decode_matches_attention_over_dequantized_rows() {
+    let _g = lock();
+    let wide128 = Config { head_dim: 128, heads: 4, kv_heads: 2, ..Q8_WIDE };
+    for (seed, c, window) in [
+        (101u64, Q8_WIDE, kernels::KvWindow::ALL),
+        (102, wide128, kernels::KvWindow::ALL),
+        (103, Q8_WIDE, kernels::KvWindow { window: 24, keep: 4 }),
+    ] {
+        let layer = Layer::new(seed, c);
+        let (prompt, blocks) = (45, 23);
+        let spec = DecoderLayerSpec { cache_in_place: true, kv_layer: 0, kv_window: window.window, kv_keep: window.keep, ..layer.spec(0) };
+        let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+        let table = scattered_tables(&[prompt + 1], blocks).remove(0);
+        let pool = kernels::kv_pool_buffer_q8(blocks, 1, c.kv_heads, POOL_BLOCK, c.head_dim).unwrap();
+        let x = randn(seed ^ 0xdec0, &[1, prompt + 1, c.hidden], 1.0);
+        let seq = |offset| [kernels::PagedSequence { table: &table, offset }];
+        let (_, pool, _) = prepared.forward_paged(&x.slice_axis(1, 0, prompt).unwrap(), &pool, &pool, &seq(0), &spec).unwrap();
+        let step = x.slice_axis(1, prompt, prompt + 1).unwrap();
+        let (got, pool, _) = prepared.forward_paged(&step, &pool, &pool, &seq(prompt), &spec).unwrap();
+        mlx_sys::eval([&got, &pool]).unwrap();
+        // The dequantized prompt rows as contiguous f32 caches.
+        let rows = Q8Pool::read(&pool, c.head_dim);
+        let d = c.head_dim as usize;
+        let cache = |kind: usize| {
+            let mut out = vec![0f32; c.kv_heads as usize * (prompt as usize + 1) * d];
+            for head in 0..c.kv_heads as usize {
+                for t in 0..prompt as usize {
+                    let (q, s, b) = rows.row(&table, 0, kind, head, t);
+                    for i in 0..d {
+                        out[(head * (prompt as usize + 1) + t) * d + i] = s[i / 64] * q[i] as f32 + b[i / 64];
+                    }
+                }
+            }
+            Array::from_slice(&out, &[1, c.kv_heads, prompt + 1, c.head_dim]).unwrap()
+        };
+        let f32_spec = DecoderLayerSpec { cache_in_place: false, ..spec };
+        let refs = [kernels::SequenceCache { keys: &cache(0), values: &cache(1), offset: prompt }];
+        let (want, _) = prepared.forward_batch(&step, &refs, &f32_spec).unwrap();
+        let (got, want) = (to_f32(&got), to_f32(&want));
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        eprintln!("seed {seed}: 8-bit decode vs f32 over the dequantized rows, max|Δ|/max|ref| {worst:.2e}");
+        assert!(worst < 1e-3, "seed {seed}: {worst}");
+    }
+}
+
+/// An 8-bit pool passed with another values pool, a layer outside it, a
+/// copy instead of in-place writes and a head size that is not whole groups
+/// of 64 are errors that say so; a freed block hands back all its pages.
+#[test]
+fn eight_bit_pool_bad_inputs_and_pages() {
+    let _g = lock();
+    let layer = Layer::new(111, Q8_WIDE);
+    let spec = DecoderLayerSpec { cache_in_place: true, ..layer.spec(0) };
+    let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+    // 8 layers, 2 heads of 64: a block is 2 * 8 * 2 * 16 * 72 bytes = 9 pages of 4 KiB.
+    let (layers, block_bytes) = (8, 2 * 8 * 2 * 16 * 72);
+    assert_eq!(kernels::kv_q8_block_bytes(8, 2, 16, 64), block_bytes);
+    let pool = kernels::kv_pool_buffer_q8(16, layers, 2, POOL_BLOCK, 64).unwrap();
+    let other = kernels::kv_pool_buffer_q8(16, layers, 2, POOL_BLOCK, 64).unwrap();
+    assert_eq!(kernels::resident_bytes(&pool).unwrap(), 0, "a fresh pool holds no pages");
+    let x = randn(112, &[1, 20, Q8_WIDE.hidden], 1.0);
+    let seq = [kernels::PagedSequence { table: &[5, 9], offset: 0 }];
+    let error = |keys: &Array, values: &Array, spec: &DecoderLayerSpec| prepared.forward_paged(&x, keys, values, &seq, spec).err().expect("an error").to_string();
+    assert!(error(&pool, &other, &spec).contains("passed as both the keys and the values pool"));
+    let e = error(&pool, &pool, &DecoderLayerSpec { kv_layer: 8, ..spec });
+    assert!(e.contains("kv_layer 8 is outside the 8-bit pool's 8 layers"), "{e}");
+    let e = error(&pool, &pool, &DecoderLayerSpec { cache_in_place: false, ..spec });
+    assert!(e.contains("written in place only"), "{e}");
+    let e = kernels::kv_pool_buffer_q8(4, 1, 2, 16, 96).err().expect("head_dim 96").to_string();
+    assert!(e.contains("head_dim 96 is not a multiple"), "{e}");
+    let mut current = pool.clone();
+    for kv_layer in 0..layers {
+        let (out, next, _) = prepared.forward_paged(&x, &current, &current, &seq, &DecoderLayerSpec { kv_layer, ..spec }).unwrap();
+        mlx_sys::eval([&out, &next]).unwrap();
+        current = next;
+    }
+    assert_eq!(kernels::resident_bytes(&pool).unwrap(), 2 * block_bytes, "two blocks of every layer, in place");
+    kernels::kv_pool_release(&current, &[5]).unwrap();
+    assert_eq!(kernels::resident_bytes(&current).unwrap(), block_bytes);
+}
+
+// ---------------------------------------------------------------------------
 // The exact kernel paths.
 
 /// Reruns every other test of this file in a child process per other kernel
