@@ -34,7 +34,7 @@
 // function's signature or a struct's layout changes incompatibly; a program
 // must only run against a library with the same major version. It is also
 // the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
-#define MLXCEL_ABI_VERSION_MAJOR 3
+#define MLXCEL_ABI_VERSION_MAJOR 4
 
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
@@ -165,6 +165,13 @@ typedef struct mlxcel_model_params {
     // Positions a rotating cache always keeps (default 4, as mlx-lm);
     // read only when `max_kv_size` is not 0. Since ABI 3.0.
     uint32_t kv_keep;
+    // 8 keeps keys and values in 8 bits, as mlx-lm's `--kv-bits 8` (group
+    // 64, an f32 scale and bias per group: 3.6 times more positions in the
+    // same pool); 0 (the default) keeps them in f32. Any other value, or 8
+    // on a model without the paged KV pool or with a head size that is not
+    // a multiple of 64, fails the load with `MLXCEL_ERR_INVALID_ARGUMENT`.
+    // Since ABI 4.0.
+    uint32_t kv_bits;
 } mlxcel_model_params;
 
 // A summary of a loaded model. Strings are NUL-terminated (truncated if
@@ -297,7 +304,7 @@ const char *mlxcel_status_string(mlxcel_status status);
 
 // The default model parameters: `path` NULL (the default model),
 // `kv_pool_bytes` 0 (the default budget), `max_kv_size` 0 (every position
-// kept), `kv_keep` 4.
+// kept), `kv_keep` 4, `kv_bits` 0 (f32 keys and values).
 struct mlxcel_model_params mlxcel_model_default_params(void);
 
 // Loads a model. On success stores a new handle in `*out_model`; free it
@@ -305,7 +312,8 @@ struct mlxcel_model_params mlxcel_model_default_params(void);
 //
 // Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
 // `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB, a
-// `max_kv_size` not larger than `kv_keep` or on a model without the paged pool),
+// `max_kv_size` not larger than `kv_keep`, a `kv_bits` other than 0 or 8, or
+// either option on a model without the paged pool),
 // `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
 // On failure `*out_model` is set to NULL (if out_model is not NULL) and
 // nothing is allocated. May take seconds (and download the default model on

@@ -169,6 +169,13 @@ export interface LoadOptions {
   maxKvSize?: number
   /** Positions a rotating cache always keeps (attention sinks; default 4). */
   kvKeep?: number
+  /**
+   * 8 keeps keys and values in 8 bits (mlx-lm's --kv-bits 8, group 64): 3.6
+   * times more positions in the same pool. Needs the paged KV pool and a head
+   * size that is a multiple of 64; any other value, or 8 elsewhere, throws
+   * INVALID_PARAMETER. Unset keeps f32.
+   */
+  kvBits?: number
 }
 
 /**

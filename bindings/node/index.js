@@ -414,16 +414,16 @@ async function loadModel(modelPath, opts) {
   for (const [key, value] of Object.entries(opts)) {
     if (key === 'progress') {
       if (value !== undefined && typeof value !== 'boolean') throw argumentError('option `progress` must be a boolean')
-    } else if (key === 'kvPoolBytes' || key === 'maxKvSize' || key === 'kvKeep') {
+    } else if (key === 'kvPoolBytes' || key === 'maxKvSize' || key === 'kvKeep' || key === 'kvBits') {
       if (value !== undefined && typeof value !== 'number') throw argumentError(`option \`${key}\` must be a number`)
     } else {
-      throw argumentError(`unknown loadModel option \`${key}\` (known: progress, kvPoolBytes, maxKvSize, kvKeep)`)
+      throw argumentError(`unknown loadModel option \`${key}\` (known: progress, kvPoolBytes, maxKvSize, kvKeep, kvBits)`)
     }
   }
   let task
   try {
     // The engine checks the limits before the load starts.
-    task = native.loadModel(modelPath == null ? undefined : modelPath, opts.progress, opts.kvPoolBytes, opts.maxKvSize, opts.kvKeep)
+    task = native.loadModel(modelPath == null ? undefined : modelPath, opts.progress, opts.kvPoolBytes, opts.maxKvSize, opts.kvKeep, opts.kvBits)
   } catch (error) {
     throw fromNative(error)
   }

@@ -122,6 +122,13 @@ pub struct mlxcel_model_params {
     /// Positions a rotating cache always keeps (default 4, as mlx-lm);
     /// read only when `max_kv_size` is not 0. Since ABI 3.0.
     pub kv_keep: u32,
+    /// 8 keeps keys and values in 8 bits, as mlx-lm's `--kv-bits 8` (group
+    /// 64, an f32 scale and bias per group: 3.6 times more positions in the
+    /// same pool); 0 (the default) keeps them in f32. Any other value, or 8
+    /// on a model without the paged KV pool or with a head size that is not
+    /// a multiple of 64, fails the load with `MLXCEL_ERR_INVALID_ARGUMENT`.
+    /// Since ABI 4.0.
+    pub kv_bits: u32,
 }
 
 /// How to generate. Get the defaults from `mlxcel_generate_default_params()`
@@ -576,7 +583,7 @@ pub extern "C" fn mlxcel_status_string(status: mlxcel_status) -> *const c_char {
 
 /// The default model parameters: `path` NULL (the default model),
 /// `kv_pool_bytes` 0 (the default budget), `max_kv_size` 0 (every position
-/// kept), `kv_keep` 4.
+/// kept), `kv_keep` 4, `kv_bits` 0 (f32 keys and values).
 #[no_mangle]
 pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
     mlxcel_model_params {
@@ -584,6 +591,7 @@ pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
         kv_pool_bytes: 0,
         max_kv_size: 0,
         kv_keep: mlxcel_engine::DEFAULT_KV_KEEP as u32,
+        kv_bits: 0,
     }
 }
 
@@ -592,7 +600,8 @@ pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
 ///
 /// Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
 /// `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB, a
-/// `max_kv_size` not larger than `kv_keep` or on a model without the paged pool),
+/// `max_kv_size` not larger than `kv_keep`, a `kv_bits` other than 0 or 8, or
+/// either option on a model without the paged pool),
 /// `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
 /// On failure `*out_model` is set to NULL (if out_model is not NULL) and
 /// nothing is allocated. May take seconds (and download the default model on
@@ -617,6 +626,7 @@ pub unsafe extern "C" fn mlxcel_model_load(
             kv_pool_bytes: (params.kv_pool_bytes != 0).then_some(params.kv_pool_bytes.into()),
             max_kv_size: (params.max_kv_size != 0).then_some(params.max_kv_size.into()),
             kv_keep: (params.max_kv_size != 0).then_some(params.kv_keep.into()),
+            kv_bits: (params.kv_bits != 0).then_some(params.kv_bits.into()),
         }
         .resolve()?;
         *out_model = MODELS.insert(Arc::new(Engine::load_with(&dir, limits)?)) as *mut mlxcel_model;

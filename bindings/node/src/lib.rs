@@ -108,7 +108,7 @@ impl Task for LoadTask {
 /// downloading and converting it on first use, reported on stderr when
 /// `progress` is not false) off the event loop.
 /// The limits (whole numbers: `kv_pool_bytes` at least 1 MiB, `max_kv_size`
-/// larger than `kv_keep`) are checked before the load starts: a bad one
+/// larger than `kv_keep`, `kv_bits` 8) are checked before the load starts: a bad one
 /// throws INVALID_PARAMETER.
 #[napi(ts_return_type = "Promise<NativeModel>")]
 pub fn load_model(
@@ -117,12 +117,14 @@ pub fn load_model(
     kv_pool_bytes: Option<f64>,
     max_kv_size: Option<f64>,
     kv_keep: Option<f64>,
+    kv_bits: Option<f64>,
 ) -> Result<AsyncTask<LoadTask>, Code> {
     let whole = |name, v: Option<f64>| v.map(|v| GenerationOptions::whole_number(name, v)).transpose().map_err(coded);
     let limits = LimitOptions {
         kv_pool_bytes: whole("kv_pool_bytes", kv_pool_bytes)?,
         max_kv_size: whole("max_kv_size", max_kv_size)?,
         kv_keep: whole("kv_keep", kv_keep)?,
+        kv_bits: whole("kv_bits", kv_bits)?,
     }
     .resolve()
     .map_err(coded)?;

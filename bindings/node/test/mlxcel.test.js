@@ -353,6 +353,20 @@ describe('bad input', () => {
     assert.ok(windowed.kvCacheBytes <= 10 * blockBytes, JSON.stringify(windowed))
   })
 
+  test('an 8-bit KV cache: other widths are refused, rows take 72 of 256 bytes', async () => {
+    await rejectsWith(loadModel({ kvBits: 4 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ kvBits: 8.5 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ kvBits: '8' }), 'INVALID_ARGUMENT')
+    const eight = await loadModel({ kvBits: 8, progress: false })
+    const stats = []
+    for (const m of [model, eight]) {
+      const chunks = await collect(m.stream(LONG_PROMPT, { maxTokens: 24 }))
+      stats.push(chunks.at(-1).stats)
+    }
+    const [full, small] = stats
+    assert.equal(small.kvCacheBytes * 256, full.kvCacheBytes * 72, JSON.stringify(stats))
+  })
+
   test('a bad model path rejects with MODEL_LOAD', async () => {
     await rejectsWith(loadModel('/nonexistent/model/dir'), 'MODEL_LOAD')
     await rejectsWith(loadModel(__dirname), 'MODEL_LOAD')

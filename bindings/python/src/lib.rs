@@ -327,7 +327,7 @@ impl Model {
     /// Loads a model directory (MLX / Hugging Face layout); `None` loads the
     /// default model (SmolLM2-135M-Instruct, fetched and converted on first use).
     #[new]
-    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None))]
+    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None, kv_bits=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -337,10 +337,11 @@ impl Model {
         kv_pool_bytes: Option<i128>,
         max_kv_size: Option<i128>,
         kv_keep: Option<i128>,
+        kv_bits: Option<i128>,
     ) -> PyResult<Self> {
         // Checked now, so a bad value fails the load rather than the first generation.
         Sampling::default().options(py, prefill_chunk)?;
-        let limits = LimitOptions { kv_pool_bytes, max_kv_size, kv_keep }.resolve().map_err(|e| engine_error(py, e))?;
+        let limits = LimitOptions { kv_pool_bytes, max_kv_size, kv_keep, kv_bits }.resolve().map_err(|e| engine_error(py, e))?;
         let dir = match path {
             Some(dir) => dir,
             None => default_model_dir(py, progress)?,

@@ -205,3 +205,22 @@ def test_rotating_kv_cache(model):
     # window's and the block the last step still read.
     assert full["kv_cache_bytes"] >= 16 * block_bytes
     assert windowed["kv_cache_bytes"] <= 10 * block_bytes, windowed
+
+
+def test_eight_bit_kv_cache(model):
+    for bits in (4, 16, 0):
+        with pytest.raises(InvalidParameter, match="kv_bits") as err:
+            mlxcel.load(kv_bits=bits)
+        assert err.value.name == "kv_bits"
+    small = mlxcel.load(kv_bits=8)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 10
+    stats = []
+    texts = []
+    for m in (model, small):
+        with m.stream(prompt, max_tokens=24, temperature=0.0) as s:
+            texts.append("".join(c.text for c in s))
+        stats.append(s.stats)
+    full, eight = stats
+    # 72 bytes per position and head instead of 256, over the same blocks.
+    assert eight["kv_cache_bytes"] * 256 == full["kv_cache_bytes"] * 72, stats
+    assert texts[1].strip(), texts

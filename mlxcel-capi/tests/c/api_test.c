@@ -662,6 +662,30 @@ static void test_pool(void) {
     CHECK(r.generated_tokens == 150 || r.finish_reason == MLXCEL_FINISH_STOP);
     CHECK_STATUS(mlxcel_context_free(ctx[0]), MLXCEL_OK);
     CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+
+    /* 8-bit keys and values: other widths are refused; a 2 MiB pool holds 2
+       f32 blocks (too few for 100 tokens) but 10 of 8 bits. */
+    mp = mlxcel_model_default_params();
+    CHECK(mp.kv_bits == 0);
+    mp.kv_bits = 4;
+    CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("kv_bits");
+    CHECK(model == NULL);
+    for (int bits = 0; bits <= 8; bits += 8) {
+        mp.kv_bits = (uint32_t)bits;
+        mp.kv_pool_bytes = 2u << 20;
+        CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_OK);
+        CHECK_STATUS(mlxcel_context_new(model, &ctx[0]), MLXCEL_OK);
+        mlxcel_status st = mlxcel_generate(ctx[0], "Once upon a time", greedy(100), NULL, NULL, text, sizeof text, &r);
+        if (bits == 0) {
+            CHECK_STATUS(st, MLXCEL_ERR_KV_POOL_TOO_SMALL);
+        } else {
+            CHECK_STATUS(st, MLXCEL_OK);
+            CHECK(r.generated_tokens == 100 || r.finish_reason == MLXCEL_FINISH_STOP);
+        }
+        CHECK_STATUS(mlxcel_context_free(ctx[0]), MLXCEL_OK);
+        CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    }
     printf("pool: ok\n");
 }
 
