@@ -184,7 +184,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     // The KV cache of a run holds prompt + generated positions (the last
     // token is never fed back; one position of slack keeps the figure simple).
     let kv_positions = args.prompt_tokens + args.gen_tokens;
-    let kv_bytes = (shape.kv_bytes_per_token() * kv_positions) as u64;
+    // Per position as the pool stores it (f32 or 8 bits).
+    let kv_bytes = (engine.kv_pool().block_bytes() / mlxcel_models::paged::BLOCK_TOKENS * kv_positions) as u64;
     let kernel_threads = mlx_sys::kernels::num_threads();
     let blas_threads = mlx_sys::blas_threads();
     let blas_library = mlx_sys::blas_library();
@@ -210,6 +211,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "process_peak_mlx_bytes": process_peak_mlx_bytes,
             "weight_bytes": weight_bytes,
             "kv_bytes": kv_bytes,
+            "kv_bits": engine.kv_pool().format().bits(),
+            "max_kv_size": engine.limits().max_kv_size,
             "kernel_threads": kernel_threads,
             "blas": mlx_sys::BLAS_BACKEND,
             "blas_library": blas_library,
@@ -243,7 +246,10 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("loaded RSS", loaded_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (model loaded, before generating)", mib(b)))),
         ("peak MLX", format!("{} (process-wide, highest run)", mib(process_peak_mlx_bytes as u64))),
         ("weights", mib(weight_bytes)),
-        ("KV cache", format!("{} ({kv_positions} positions)", human_bytes(kv_bytes))),
+        ("KV cache", format!("{} ({kv_positions} positions, {})", human_bytes(kv_bytes), match engine.kv_pool().format() {
+            mlxcel_models::KvFormat::F32 => "f32",
+            mlxcel_models::KvFormat::Q8 => "8 bits, group 64",
+        })),
         (
             "KV pool",
             format!(
