@@ -17,6 +17,7 @@ mod error;
 mod generate;
 mod options;
 mod sampling;
+pub mod sampler_chain;
 pub mod prefix_cache;
 pub mod scheduler;
 mod stop;
