@@ -20,6 +20,7 @@
 //! Not thread safe by design: one thread (the [`Scheduler`](crate::scheduler))
 //! owns the engine. Other threads reach it through the scheduler's channel.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,7 +34,8 @@ use mlxcel_tokenizer::StreamDecodeState;
 use crate::error::{Error, Result};
 use crate::generate::{CancelFlag, FinishReason, GenerationOutput, GenerationStats};
 use crate::prefix_cache::{self, BLOCK_TOKENS, MIN_PROMPT_TOKENS};
-use crate::sampling::{recent_tokens, Sampler, SamplingParams};
+use crate::sampler_chain::DryBreakers;
+use crate::sampling::{Sampler, SamplingParams};
 use crate::stop::{StopMatcher, StopOutcome};
 
 /// A row's handle inside one [`BatchEngine`].
@@ -166,6 +168,8 @@ pub struct BatchEngine {
     next_id: RowId,
     /// Events of rows that ended outside `finish_rows` (prefill, cancel).
     pending: Vec<RowEvent>,
+    /// DRY's breakers over the model's vocabulary, by breaker list.
+    dry_breakers: HashMap<Vec<String>, Arc<DryBreakers>>,
 }
 
 impl BatchEngine {
@@ -174,7 +178,7 @@ impl BatchEngine {
     /// `prefix_caching` is on and the pool is paged.
     pub fn new(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool) -> Self {
         let prefix_caching = caches_prefixes(model.network(), &pool, prefix_caching);
-        BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new() }
+        BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new(), dry_breakers: HashMap::new() }
     }
 
     /// A pool of `bytes` for `model`'s rows: paged when its kernels read a
@@ -243,7 +247,10 @@ impl BatchEngine {
     /// ids outside the vocabulary and prompts longer than the model's context
     /// are errors here, before the row exists.
     pub fn open(&mut self, request: RowRequest, opened: Instant) -> Result<RowId> {
-        let sampler = Sampler::new(&request.params)?;
+        let (model, cache) = (&self.model, &mut self.dry_breakers);
+        let sampler = Sampler::new(&request.params, |breakers| {
+            cache.entry(breakers.to_vec()).or_insert_with(|| Arc::new(dry_breakers(model, breakers))).clone()
+        })?;
         validate_prompt(&self.model, &request.prompt, request.prefill_chunk)?;
         let needed = self.blocks_needed(&request);
         let (mut kernels, mut block_hashes, mut adopted) = (RowKernels::ByCount, Vec::new(), Vec::new());
@@ -392,8 +399,7 @@ impl BatchEngine {
             let mut next = Vec::with_capacity(rows.len());
             for (b, (&i, tokens)) in rows.iter().zip(&inputs).enumerate() {
                 let r = &mut self.rows[i];
-                let recent = recent_for(&r.params, &r.history[..r.prompt.len() - 1], tokens)?;
-                next.push(r.sampler.sample(&logits.slice_axis(0, b as i32, b as i32 + 1)?, recent.as_ref())?);
+                next.push(r.sampler.sample(&logits.slice_axis(0, b as i32, b as i32 + 1)?, &r.history[..r.prompt.len() - 1], tokens)?);
             }
             async_eval(next.iter())?;
             Ok(next)
@@ -443,8 +449,7 @@ impl BatchEngine {
             eval(r.caches.iter().flat_map(|c| c.state()).collect::<Vec<_>>().iter())?;
         } else {
             let last = logits.squeeze(1)?;
-            let recent = recent_for(&r.params, &r.history[..total - 1], &tokens)?;
-            let next = r.sampler.sample(&last, recent.as_ref())?;
+            let next = r.sampler.sample(&last, &r.history[..total - 1], &tokens)?;
             async_eval([&next])?;
             r.queued = Some(next);
             r.phase = Phase::Decoding;
@@ -508,8 +513,7 @@ impl BatchEngine {
             for (b, (i, input)) in rows.iter().enumerate() {
                 let r = &mut self.rows[*i];
                 let row_logits = if rows.len() == 1 { logits.clone() } else { logits.slice_axis(0, b as i32, b as i32 + 1)? };
-                let recent = recent_for(&r.params, &r.history, &input.reshape(&[1, 1])?)?;
-                next.push(r.sampler.sample(&row_logits, recent.as_ref())?);
+                next.push(r.sampler.sample(&row_logits, &r.history, input)?);
             }
             async_eval(next.iter())?;
             Ok(next)
@@ -721,15 +725,17 @@ pub(crate) fn validate_prompt(model: &Model, prompt: &[u32], prefill_chunk: usiz
     Ok(())
 }
 
-/// The repetition penalty's window: `history` followed by the last token of
-/// `input` (lazy), or None when the penalty is off.
-fn recent_for(params: &SamplingParams, history: &[u32], input: &Array) -> Result<Option<Array>> {
-    if params.repetition_penalty == 1.0 {
-        return Ok(None);
-    }
-    let prev = input.reshape(&[-1])?;
-    let n = prev.dim(0);
-    Ok(Some(recent_tokens(history, &prev.slice_axis(0, n - 1, n)?, params.repetition_context_size)?))
+/// DRY's `breakers` over `model`'s vocabulary, as llama.cpp reads them:
+/// each token's text with special tokens rendered, tails tokenized without
+/// special tokens.
+fn dry_breakers(model: &Model, breakers: &[String]) -> DryBreakers {
+    let tokenizer = model.tokenizer();
+    DryBreakers::new(
+        breakers,
+        tokenizer.vocab_size(),
+        |id| tokenizer.decode(&[id], false).map(String::into_bytes).unwrap_or_default(),
+        |text| tokenizer.encode(&String::from_utf8_lossy(text), false).unwrap_or_default(),
+    )
 }
 
 pub(crate) fn token_array(ids: &[u32]) -> Result<Array> {

@@ -108,6 +108,7 @@ impl GenerationOptions {
             repetition_context_size: Self::integer("repetition_context_size", self.repetition_context_size.into())?,
             seed: self.seed.map(|seed| Self::integer("seed", seed)).transpose()?,
             stop: self.stop.clone(),
+            ..SamplingParams::default()
         };
         params.validate()?;
         Ok((params, Self::integer("prefill_chunk", self.prefill_chunk.into())?))

@@ -1,9 +1,16 @@
-//! Token sampling on the device: greedy, or temperature with top-k, top-p
-//! and min-p filters (in mlx-lm's order), plus a repetition penalty.
+//! Token sampling. Greedy and plain temperature sampling (with or without
+//! a repetition penalty) run on the device, queued with the forward pass;
+//! any other setting runs llama.cpp's sampler chain on the host
+//! ([`crate::sampler_chain`]) over the row's logits.
+
+use std::sync::Arc;
 
 use mlx_sys::{concatenate, random, where_, Array, Dtype};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
+use crate::sampler_chain::{self, ChainParams, DryBreakers, SamplerStage, DEFAULT_STAGES};
 
 /// How to pick each next token and when to stop.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -26,6 +33,40 @@ pub struct SamplingParams {
     pub max_tokens: usize,
     /// Generation stops before the first occurrence of any of these.
     pub stop: Vec<String>,
+    /// Subtracted from a recent token's logit once per time it occurs in
+    /// the last `repetition_context_size` tokens (0 = off).
+    pub frequency_penalty: f32,
+    /// Subtracted from the logit of every token in the last
+    /// `repetition_context_size` tokens (0 = off).
+    pub presence_penalty: f32,
+    /// DRY: a token that would extend a repeat of n >= `dry_allowed_length`
+    /// tokens of the history loses `dry_multiplier * dry_base^(n -
+    /// dry_allowed_length)` (0 = off).
+    pub dry_multiplier: f32,
+    pub dry_base: f32,
+    pub dry_allowed_length: usize,
+    /// Tokens of history DRY looks at; None: all of them (llama-server's -1).
+    pub dry_penalty_last_n: Option<usize>,
+    /// Repeats do not reach across these strings.
+    pub dry_sequence_breakers: Vec<String>,
+    /// Keep tokens within `top_n_sigma` standard deviations of the largest
+    /// logit (<= 0 = off).
+    pub top_n_sigma: f32,
+    /// Locally typical sampling: keep the tokens closest to the expected
+    /// surprise up to this probability mass (1 = off).
+    pub typical_p: f32,
+    /// XTC: with this probability per token, drop every token at least
+    /// `xtc_threshold` likely but the least likely of them (0 = off).
+    pub xtc_probability: f32,
+    pub xtc_threshold: f32,
+    /// The filters that can (top-p, min-p, typical-p, XTC) keep at least
+    /// this many tokens.
+    pub min_keep: usize,
+    /// Added to these tokens' logits before every stage (`-inf` bans one).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The chain's stages in order; None: llama-server's
+    /// ([`DEFAULT_STAGES`]). A stage left out does not run.
+    pub samplers: Option<Vec<SamplerStage>>,
 }
 
 impl Default for SamplingParams {
@@ -40,9 +81,26 @@ impl Default for SamplingParams {
             seed: None,
             max_tokens: 256,
             stop: Vec::new(),
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            dry_multiplier: 0.0,
+            dry_base: 1.75,
+            dry_allowed_length: 2,
+            dry_penalty_last_n: None,
+            dry_sequence_breakers: DEFAULT_DRY_SEQUENCE_BREAKERS.iter().map(|s| s.to_string()).collect(),
+            top_n_sigma: -1.0,
+            typical_p: 1.0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+            min_keep: 0,
+            logit_bias: Vec::new(),
+            samplers: None,
         }
     }
 }
+
+/// llama-server's DRY sequence breakers.
+pub const DEFAULT_DRY_SEQUENCE_BREAKERS: [&str; 4] = ["\n", ":", "\"", "*"];
 
 fn invalid(name: &'static str, message: String) -> Error {
     Error::InvalidParameter { name, message }
@@ -65,28 +123,137 @@ impl SamplingParams {
         if self.max_tokens == 0 {
             return Err(invalid("max_tokens", "must be at least 1".into()));
         }
+        for (name, value) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+            if !value.is_finite() {
+                return Err(invalid(name, format!("must be a finite number, got {value}")));
+            }
+        }
+        if !self.dry_multiplier.is_finite() || self.dry_multiplier < 0.0 {
+            return Err(invalid("dry_multiplier", format!("must be a finite number >= 0, got {}", self.dry_multiplier)));
+        }
+        if !self.dry_base.is_finite() || self.dry_base < 1.0 {
+            return Err(invalid("dry_base", format!("must be a finite number >= 1, got {}", self.dry_base)));
+        }
+        if self.dry_allowed_length == 0 {
+            return Err(invalid("dry_allowed_length", "must be at least 1".into()));
+        }
+        if !self.top_n_sigma.is_finite() {
+            return Err(invalid("top_n_sigma", format!("must be a finite number (<= 0 = off), got {}", self.top_n_sigma)));
+        }
+        if !(self.typical_p > 0.0 && self.typical_p <= 1.0) {
+            return Err(invalid("typical_p", format!("must be in (0, 1], got {}", self.typical_p)));
+        }
+        if !(0.0..=1.0).contains(&self.xtc_probability) {
+            return Err(invalid("xtc_probability", format!("must be in [0, 1], got {}", self.xtc_probability)));
+        }
+        if !(0.0..=1.0).contains(&self.xtc_threshold) {
+            return Err(invalid("xtc_threshold", format!("must be in [0, 1] (above 0.5 turns XTC off), got {}", self.xtc_threshold)));
+        }
+        if let Some(&(id, bias)) = self.logit_bias.iter().find(|(_, b)| b.is_nan() || *b == f32::INFINITY) {
+            return Err(invalid("logit_bias", format!("the bias of token {id} must be a number or -inf, got {bias}")));
+        }
+        if let Some(stages) = &self.samplers {
+            if let Some(s) = stages.iter().enumerate().find_map(|(i, s)| stages[..i].contains(s).then_some(s)) {
+                return Err(invalid("samplers", format!("lists {} twice", s.name())));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether the device's sampler serves these parameters: greedy, or
+    /// temperature alone, with at most a repetition penalty. Anything else
+    /// runs the host chain.
+    pub fn on_device(&self) -> bool {
+        let filters = self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0;
+        let chain_only = self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || self.dry_multiplier > 0.0
+            || self.top_n_sigma > 0.0
+            || self.typical_p < 1.0
+            || self.xtc_probability > 0.0
+            || !self.logit_bias.is_empty()
+            || self.samplers.is_some();
+        !chain_only && (self.temperature == 0.0 || !filters)
+    }
+
+    fn chain(&self) -> ChainParams {
+        ChainParams {
+            stages: self.samplers.clone().unwrap_or_else(|| DEFAULT_STAGES.to_vec()),
+            logit_bias: self.logit_bias.clone(),
+            min_keep: self.min_keep,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            typical_p: self.typical_p,
+            top_n_sigma: self.top_n_sigma,
+            repetition_penalty: self.repetition_penalty,
+            repetition_context_size: self.repetition_context_size,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            dry_multiplier: self.dry_multiplier,
+            dry_base: self.dry_base,
+            dry_allowed_length: self.dry_allowed_length,
+            dry_penalty_last_n: self.dry_penalty_last_n,
+            xtc_probability: self.xtc_probability,
+            xtc_threshold: self.xtc_threshold,
+        }
     }
 }
 
-/// Samples from [1, vocab] float32 logits; holds the PRNG key.
+/// The host chain of one row: its parameters, generator and DRY breakers.
+struct HostChain {
+    params: ChainParams,
+    rng: ChaCha8Rng,
+    dry: Arc<DryBreakers>,
+}
+
+/// Samples from [1, vocab] float32 logits; holds the PRNG key (device) or
+/// the row's generator (host chain).
 pub(crate) struct Sampler {
     params: SamplingParams,
     key: Array,
+    host: Option<HostChain>,
 }
 
 impl Sampler {
-    pub fn new(params: &SamplingParams) -> Result<Self> {
+    /// `dry` gives the DRY breakers for a list of strings (built from the
+    /// model's tokenizer, cached by the caller); only called when DRY is on.
+    pub fn new(params: &SamplingParams, dry: impl FnOnce(&[String]) -> Arc<DryBreakers>) -> Result<Self> {
         params.validate()?;
         let seed = params.seed.unwrap_or_else(|| {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
         });
-        Ok(Sampler { params: params.clone(), key: random::key(seed)? })
+        let host = (!params.on_device()).then(|| HostChain {
+            params: params.chain(),
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            dry: if params.dry_multiplier > 0.0 { dry(&params.dry_sequence_breakers) } else { Arc::default() },
+        });
+        Ok(Sampler { params: params.clone(), key: random::key(seed)?, host })
     }
 
-    /// The next token as a lazy [1] uint32 array. `recent` holds the recent
-    /// token ids for the repetition penalty (may include lazy tokens).
-    pub fn sample(&mut self, logits: &Array, recent: Option<&Array>) -> Result<Array> {
+    /// The next token as a [1] uint32 array (lazy on the device path).
+    /// `history` is the row's tokens before `input`'s last one (the token
+    /// the logits follow; lazy at decode).
+    pub fn sample(&mut self, logits: &Array, history: &[u32], input: &Array) -> Result<Array> {
+        if let Some(host) = self.host.as_mut() {
+            let last = input.reshape(&[-1])?;
+            let n = last.dim(0);
+            let last = last.slice_axis(0, n - 1, n)?.astype(Dtype::Uint32)?.item::<u32>()?;
+            let mut tokens = Vec::with_capacity(history.len() + 1);
+            tokens.extend_from_slice(history);
+            tokens.push(last);
+            let values = logits.astype(Dtype::Float32)?.reshape(&[-1])?.to_vec::<f32>()?;
+            let token = sampler_chain::sample(&host.params, &values, &tokens, &host.dry, &mut host.rng);
+            return Ok(Array::from_slice(&[token], &[1])?);
+        }
+        let recent = recent_for(&self.params, history, input)?;
+        self.sample_on_device(logits, recent.as_ref())
+    }
+
+    /// Greedy or temperature sampling on the device. `recent` holds the
+    /// recent token ids for the repetition penalty (may include lazy tokens).
+    fn sample_on_device(&mut self, logits: &Array, recent: Option<&Array>) -> Result<Array> {
         let p = &self.params;
         let mut logits = logits.astype(Dtype::Float32)?;
         if let (Some(recent), true) = (recent, p.repetition_penalty != 1.0) {
@@ -95,24 +262,10 @@ impl Sampler {
         if p.temperature == 0.0 {
             return Ok(logits.argmax(-1, false)?);
         }
-        let mut logprobs = logits.subtract(&logits.logsumexp(&[-1], true)?)?;
-        if p.top_p < 1.0 {
-            logprobs = apply_top_p(&logprobs, p.top_p)?;
-        }
-        if p.min_p > 0.0 {
-            logprobs = apply_min_p(&logprobs, p.min_p)?;
-        }
-        if p.top_k > 0 && (p.top_k as i32) < logprobs.dim(-1) {
-            logprobs = apply_top_k(&logprobs, p.top_k as i32)?;
-        }
         let parts = random::split(&self.key, 2)?;
         self.key = parts[0].clone();
-        Ok(random::categorical(&logprobs.mul_scalar(1.0 / p.temperature as f64)?, -1, &parts[1])?)
+        Ok(random::categorical(&logits.mul_scalar(1.0 / p.temperature as f64)?, -1, &parts[1])?)
     }
-}
-
-fn neg_inf_like(x: &Array) -> Result<Array> {
-    Ok(Array::scalar(f64::NEG_INFINITY, x.dtype())?)
 }
 
 fn apply_repetition_penalty(logits: &Array, recent: &Array, penalty: f32) -> Result<Array> {
@@ -127,29 +280,15 @@ fn apply_repetition_penalty(logits: &Array, recent: &Array, penalty: f32) -> Res
     Ok(logits.put_along_axis(&index, &penalized, -1)?)
 }
 
-/// Keeps the most likely tokens whose cumulative probability exceeds `top_p`.
-fn apply_top_p(logprobs: &Array, top_p: f32) -> Result<Array> {
-    let order = logprobs.argsort(-1)?; // ascending
-    let sorted = logprobs.take_along_axis(&order, -1)?;
-    let cumulative = sorted.exp()?.cumsum(-1, false, true)?;
-    let threshold = Array::scalar(1.0 - top_p as f64, Dtype::Float32)?;
-    let kept_sorted = where_(&cumulative.greater(&threshold)?, &sorted, &neg_inf_like(&sorted)?)?;
-    // Scatter back to vocabulary order.
-    Ok(logprobs.put_along_axis(&order, &kept_sorted, -1)?)
-}
-
-fn apply_min_p(logprobs: &Array, min_p: f32) -> Result<Array> {
-    let threshold = logprobs.max(&[-1], true)?.add_scalar((min_p as f64).ln())?;
-    Ok(where_(&logprobs.less(&threshold)?, &neg_inf_like(logprobs)?, logprobs)?)
-}
-
-fn apply_top_k(logprobs: &Array, k: i32) -> Result<Array> {
-    let vocab = logprobs.dim(-1);
-    // Indices of everything but the k largest.
-    let order = logprobs.negative()?.argpartition(k - 1, -1)?;
-    let dropped = order.slice_axis(-1, k, vocab)?;
-    let fill = neg_inf_like(logprobs)?.broadcast_to(&dropped.shape())?;
-    Ok(logprobs.put_along_axis(&dropped, &fill, -1)?)
+/// The repetition penalty's window: `history` followed by the last token of
+/// `input` (lazy), or None when the penalty is off.
+fn recent_for(params: &SamplingParams, history: &[u32], input: &Array) -> Result<Option<Array>> {
+    if params.repetition_penalty == 1.0 {
+        return Ok(None);
+    }
+    let prev = input.reshape(&[-1])?;
+    let n = prev.dim(0);
+    Ok(Some(recent_tokens(history, &prev.slice_axis(0, n - 1, n)?, params.repetition_context_size)?))
 }
 
 /// The last `n` tokens of the host history followed by the lazy `latest`.
@@ -171,8 +310,9 @@ mod tests {
     }
 
     fn sample_many(params: SamplingParams, l: &Array, n: usize) -> Vec<u32> {
-        let mut s = Sampler::new(&params).unwrap();
-        (0..n).map(|_| s.sample(l, None).unwrap().to_vec::<u32>().unwrap()[0]).collect()
+        let mut s = Sampler::new(&params, |_| Arc::default()).unwrap();
+        let input = Array::from_slice(&[0u32], &[1]).unwrap();
+        (0..n).map(|_| s.sample(l, &[], &input).unwrap().to_vec::<u32>().unwrap()[0]).collect()
     }
 
     #[test]
@@ -208,9 +348,9 @@ mod tests {
     #[test]
     fn repetition_penalty_demotes_recent_tokens() {
         let params = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
-        let mut s = Sampler::new(&params).unwrap();
-        let recent = Array::from_slice(&[0u32], &[1]).unwrap();
-        let token = s.sample(&logits(&[3.0, 2.0, -1.0]), Some(&recent)).unwrap();
+        let mut s = Sampler::new(&params, |_| Arc::default()).unwrap();
+        let input = Array::from_slice(&[0u32], &[1]).unwrap();
+        let token = s.sample(&logits(&[3.0, 2.0, -1.0]), &[], &input).unwrap();
         assert_eq!(token.to_vec::<u32>().unwrap(), [1]);
     }
 

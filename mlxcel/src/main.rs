@@ -71,7 +71,100 @@ struct GenerateArgs {
     #[arg(long)]
     show_tokens: bool,
     #[command(flatten)]
+    chain: ChainArgs,
+    #[command(flatten)]
     kv: KvArgs,
+}
+
+/// The sampler chain's options (llama-server's names and defaults); any of
+/// them moves sampling from the device to the host chain.
+#[derive(Args, Debug, Clone)]
+pub struct ChainArgs {
+    /// The chain's stages in order, separated by `;` or `,` (default
+    /// penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature).
+    #[arg(long, value_name = "LIST")]
+    samplers: Option<String>,
+    /// Window of --repetition-penalty, --frequency-penalty and --presence-penalty.
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    repeat_last_n: usize,
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// DRY: penalize tokens that extend a repeat of the history (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    dry_multiplier: f32,
+    #[arg(long, default_value_t = 1.75)]
+    dry_base: f32,
+    #[arg(long, default_value_t = 2)]
+    dry_allowed_length: usize,
+    /// Tokens of history DRY reads; -1: all of them.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    dry_penalty_last_n: i64,
+    /// A DRY sequence breaker (repeatable; replaces the default \n : " *).
+    #[arg(long, value_name = "STRING")]
+    dry_sequence_breaker: Vec<String>,
+    /// Keep tokens within N standard deviations of the top logit (-1 = off).
+    #[arg(long, default_value_t = -1.0, allow_negative_numbers = true)]
+    top_n_sigma: f32,
+    #[arg(long, default_value_t = 1.0)]
+    typical_p: f32,
+    /// XTC: drop the most likely tokens but one with this probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    xtc_probability: f32,
+    #[arg(long, default_value_t = 0.1)]
+    xtc_threshold: f32,
+    #[arg(long, default_value_t = 0)]
+    min_keep: usize,
+    /// Add BIAS to token ID's logit: ID=BIAS, or ID=-inf to ban it (repeatable).
+    #[arg(long, value_name = "ID=BIAS")]
+    logit_bias: Vec<String>,
+}
+
+impl ChainArgs {
+    /// These options over `params`.
+    fn apply(&self, params: SamplingParams) -> AnyResult<SamplingParams> {
+        let samplers = match &self.samplers {
+            None => None,
+            Some(list) => Some(
+                list.split([';', ','])
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|name| {
+                        mlxcel_engine::sampler_chain::SamplerStage::from_name(name)
+                            .ok_or_else(|| format!("--samplers: unknown stage {name:?} (known: penalties, dry, top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature)"))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+        };
+        let logit_bias = self
+            .logit_bias
+            .iter()
+            .map(|entry| {
+                let (id, bias) = entry.split_once('=').ok_or_else(|| format!("--logit-bias {entry:?}: expected ID=BIAS"))?;
+                let id: u32 = id.trim().parse().map_err(|_| format!("--logit-bias {entry:?}: {id:?} is not a token id"))?;
+                let bias: f32 = bias.trim().parse().map_err(|_| format!("--logit-bias {entry:?}: {bias:?} is not a number"))?;
+                Ok((id, bias))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(SamplingParams {
+            samplers,
+            repetition_context_size: self.repeat_last_n,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            dry_multiplier: self.dry_multiplier,
+            dry_base: self.dry_base,
+            dry_allowed_length: self.dry_allowed_length,
+            dry_penalty_last_n: usize::try_from(self.dry_penalty_last_n).ok(),
+            dry_sequence_breakers: if self.dry_sequence_breaker.is_empty() { params.dry_sequence_breakers.clone() } else { self.dry_sequence_breaker.clone() },
+            top_n_sigma: self.top_n_sigma,
+            typical_p: self.typical_p,
+            xtc_probability: self.xtc_probability,
+            xtc_threshold: self.xtc_threshold,
+            min_keep: self.min_keep,
+            logit_bias,
+            ..params
+        })
+    }
 }
 
 /// The KV cache options of `generate` and `bench`.
@@ -182,6 +275,7 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
         stop: args.stop,
         ..SamplingParams::default()
     };
+    request.params = args.chain.apply(request.params)?;
     let mut stdout = std::io::stdout().lock();
     let output = engine.generate(&request, |piece| {
         // A closed pipe (e.g. `| head`) stops generation instead of failing.
