@@ -416,8 +416,10 @@ fn typical(typical_p: f32, min_keep: usize, c: &mut Candidates) {
     }
     c.sort();
     let probs = c.probabilities();
-    let entropy: f32 = probs.iter().map(|&p| -p * p.ln()).sum();
-    let shifted: Vec<f32> = probs.iter().map(|&p| (-p.ln() - entropy).abs()).collect();
+    // A token of probability 0 (a -inf logit) adds nothing to the entropy
+    // and is the least typical (llama.cpp's entropy turns NaN there).
+    let entropy: f32 = probs.iter().filter(|&&p| p > 0.0).map(|&p| -p * p.ln()).sum();
+    let shifted: Vec<f32> = probs.iter().map(|&p| if p > 0.0 { (-p.ln() - entropy).abs() } else { f32::INFINITY }).collect();
     let mut order: Vec<usize> = (0..c.items.len()).collect();
     order.sort_by(|&a, &b| shifted[a].total_cmp(&shifted[b]).then(a.cmp(&b)));
     let mut cumulative = 0.0f32;

@@ -18,7 +18,11 @@ configuration runs one stage alone, or logit bias plus the whole default
 chain (llama-server's order), on a fresh sampler that first accepts the
 history; the JSON records the candidates it leaves, in its order, as
 (id, logit). XTC runs with probability 1, so it does not depend on the
-generator.
+generator. The default chain runs twice: with typical-p 0.95 and
+top-n-sigma off (llama-server's default), and with top-n-sigma 2 and
+typical-p off: top-n-sigma leaves -inf logits in the set, and over those
+llama.cpp's typical-p computes a NaN entropy and sorts by NaN (no defined
+order), as it does for a candidate array given with -inf entries.
 """
 
 import argparse
@@ -66,10 +70,10 @@ def configs(n_vocab):
     return out
 
 
-def default_chain(n_vocab, bias):
+def default_chain(n_vocab, bias, sigma):
     p = dict(repetition_context_size=64, repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.05,
-             dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=96, top_n_sigma=2.0,
-             top_k=40, typical_p=0.95, top_p=0.95, min_p=0.05, xtc_probability=1.0, xtc_threshold=0.1,
+             dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=96, top_n_sigma=sigma,
+             top_k=40, typical_p=1.0 if sigma > 0 else 0.95, top_p=0.95, min_p=0.05, xtc_probability=1.0, xtc_threshold=0.1,
              temperature=0.8, min_keep=0)
 
     def make(v):
@@ -79,9 +83,9 @@ def default_chain(n_vocab, bias):
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_penalties(n_vocab, 64, 1.1, 0.1, 0.05))
         br = (ctypes.c_char_p * len(BREAKERS))(*[s.encode() for s in BREAKERS])
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_dry(v, 0.8, 1.75, 2, 96, br, len(BREAKERS)))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_n_sigma(2.0))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_n_sigma(sigma))
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(40))
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_typical(0.95, 0))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_typical(p["typical_p"], 0))
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(0.95, 0))
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_min_p(0.05, 0))
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_xtc(1.0, 0.1, 0, 0))
@@ -148,7 +152,8 @@ def main():
         history = history[-96:]
         results = []
         bias = [[int(ids[0]), 2.5], [int(ids[1]), "-inf"], [int(ids[5]), -1.25]]
-        for cfg in configs(n_vocab) + [default_chain(n_vocab, [(t, float("-inf") if b == "-inf" else b) for t, b in bias])]:
+        typed = [(t, float("-inf") if b == "-inf" else b) for t, b in bias]
+        for cfg in configs(n_vocab) + [default_chain(n_vocab, typed, -1.0), default_chain(n_vocab, typed, 2.0)]:
             params = dict(cfg["params"])
             if "logit_bias" in params:
                 params["logit_bias"] = bias
