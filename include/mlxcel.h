@@ -235,6 +235,42 @@ typedef struct mlxcel_generate_params {
     size_t n_stop;
     // With false (default) the seed is drawn from the clock.
     bool has_seed;
+    // Subtracted once per occurrence in the last `repetition_context_size`
+    // tokens (default 0).
+    float frequency_penalty;
+    // Subtracted from every token in that window (default 0).
+    float presence_penalty;
+    // DRY: >= 0, 0 = off (default).
+    float dry_multiplier;
+    // >= 1 (default 1.75).
+    float dry_base;
+    // >= 1 (default 2).
+    int32_t dry_allowed_length;
+    // Tokens of history DRY reads; -1 = all (default).
+    int32_t dry_penalty_last_n;
+    // `n_dry_sequence_breakers` NUL-terminated UTF-8 strings; NULL = the
+    // default ("\n", ":", "\"", "*"), non-NULL with n 0 = none.
+    const char *const *dry_sequence_breakers;
+    size_t n_dry_sequence_breakers;
+    // <= 0 = off (default -1).
+    float top_n_sigma;
+    // (0, 1], 1 = off (default).
+    float typical_p;
+    // XTC: [0, 1], 0 = off (default).
+    float xtc_probability;
+    // [0, 1] (default 0.1).
+    float xtc_threshold;
+    // >= 0 (default 0).
+    int32_t min_keep;
+    // `n_logit_bias` token ids and the biases added to their logits
+    // (`-INFINITY` bans a token); NULL when `n_logit_bias` is 0.
+    const int32_t *logit_bias_tokens;
+    const float *logit_bias_values;
+    size_t n_logit_bias;
+    // The chain's stages in order, separated by `;` (e.g.
+    // "top_k;temperature"), NUL-terminated; NULL = the default order
+    // penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature.
+    const char *samplers;
 } mlxcel_generate_params;
 
 // Called with each piece of generated text as soon as it is complete UTF-8.
@@ -412,7 +448,9 @@ mlxcel_status mlxcel_context_free(struct mlxcel_context *ctx);
 
 // The default generation parameters, the engine's (`GenerationOptions`):
 // greedy, 256 tokens, no filters, no repetition penalty (context 20),
-// prefill chunks of 512 tokens, no stop strings, seed from the clock.
+// prefill chunks of 512 tokens, no stop strings, seed from the clock; the
+// chain's options off (DRY base 1.75, allowed length 2, the whole
+// history, the default breakers; XTC threshold 0.1; top-n-sigma -1).
 struct mlxcel_generate_params mlxcel_generate_default_params(void);
 
 // Generates a continuation of the NUL-terminated UTF-8 `prompt` (tokenized

@@ -163,6 +163,46 @@ pub struct mlxcel_generate_params {
     pub n_stop: usize,
     /// With false (default) the seed is drawn from the clock.
     pub has_seed: bool,
+    // The sampler chain (since ABI 4.0), llama-server's names and defaults.
+    // Greedy or plain temperature sampling (with at most a repetition
+    // penalty) runs on the device; any of these, or top_k / top_p / min_p
+    // with a temperature, runs llama.cpp's chain on the host.
+    /// Subtracted once per occurrence in the last `repetition_context_size`
+    /// tokens (default 0).
+    pub frequency_penalty: f32,
+    /// Subtracted from every token in that window (default 0).
+    pub presence_penalty: f32,
+    /// DRY: >= 0, 0 = off (default).
+    pub dry_multiplier: f32,
+    /// >= 1 (default 1.75).
+    pub dry_base: f32,
+    /// >= 1 (default 2).
+    pub dry_allowed_length: i32,
+    /// Tokens of history DRY reads; -1 = all (default).
+    pub dry_penalty_last_n: i32,
+    /// `n_dry_sequence_breakers` NUL-terminated UTF-8 strings; NULL = the
+    /// default ("\n", ":", "\"", "*"), non-NULL with n 0 = none.
+    pub dry_sequence_breakers: *const *const c_char,
+    pub n_dry_sequence_breakers: usize,
+    /// <= 0 = off (default -1).
+    pub top_n_sigma: f32,
+    /// (0, 1], 1 = off (default).
+    pub typical_p: f32,
+    /// XTC: [0, 1], 0 = off (default).
+    pub xtc_probability: f32,
+    /// [0, 1] (default 0.1).
+    pub xtc_threshold: f32,
+    /// >= 0 (default 0).
+    pub min_keep: i32,
+    /// `n_logit_bias` token ids and the biases added to their logits
+    /// (`-INFINITY` bans a token); NULL when `n_logit_bias` is 0.
+    pub logit_bias_tokens: *const i32,
+    pub logit_bias_values: *const f32,
+    pub n_logit_bias: usize,
+    /// The chain's stages in order, separated by `;` (e.g.
+    /// "top_k;temperature"), NUL-terminated; NULL = the default order
+    /// penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature.
+    pub samplers: *const c_char,
 }
 
 /// What a generate call produced, besides the text.
@@ -385,6 +425,40 @@ unsafe fn generation_options(p: &mlxcel_generate_params) -> CResult<GenerationOp
         seed: p.has_seed.then_some(p.seed.into()),
         stop: c_str_array(p.stop, p.n_stop, "stop")?,
         prefill_chunk: p.prefill_chunk.into(),
+        frequency_penalty: p.frequency_penalty.into(),
+        presence_penalty: p.presence_penalty.into(),
+        dry_multiplier: p.dry_multiplier.into(),
+        dry_base: p.dry_base.into(),
+        dry_allowed_length: p.dry_allowed_length.into(),
+        dry_penalty_last_n: p.dry_penalty_last_n.into(),
+        dry_sequence_breakers: if p.dry_sequence_breakers.is_null() {
+            None
+        } else {
+            Some(c_str_array(p.dry_sequence_breakers, p.n_dry_sequence_breakers, "dry_sequence_breakers")?)
+        },
+        top_n_sigma: p.top_n_sigma.into(),
+        typical_p: p.typical_p.into(),
+        xtc_probability: p.xtc_probability.into(),
+        xtc_threshold: p.xtc_threshold.into(),
+        min_keep: p.min_keep.into(),
+        logit_bias: if p.n_logit_bias == 0 {
+            Vec::new()
+        } else {
+            if p.logit_bias_tokens.is_null() {
+                return Err(CError::null("logit_bias_tokens"));
+            }
+            if p.logit_bias_values.is_null() {
+                return Err(CError::null("logit_bias_values"));
+            }
+            let tokens = std::slice::from_raw_parts(p.logit_bias_tokens, p.n_logit_bias);
+            let values = std::slice::from_raw_parts(p.logit_bias_values, p.n_logit_bias);
+            tokens.iter().zip(values).map(|(&t, &v)| (t.into(), v.into())).collect()
+        },
+        samplers: if p.samplers.is_null() {
+            None
+        } else {
+            Some(c_str(p.samplers, "samplers")?.split(';').filter(|s| !s.trim().is_empty()).map(str::to_owned).collect())
+        },
     })
 }
 
@@ -875,7 +949,9 @@ pub extern "C" fn mlxcel_context_free(ctx: *mut mlxcel_context) -> mlxcel_status
 
 /// The default generation parameters, the engine's (`GenerationOptions`):
 /// greedy, 256 tokens, no filters, no repetition penalty (context 20),
-/// prefill chunks of 512 tokens, no stop strings, seed from the clock.
+/// prefill chunks of 512 tokens, no stop strings, seed from the clock; the
+/// chain's options off (DRY base 1.75, allowed length 2, the whole
+/// history, the default breakers; XTC threshold 0.1; top-n-sigma -1).
 #[no_mangle]
 pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
     let d = GenerationOptions::default();
@@ -893,6 +969,23 @@ pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
         stop: std::ptr::null(),
         n_stop: 0,
         has_seed: d.seed.is_some(),
+        frequency_penalty: d.frequency_penalty as f32,
+        presence_penalty: d.presence_penalty as f32,
+        dry_multiplier: d.dry_multiplier as f32,
+        dry_base: d.dry_base as f32,
+        dry_allowed_length: narrow(d.dry_allowed_length),
+        dry_penalty_last_n: narrow(d.dry_penalty_last_n),
+        dry_sequence_breakers: std::ptr::null(),
+        n_dry_sequence_breakers: 0,
+        top_n_sigma: d.top_n_sigma as f32,
+        typical_p: d.typical_p as f32,
+        xtc_probability: d.xtc_probability as f32,
+        xtc_threshold: d.xtc_threshold as f32,
+        min_keep: narrow(d.min_keep),
+        logit_bias_tokens: std::ptr::null(),
+        logit_bias_values: std::ptr::null(),
+        n_logit_bias: 0,
+        samplers: std::ptr::null(),
     }
 }
 

@@ -247,6 +247,13 @@ impl BatchEngine {
     /// ids outside the vocabulary and prompts longer than the model's context
     /// are errors here, before the row exists.
     pub fn open(&mut self, request: RowRequest, opened: Instant) -> Result<RowId> {
+        let vocab = self.model.network().shape().vocab_size;
+        if let Some(&(id, _)) = request.params.logit_bias.iter().find(|&&(id, _)| id as usize >= vocab) {
+            return Err(Error::InvalidParameter {
+                name: "logit_bias",
+                message: format!("token id {id} is outside the vocabulary of {vocab}"),
+            });
+        }
         let (model, cache) = (&self.model, &mut self.dry_breakers);
         let sampler = Sampler::new(&request.params, |breakers| {
             cache.entry(breakers.to_vec()).or_insert_with(|| Arc::new(dry_breakers(model, breakers))).clone()

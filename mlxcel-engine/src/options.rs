@@ -7,6 +7,7 @@ use std::fmt::Display;
 
 use crate::error::{Error, Result};
 use crate::generate::{GenerationRequest, Prompt};
+use crate::sampler_chain::{SamplerStage, DEFAULT_STAGES};
 use crate::sampling::SamplingParams;
 
 /// Prompt tokens evaluated per forward pass during prefill, unless a request says otherwise.
@@ -29,6 +30,26 @@ pub struct GenerationOptions {
     pub seed: Option<i128>,
     pub stop: Vec<String>,
     pub prefill_chunk: i64,
+    // The host chain's options (see `SamplingParams`), llama-server's names.
+    pub frequency_penalty: f64,
+    pub presence_penalty: f64,
+    pub dry_multiplier: f64,
+    pub dry_base: f64,
+    pub dry_allowed_length: i64,
+    /// -1: the whole history.
+    pub dry_penalty_last_n: i64,
+    /// None: the default breakers.
+    pub dry_sequence_breakers: Option<Vec<String>>,
+    pub top_n_sigma: f64,
+    pub typical_p: f64,
+    pub xtc_probability: f64,
+    pub xtc_threshold: f64,
+    pub min_keep: i64,
+    /// (token id, bias) pairs.
+    pub logit_bias: Vec<(i128, f64)>,
+    /// Stage names in order (`penalties`, `dry`, `top_n_sigma`, `top_k`,
+    /// `typ_p`, `top_p`, `min_p`, `xtc`, `temperature`); None: that order.
+    pub samplers: Option<Vec<String>>,
 }
 
 impl Default for GenerationOptions {
@@ -45,17 +66,35 @@ impl Default for GenerationOptions {
             seed: d.seed.map(i128::from),
             stop: d.stop,
             prefill_chunk: DEFAULT_PREFILL_CHUNK as i64,
+            frequency_penalty: d.frequency_penalty as f64,
+            presence_penalty: d.presence_penalty as f64,
+            dry_multiplier: d.dry_multiplier as f64,
+            dry_base: d.dry_base as f64,
+            dry_allowed_length: d.dry_allowed_length as i64,
+            dry_penalty_last_n: d.dry_penalty_last_n.map_or(-1, |n| n as i64),
+            dry_sequence_breakers: None,
+            top_n_sigma: d.top_n_sigma as f64,
+            typical_p: d.typical_p as f64,
+            xtc_probability: d.xtc_probability as f64,
+            xtc_threshold: d.xtc_threshold as f64,
+            min_keep: d.min_keep as i64,
+            logit_bias: Vec::new(),
+            samplers: None,
         }
     }
 }
 
 /// The integer options: name, smallest and largest value, and the range as the message states it.
-const INTEGER_RANGES: [(&str, i128, i128, &str); 9] = [
+const INTEGER_RANGES: [(&str, i128, i128, &str); 13] = [
     ("max_tokens", 1, i64::MAX as i128, "an integer >= 1"),
     ("top_k", 0, u32::MAX as i128, "an integer in [0, 2**32) (0 = off)"),
     ("repetition_context_size", 0, i64::MAX as i128, "an integer >= 0"),
     ("seed", 0, u64::MAX as i128, "an integer in [0, 2**64)"),
     ("prefill_chunk", 1, i64::MAX as i128, "an integer >= 1"),
+    ("dry_allowed_length", 1, i64::MAX as i128, "an integer >= 1"),
+    ("dry_penalty_last_n", -1, i64::MAX as i128, "an integer >= -1 (-1 = the whole history)"),
+    ("min_keep", 0, i64::MAX as i128, "an integer >= 0"),
+    ("logit_bias", 0, u32::MAX as i128, "a token id in [0, 2**32)"),
     // Load options (`EngineLimits`), checked with the same rules.
     ("kv_pool_bytes", 1 << 20, u64::MAX as i128, "an integer >= 1048576 (1 MiB)"),
     ("max_kv_size", 1, i32::MAX as i128, "an integer in [1, 2**31)"),
@@ -108,10 +147,43 @@ impl GenerationOptions {
             repetition_context_size: Self::integer("repetition_context_size", self.repetition_context_size.into())?,
             seed: self.seed.map(|seed| Self::integer("seed", seed)).transpose()?,
             stop: self.stop.clone(),
-            ..SamplingParams::default()
+            frequency_penalty: self.frequency_penalty as f32,
+            presence_penalty: self.presence_penalty as f32,
+            dry_multiplier: self.dry_multiplier as f32,
+            dry_base: self.dry_base as f32,
+            dry_allowed_length: Self::integer("dry_allowed_length", self.dry_allowed_length.into())?,
+            dry_penalty_last_n: usize::try_from(Self::integer::<i64>("dry_penalty_last_n", self.dry_penalty_last_n.into())?).ok(),
+            dry_sequence_breakers: self.dry_sequence_breakers.clone().unwrap_or_else(|| SamplingParams::default().dry_sequence_breakers),
+            top_n_sigma: self.top_n_sigma as f32,
+            typical_p: self.typical_p as f32,
+            xtc_probability: self.xtc_probability as f32,
+            xtc_threshold: self.xtc_threshold as f32,
+            min_keep: Self::integer("min_keep", self.min_keep.into())?,
+            logit_bias: self
+                .logit_bias
+                .iter()
+                .map(|&(id, bias)| Ok((Self::integer::<u32>("logit_bias", id)?, bias as f32)))
+                .collect::<Result<Vec<_>>>()?,
+            samplers: self.samplers.as_ref().map(|names| Self::stages(names)).transpose()?,
         };
         params.validate()?;
         Ok((params, Self::integer("prefill_chunk", self.prefill_chunk.into())?))
+    }
+
+    /// The stages named in `names` (llama-server's names).
+    pub fn stages(names: &[String]) -> Result<Vec<SamplerStage>> {
+        names
+            .iter()
+            .map(|name| {
+                SamplerStage::from_name(name).ok_or_else(|| Error::InvalidParameter {
+                    name: "samplers",
+                    message: format!(
+                        "unknown stage {name:?} (known: {})",
+                        DEFAULT_STAGES.iter().map(|s| s.name()).collect::<Vec<_>>().join(", ")
+                    ),
+                })
+            })
+            .collect()
     }
 
     /// A checked request for `prompt`.
@@ -166,6 +238,38 @@ mod tests {
         assert_eq!(message, "invalid parameter `temperature`: must be a finite number >= 0, got -1");
         assert_eq!(error_of(GenerationOptions { top_p: 0.0, ..Default::default() }).0, Some("top_p"));
         assert_eq!(error_of(GenerationOptions { temperature: 1e40, ..Default::default() }).0, Some("temperature"));
+    }
+
+    #[test]
+    fn chain_options_are_checked_and_named() {
+        let cases = [
+            (GenerationOptions { dry_allowed_length: 0, ..Default::default() }, "dry_allowed_length"),
+            (GenerationOptions { dry_penalty_last_n: -2, ..Default::default() }, "dry_penalty_last_n"),
+            (GenerationOptions { min_keep: -1, ..Default::default() }, "min_keep"),
+            (GenerationOptions { logit_bias: vec![(-1, 1.0)], ..Default::default() }, "logit_bias"),
+            (GenerationOptions { logit_bias: vec![(5, f64::NAN)], ..Default::default() }, "logit_bias"),
+            (GenerationOptions { samplers: Some(vec!["top_k".into(), "mirostat".into()]), ..Default::default() }, "samplers"),
+            (GenerationOptions { samplers: Some(vec!["top_k".into(), "top_k".into()]), ..Default::default() }, "samplers"),
+            (GenerationOptions { typical_p: 0.0, ..Default::default() }, "typical_p"),
+            (GenerationOptions { xtc_probability: 2.0, ..Default::default() }, "xtc_probability"),
+            (GenerationOptions { dry_base: 0.5, ..Default::default() }, "dry_base"),
+            (GenerationOptions { frequency_penalty: f64::INFINITY, ..Default::default() }, "frequency_penalty"),
+        ];
+        for (options, name) in cases {
+            assert_eq!(error_of(options.clone()).0, Some(name), "{options:?}");
+        }
+        let (params, _) = GenerationOptions {
+            samplers: Some(vec!["top_k".into(), "temperature".into()]),
+            logit_bias: vec![(7, f64::NEG_INFINITY)],
+            dry_penalty_last_n: 64,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
+        assert_eq!(params.samplers, Some(vec![SamplerStage::TopK, SamplerStage::Temperature]));
+        assert_eq!(params.logit_bias, [(7, f32::NEG_INFINITY)]);
+        assert_eq!(params.dry_penalty_last_n, Some(64));
+        assert!(!params.on_device());
     }
 
     #[test]

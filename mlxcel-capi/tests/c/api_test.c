@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #include <time.h>
 
@@ -339,6 +340,37 @@ static void test_generate(void) {
     CHECK(n == 6);
     CHECK_STATUS(mlxcel_detokenize(model, toks, n, true, again, sizeof again, &needed), MLXCEL_OK);
     CHECK(strcmp(again, out) == 0);
+
+    /* The sampler chain: banning the greedy first token (" Paris" starts with
+       toks[0]) changes the text; a seeded chain run twice is the same; a bad
+       stage name and a NULL bias array are errors that say so. */
+    mlxcel_generate_params chain = greedy(6);
+    int32_t banned = toks[0];
+    float ban = -INFINITY;
+    chain.logit_bias_tokens = &banned;
+    chain.logit_bias_values = &ban;
+    chain.n_logit_bias = 1;
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", chain, NULL, NULL, again, sizeof again, &r), MLXCEL_OK);
+    CHECK(strncmp(again, " Paris", 6) != 0);
+    chain = greedy(12);
+    chain.temperature = 0.9f;
+    chain.top_k = 40;
+    chain.dry_multiplier = 0.8f;
+    chain.xtc_probability = 0.5f;
+    chain.samplers = "penalties;dry;top_k;xtc;temperature";
+    chain.has_seed = true;
+    chain.seed = 11;
+    char first[256];
+    CHECK_STATUS(mlxcel_generate(ctx, "Once upon a time", chain, NULL, NULL, first, sizeof first, &r), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_generate(ctx, "Once upon a time", chain, NULL, NULL, again, sizeof again, &r), MLXCEL_OK);
+    CHECK(strcmp(first, again) == 0 && r.generated_tokens == 12);
+    chain.samplers = "top_k;mirostat";
+    CHECK_STATUS(mlxcel_generate(ctx, "Once upon a time", chain, NULL, NULL, again, sizeof again, &r), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("mirostat");
+    chain = greedy(6);
+    chain.n_logit_bias = 1;
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", chain, NULL, NULL, again, sizeof again, &r), MLXCEL_ERR_NULL_POINTER);
+    CHECK_ERROR_MENTIONS("logit_bias_tokens");
 
     /* A truncated output buffer is not an error; the context has the whole text. */
     char small[4];
