@@ -172,7 +172,7 @@ impl SamplingParams {
             || self.typical_p < 1.0
             || self.xtc_probability > 0.0
             || !self.logit_bias.is_empty()
-            || self.samplers.is_some();
+            || self.samplers.as_deref().is_some_and(|s| s != DEFAULT_STAGES);
         !chain_only && (self.temperature == 0.0 || !filters)
     }
 

@@ -111,13 +111,100 @@ struct Sampling<'a, 'py> {
     repetition_context_size: Option<i64>,
     seed: Option<&'a Bound<'py, PyAny>>,
     stop: Option<&'a Bound<'py, PyAny>>,
+    /// The sampler chain's keyword arguments (`CHAIN_KWARGS`).
+    chain: Option<&'a Bound<'py, PyDict>>,
+}
+
+/// The sampler chain's keyword arguments (llama-server's names).
+const CHAIN_KWARGS: [&str; 14] = [
+    "frequency_penalty",
+    "presence_penalty",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+    "top_n_sigma",
+    "typical_p",
+    "xtc_probability",
+    "xtc_threshold",
+    "min_keep",
+    "logit_bias",
+    "samplers",
+];
+
+fn real_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<f64> {
+    if obj.is_instance_of::<PyBool>() || !(obj.is_instance_of::<PyFloat>() || obj.is_instance_of::<PyInt>()) {
+        return Err(PyTypeError::new_err(format!("`{name}` must be a number, not {}", type_name(obj))));
+    }
+    obj.extract::<f64>()
+}
+
+fn count_arg(py: Python<'_>, name: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<i64> {
+    let v = wide_int(py, name, obj)?;
+    i64::try_from(v).map_err(|_| engine_error(py, GenerationOptions::out_of_range(name, v)))
+}
+
+fn strings_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    let bad = || PyTypeError::new_err(format!("`{name}` must be a list of str, not {}", type_name(obj)));
+    if obj.is_instance_of::<PyString>() {
+        return Err(bad());
+    }
+    obj.try_iter().map_err(|_| bad())?.map(|item| Ok(item?.cast::<PyString>().map_err(|_| bad())?.to_str()?.to_string())).collect()
+}
+
+/// The chain's keyword arguments over `options`.
+fn chain_args(py: Python<'_>, chain: &Bound<'_, PyDict>, options: &mut GenerationOptions) -> PyResult<()> {
+    for (key, value) in chain.iter() {
+        let key: String = key.extract()?;
+        if value.is_none() {
+            continue;
+        }
+        let v = &value;
+        match key.as_str() {
+            "frequency_penalty" => options.frequency_penalty = real_arg(&key, v)?,
+            "presence_penalty" => options.presence_penalty = real_arg(&key, v)?,
+            "dry_multiplier" => options.dry_multiplier = real_arg(&key, v)?,
+            "dry_base" => options.dry_base = real_arg(&key, v)?,
+            "dry_allowed_length" => options.dry_allowed_length = count_arg(py, "dry_allowed_length", v)?,
+            "dry_penalty_last_n" => options.dry_penalty_last_n = count_arg(py, "dry_penalty_last_n", v)?,
+            "dry_sequence_breakers" => options.dry_sequence_breakers = Some(strings_arg(&key, v)?),
+            "top_n_sigma" => options.top_n_sigma = real_arg(&key, v)?,
+            "typical_p" => options.typical_p = real_arg(&key, v)?,
+            "xtc_probability" => options.xtc_probability = real_arg(&key, v)?,
+            "xtc_threshold" => options.xtc_threshold = real_arg(&key, v)?,
+            "min_keep" => options.min_keep = count_arg(py, "min_keep", v)?,
+            "logit_bias" => {
+                let dict = v.cast::<PyDict>().map_err(|_| {
+                    PyTypeError::new_err(format!("`logit_bias` must be a dict of token id to bias, not {}", type_name(v)))
+                })?;
+                options.logit_bias = dict
+                    .iter()
+                    .map(|(id, bias)| Ok((wide_int(py, "logit_bias", &id)?, real_arg("logit_bias", &bias)?)))
+                    .collect::<PyResult<_>>()?;
+            }
+            "samplers" => {
+                options.samplers = Some(match v.cast::<PyString>() {
+                    Ok(s) => s.to_str()?.split(';').filter(|x| !x.trim().is_empty()).map(str::to_owned).collect(),
+                    Err(_) => strings_arg(&key, v)?,
+                })
+            }
+            other => {
+                return Err(PyTypeError::new_err(format!(
+                    "unexpected keyword argument `{other}` (the sampler chain takes {})",
+                    CHAIN_KWARGS.join(", ")
+                )))
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Sampling<'_, '_> {
     /// The engine's options with the given ones set, checked by the engine.
     fn options(&self, py: Python<'_>, prefill_chunk: Option<i64>) -> PyResult<GenerationOptions> {
         let d = GenerationOptions::default();
-        let options = GenerationOptions {
+        let mut options = GenerationOptions {
             max_tokens: self.max_tokens.unwrap_or(d.max_tokens),
             temperature: self.temperature.unwrap_or(d.temperature),
             top_p: self.top_p.unwrap_or(d.top_p),
@@ -131,7 +218,11 @@ impl Sampling<'_, '_> {
             },
             stop: stop_arg(self.stop)?,
             prefill_chunk: prefill_chunk.unwrap_or(d.prefill_chunk),
+            ..d
         };
+        if let Some(chain) = self.chain {
+            chain_args(py, chain, &mut options)?;
+        }
         options.validate().map_err(|e| engine_error(py, e))?;
         Ok(options)
     }
@@ -352,7 +443,7 @@ impl Model {
 
     /// Generates a continuation of `prompt` (text, or a list of token ids).
     #[pyo3(signature = (prompt, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
-                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None, **chain))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
@@ -367,8 +458,9 @@ impl Model {
         repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
+        chain: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<String> {
-        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
+        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop, chain };
         sampling.options(py, self.prefill_chunk)?;
         let prompt = prompt_arg(py, &self.engine, prompt)?;
         Ok(finish(py, self.start(py, prompt, &sampling)?)?.text)
@@ -379,7 +471,7 @@ impl Model {
     /// decodes all of them in each forward pass. Returns the texts in order;
     /// each is exactly what `generate` returns for that prompt alone.
     #[pyo3(signature = (prompts, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
-                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None, **chain))]
     #[allow(clippy::too_many_arguments)]
     fn generate_batch(
         &self,
@@ -394,8 +486,9 @@ impl Model {
         repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
+        chain: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Vec<String>> {
-        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
+        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop, chain };
         sampling.options(py, self.prefill_chunk)?;
         if prompts.is_instance_of::<PyString>() {
             return Err(PyTypeError::new_err("`prompts` must be a list of prompts, not a str"));
@@ -410,7 +503,7 @@ impl Model {
 
     /// Like `generate`, but returns an iterator of `Chunk`s as they are generated.
     #[pyo3(signature = (prompt, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
-                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None, **chain))]
     #[allow(clippy::too_many_arguments)]
     fn stream(
         &self,
@@ -425,8 +518,9 @@ impl Model {
         repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
+        chain: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Stream> {
-        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
+        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop, chain };
         sampling.options(py, self.prefill_chunk)?;
         let prompt = prompt_arg(py, &self.engine, prompt)?;
         self.stream_of(py, prompt, &sampling)
@@ -435,7 +529,7 @@ impl Model {
     /// Generates the assistant's reply to OpenAI-style `messages`, rendered
     /// with the model's chat template.
     #[pyo3(signature = (messages, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
-                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None, **chain))]
     #[allow(clippy::too_many_arguments)]
     fn chat(
         &self,
@@ -450,8 +544,9 @@ impl Model {
         repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
+        chain: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<String> {
-        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
+        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop, chain };
         sampling.options(py, self.prefill_chunk)?;
         let prompt = self.chat_prompt(py, messages)?;
         Ok(finish(py, self.start(py, prompt, &sampling)?)?.text)
@@ -459,7 +554,7 @@ impl Model {
 
     /// Like `chat`, but returns an iterator of `Chunk`s.
     #[pyo3(signature = (messages, *, max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None,
-                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None))]
+                        repetition_penalty=None, repetition_context_size=None, seed=None, stop=None, **chain))]
     #[allow(clippy::too_many_arguments)]
     fn chat_stream(
         &self,
@@ -474,8 +569,9 @@ impl Model {
         repetition_context_size: Option<i64>,
         seed: Option<&Bound<'_, PyAny>>,
         stop: Option<&Bound<'_, PyAny>>,
+        chain: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Stream> {
-        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop };
+        let sampling = Sampling { max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed, stop, chain };
         sampling.options(py, self.prefill_chunk)?;
         let prompt = self.chat_prompt(py, messages)?;
         self.stream_of(py, prompt, &sampling)
@@ -794,6 +890,22 @@ fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     dict.set_item("seed", d.seed)?;
     dict.set_item("stop", d.stop)?;
     dict.set_item("prefill_chunk", d.prefill_chunk)?;
+    dict.set_item("frequency_penalty", d.frequency_penalty)?;
+    dict.set_item("presence_penalty", d.presence_penalty)?;
+    dict.set_item("dry_multiplier", d.dry_multiplier)?;
+    dict.set_item("dry_base", d.dry_base)?;
+    dict.set_item("dry_allowed_length", d.dry_allowed_length)?;
+    dict.set_item("dry_penalty_last_n", d.dry_penalty_last_n)?;
+    let sampling = mlxcel_engine::SamplingParams::default();
+    dict.set_item("dry_sequence_breakers", sampling.dry_sequence_breakers)?;
+    dict.set_item("top_n_sigma", d.top_n_sigma)?;
+    dict.set_item("typical_p", d.typical_p)?;
+    dict.set_item("xtc_probability", d.xtc_probability)?;
+    dict.set_item("xtc_threshold", d.xtc_threshold)?;
+    dict.set_item("min_keep", d.min_keep)?;
+    dict.set_item("logit_bias", PyDict::new(py))?;
+    let stages: Vec<&str> = mlxcel_engine::sampler_chain::DEFAULT_STAGES.iter().map(|s| s.name()).collect();
+    dict.set_item("samplers", stages)?;
     Ok(dict)
 }
 

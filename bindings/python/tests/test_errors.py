@@ -134,11 +134,46 @@ def test_defaults_are_the_engines(model):
         "seed": None,
         "stop": [],
         "prefill_chunk": 512,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "dry_multiplier": 0.0,
+        "dry_base": 1.75,
+        "dry_allowed_length": 2,
+        "dry_penalty_last_n": -1,
+        "dry_sequence_breakers": ["\n", ":", '"', "*"],
+        "top_n_sigma": -1.0,
+        "typical_p": 1.0,
+        "xtc_probability": 0.0,
+        "xtc_threshold": pytest.approx(0.1),
+        "min_keep": 0,
+        "logit_bias": {},
+        "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
     }
     # Omitted arguments mean exactly the engine's defaults.
     prompt = "Once upon a time"
     explicit = {k: v for k, v in defaults.items() if k != "prefill_chunk"}
     assert model.generate(prompt) == model.generate(prompt, **explicit)
+
+
+def test_the_sampler_chain(model):
+    import math
+    greedy = model.generate("The capital of France is", max_tokens=6)
+    first = model.tokenize(greedy, add_special_tokens=False)[0]
+    banned = model.generate("The capital of France is", max_tokens=6, logit_bias={first: -math.inf})
+    assert not banned.startswith(greedy[:3]), banned
+    kw = dict(max_tokens=16, temperature=0.9, top_k=40, dry_multiplier=0.8, xtc_probability=0.5,
+              samplers="penalties;dry;top_k;xtc;temperature", seed=5)
+    assert model.generate("Once upon a time", **kw) == model.generate("Once upon a time", **kw)
+    assert model.generate_batch(["Once upon a time", "Hello"], **kw)[0] == model.generate("Once upon a time", **kw)
+    for kwargs, name in [({"samplers": ["top_k", "mirostat"]}, "samplers"), ({"typical_p": 0}, "typical_p"),
+                         ({"logit_bias": {10**6: 1.0}}, "logit_bias"), ({"dry_allowed_length": 0}, "dry_allowed_length")]:
+        with pytest.raises(InvalidParameter) as err:
+            model.generate("Hi", max_tokens=2, **kwargs)
+        assert err.value.name == name, kwargs
+    with pytest.raises(TypeError, match="unexpected keyword argument `mirostat`"):
+        model.generate("Hi", mirostat=2)
+    with pytest.raises(TypeError, match="logit_bias"):
+        model.generate("Hi", logit_bias=[1, 2])
 
 
 def test_bad_parameters_give_the_engines_messages(model):

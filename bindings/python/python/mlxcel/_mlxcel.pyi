@@ -157,6 +157,20 @@ class Model:
         repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
+        frequency_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        dry_multiplier: Optional[float] = None,
+        dry_base: Optional[float] = None,
+        dry_allowed_length: Optional[int] = None,
+        dry_penalty_last_n: Optional[int] = None,
+        dry_sequence_breakers: Optional[Sequence[str]] = None,
+        top_n_sigma: Optional[float] = None,
+        typical_p: Optional[float] = None,
+        xtc_probability: Optional[float] = None,
+        xtc_threshold: Optional[float] = None,
+        min_keep: Optional[int] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
+        samplers: Union[str, Sequence[str], None] = None,
     ) -> str:
         """Generates a continuation of ``prompt``.
 
@@ -166,6 +180,19 @@ class Model:
         repetition_penalty 1 turn those filters off. ``seed`` makes sampling
         reproducible. Generation stops at EOS, ``max_tokens``, or before the
         first occurrence of a ``stop`` string.
+
+        The sampler chain's options are llama-server's, with its defaults
+        (all off): ``frequency_penalty`` and ``presence_penalty`` (over the
+        last ``repetition_context_size`` tokens), DRY (``dry_multiplier``,
+        ``dry_base`` 1.75, ``dry_allowed_length`` 2, ``dry_penalty_last_n``
+        -1 = the whole history, ``dry_sequence_breakers`` ``["\\n", ":",
+        "\"", "*"]``), ``top_n_sigma``, ``typical_p``, XTC
+        (``xtc_probability``, ``xtc_threshold`` 0.1), ``min_keep``,
+        ``logit_bias`` ({token id: bias}, ``-math.inf`` bans a token), and
+        ``samplers``: the stages in order (default ``penalties;dry;
+        top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature``). Greedy and
+        plain temperature sampling run on the device; any filter or chain
+        option runs llama.cpp's sampler chain on the host.
 
         Raises InvalidParameter (bad values, empty or too long prompt),
         TypeError (wrong types), GenerationError, KeyboardInterrupt.
@@ -183,6 +210,20 @@ class Model:
         repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
+        frequency_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        dry_multiplier: Optional[float] = None,
+        dry_base: Optional[float] = None,
+        dry_allowed_length: Optional[int] = None,
+        dry_penalty_last_n: Optional[int] = None,
+        dry_sequence_breakers: Optional[Sequence[str]] = None,
+        top_n_sigma: Optional[float] = None,
+        typical_p: Optional[float] = None,
+        xtc_probability: Optional[float] = None,
+        xtc_threshold: Optional[float] = None,
+        min_keep: Optional[int] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
+        samplers: Union[str, Sequence[str], None] = None,
     ) -> List[str]:
         """Generates a continuation of every prompt as one batch (the model
         decodes all of them in each forward pass); the texts come back in
@@ -202,6 +243,20 @@ class Model:
         repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
+        frequency_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        dry_multiplier: Optional[float] = None,
+        dry_base: Optional[float] = None,
+        dry_allowed_length: Optional[int] = None,
+        dry_penalty_last_n: Optional[int] = None,
+        dry_sequence_breakers: Optional[Sequence[str]] = None,
+        top_n_sigma: Optional[float] = None,
+        typical_p: Optional[float] = None,
+        xtc_probability: Optional[float] = None,
+        xtc_threshold: Optional[float] = None,
+        min_keep: Optional[int] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
+        samplers: Union[str, Sequence[str], None] = None,
     ) -> Stream:
         """Like ``generate``, yielding Chunks as the text is generated."""
     def chat(
@@ -217,6 +272,20 @@ class Model:
         repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
+        frequency_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        dry_multiplier: Optional[float] = None,
+        dry_base: Optional[float] = None,
+        dry_allowed_length: Optional[int] = None,
+        dry_penalty_last_n: Optional[int] = None,
+        dry_sequence_breakers: Optional[Sequence[str]] = None,
+        top_n_sigma: Optional[float] = None,
+        typical_p: Optional[float] = None,
+        xtc_probability: Optional[float] = None,
+        xtc_threshold: Optional[float] = None,
+        min_keep: Optional[int] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
+        samplers: Union[str, Sequence[str], None] = None,
     ) -> str:
         """The assistant's reply to ``messages``, rendered with the model's
         chat template (with the generation prompt)."""
@@ -233,6 +302,20 @@ class Model:
         repetition_context_size: Optional[int] = None,
         seed: Optional[int] = None,
         stop: Stop = None,
+        frequency_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        dry_multiplier: Optional[float] = None,
+        dry_base: Optional[float] = None,
+        dry_allowed_length: Optional[int] = None,
+        dry_penalty_last_n: Optional[int] = None,
+        dry_sequence_breakers: Optional[Sequence[str]] = None,
+        top_n_sigma: Optional[float] = None,
+        typical_p: Optional[float] = None,
+        xtc_probability: Optional[float] = None,
+        xtc_threshold: Optional[float] = None,
+        min_keep: Optional[int] = None,
+        logit_bias: Optional[Mapping[int, float]] = None,
+        samplers: Union[str, Sequence[str], None] = None,
     ) -> Stream:
         """Like ``chat``, yielding Chunks."""
     def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]: ...
