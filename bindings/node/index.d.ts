@@ -30,6 +30,36 @@ export interface GenerateOptions {
   signal?: AbortSignal
   /** Prompt tokens evaluated per forward pass (default 512); smaller makes aborts during a long prompt land sooner. */
   prefillChunk?: number
+  // The sampler chain (llama-server's options and defaults, all off). Greedy and plain temperature
+  // sampling run on the device; any filter or chain option runs llama.cpp's chain on the host.
+  /** Subtracted once per occurrence in the last repetitionContextSize tokens (default 0). */
+  frequencyPenalty?: number
+  /** Subtracted from every token in that window (default 0). */
+  presencePenalty?: number
+  /** DRY: penalize tokens that extend a repeat of the history; 0 (default) is off. */
+  dryMultiplier?: number
+  /** Default 1.75. */
+  dryBase?: number
+  /** Default 2. */
+  dryAllowedLength?: number
+  /** Tokens of history DRY reads; -1 (default) is all. */
+  dryPenaltyLastN?: number
+  /** Repeats do not reach across these (default ["\n", ":", "\"", "*"]). */
+  drySequenceBreakers?: string[]
+  /** Keep tokens within n standard deviations of the top logit; -1 (default) is off. */
+  topNSigma?: number
+  /** Locally typical sampling; 1 (default) is off. */
+  typicalP?: number
+  /** XTC: the chance per token of dropping the most likely tokens but one; 0 (default) is off. */
+  xtcProbability?: number
+  /** Default 0.1. */
+  xtcThreshold?: number
+  /** The filters that can keep at least this many tokens (default 0). */
+  minKeep?: number
+  /** Token id to a bias added to its logit; -Infinity bans a token. */
+  logitBias?: Record<number, number> | Map<number, number>
+  /** The chain's stages in order: "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature" (the default) or an array of those names. */
+  samplers?: string | string[]
 }
 
 export type FinishReason = 'stop' | 'length' | 'cancelled'
@@ -186,7 +216,14 @@ export interface LoadOptions {
  * Rejects with code MODEL_LOAD on failure (INVALID_ARGUMENT for bad arguments).
  */
 /** The engine's defaults of the generation options: what an absent option means (the same in C and Python). */
-export declare const generationDefaults: Readonly<Required<Omit<GenerateOptions, 'signal' | 'seed' | 'stop'>> & { seed: number | null; stop: string[] }>
+export declare const generationDefaults: Readonly<
+  Required<Omit<GenerateOptions, 'signal' | 'seed' | 'stop' | 'logitBias' | 'samplers'>> & {
+    seed: number | null
+    stop: string[]
+    logitBias: Record<number, number>
+    samplers: string[]
+  }
+>
 
 export declare function loadModel(path?: string | null, options?: LoadOptions): Promise<Model>
 export declare function loadModel(options: LoadOptions): Promise<Model>

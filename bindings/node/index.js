@@ -82,8 +82,19 @@ const NUMBER_OPTIONS = [
   'repetitionContextSize',
   'seed',
   'prefillChunk',
+  'frequencyPenalty',
+  'presencePenalty',
+  'dryMultiplier',
+  'dryBase',
+  'dryAllowedLength',
+  'dryPenaltyLastN',
+  'topNSigma',
+  'typicalP',
+  'xtcProbability',
+  'xtcThreshold',
+  'minKeep',
 ]
-const KNOWN_OPTIONS = new Set([...NUMBER_OPTIONS, 'stop', 'signal'])
+const KNOWN_OPTIONS = new Set([...NUMBER_OPTIONS, 'stop', 'signal', 'drySequenceBreakers', 'logitBias', 'samplers'])
 
 function isAbortSignal(value) {
   return (
@@ -116,6 +127,23 @@ function parseOptions(model, opts) {
         throw argumentError('option `stop` must be a string or an array of strings')
       }
       options.stop = stop
+    } else if (key === 'drySequenceBreakers') {
+      if (!Array.isArray(value) || !value.every((s) => typeof s === 'string')) {
+        throw argumentError('option `drySequenceBreakers` must be an array of strings')
+      }
+      options.drySequenceBreakers = value
+    } else if (key === 'samplers') {
+      const list = typeof value === 'string' ? value.split(';').filter((s) => s.trim() !== '') : value
+      if (!Array.isArray(list) || !list.every((s) => typeof s === 'string')) {
+        throw argumentError('option `samplers` must be a string ("top_k;temperature") or an array of stage names')
+      }
+      options.samplers = list
+    } else if (key === 'logitBias') {
+      const entries = value instanceof Map ? [...value.entries()] : isPlainObject(value) ? Object.entries(value) : null
+      if (entries === null || !entries.every(([, b]) => typeof b === 'number')) {
+        throw argumentError('option `logitBias` must be an object or Map of token id to a number')
+      }
+      options.logitBias = Object.fromEntries(entries.map(([id, b]) => [String(id), b]))
     } else {
       if (typeof value !== 'number') throw argumentError(`option \`${key}\` must be a number, got ${typeof value}`)
       options[key] = value

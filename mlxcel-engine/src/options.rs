@@ -69,19 +69,24 @@ impl Default for GenerationOptions {
             frequency_penalty: d.frequency_penalty as f64,
             presence_penalty: d.presence_penalty as f64,
             dry_multiplier: d.dry_multiplier as f64,
-            dry_base: d.dry_base as f64,
+            dry_base: shortest(d.dry_base),
             dry_allowed_length: d.dry_allowed_length as i64,
             dry_penalty_last_n: d.dry_penalty_last_n.map_or(-1, |n| n as i64),
             dry_sequence_breakers: None,
             top_n_sigma: d.top_n_sigma as f64,
             typical_p: d.typical_p as f64,
             xtc_probability: d.xtc_probability as f64,
-            xtc_threshold: d.xtc_threshold as f64,
+            xtc_threshold: shortest(d.xtc_threshold),
             min_keep: d.min_keep as i64,
             logit_bias: Vec::new(),
             samplers: None,
         }
     }
+}
+
+/// An f32 default as the f64 it reads as (0.1, not 0.10000000149011612).
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// The integer options: name, smallest and largest value, and the range as the message states it.

@@ -192,6 +192,22 @@ pub struct NativeOptions {
     pub seed: Option<f64>,
     pub stop: Option<Vec<String>>,
     pub prefill_chunk: Option<f64>,
+    // The sampler chain's options (llama-server's names).
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub dry_multiplier: Option<f64>,
+    pub dry_base: Option<f64>,
+    pub dry_allowed_length: Option<f64>,
+    pub dry_penalty_last_n: Option<f64>,
+    pub dry_sequence_breakers: Option<Vec<String>>,
+    pub top_n_sigma: Option<f64>,
+    pub typical_p: Option<f64>,
+    pub xtc_probability: Option<f64>,
+    pub xtc_threshold: Option<f64>,
+    pub min_keep: Option<f64>,
+    /// Token id (a decimal string, as JavaScript object keys are) to bias.
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    pub samplers: Option<Vec<String>>,
 }
 
 /// One event of a generation: `kind` is "piece", "done" or "error".
@@ -296,6 +312,38 @@ fn generation_options(o: &NativeOptions) -> Result<GenerationOptions, Code> {
         seed: integer("seed", o.seed)?.or(d.seed),
         stop: o.stop.clone().unwrap_or(d.stop),
         prefill_chunk: count("prefill_chunk", o.prefill_chunk, d.prefill_chunk)?,
+        frequency_penalty: o.frequency_penalty.unwrap_or(d.frequency_penalty),
+        presence_penalty: o.presence_penalty.unwrap_or(d.presence_penalty),
+        dry_multiplier: o.dry_multiplier.unwrap_or(d.dry_multiplier),
+        dry_base: o.dry_base.unwrap_or(d.dry_base),
+        dry_allowed_length: count("dry_allowed_length", o.dry_allowed_length, d.dry_allowed_length)?,
+        dry_penalty_last_n: count("dry_penalty_last_n", o.dry_penalty_last_n, d.dry_penalty_last_n)?,
+        dry_sequence_breakers: o.dry_sequence_breakers.clone(),
+        top_n_sigma: o.top_n_sigma.unwrap_or(d.top_n_sigma),
+        typical_p: o.typical_p.unwrap_or(d.typical_p),
+        xtc_probability: o.xtc_probability.unwrap_or(d.xtc_probability),
+        xtc_threshold: o.xtc_threshold.unwrap_or(d.xtc_threshold),
+        min_keep: count("min_keep", o.min_keep, d.min_keep)?,
+        logit_bias: match &o.logit_bias {
+            None => Vec::new(),
+            Some(map) => {
+                let mut pairs = map
+                    .iter()
+                    .map(|(id, &bias)| {
+                        let id = id.trim().parse::<i128>().map_err(|_| {
+                            coded(mlxcel_engine::Error::InvalidParameter {
+                                name: "logit_bias",
+                                message: format!("keys must be token ids, got {id:?}"),
+                            })
+                        })?;
+                        Ok((id, bias))
+                    })
+                    .collect::<Result<Vec<_>, Code>>()?;
+                pairs.sort_by_key(|p| p.0);
+                pairs
+            }
+        },
+        samplers: o.samplers.clone(),
     };
     options.validate().map_err(coded)?;
     Ok(options)
@@ -316,6 +364,20 @@ pub fn generation_defaults() -> NativeOptions {
         seed: d.seed.map(|s| s as f64),
         stop: Some(d.stop),
         prefill_chunk: Some(d.prefill_chunk as f64),
+        frequency_penalty: Some(d.frequency_penalty),
+        presence_penalty: Some(d.presence_penalty),
+        dry_multiplier: Some(d.dry_multiplier),
+        dry_base: Some(d.dry_base),
+        dry_allowed_length: Some(d.dry_allowed_length as f64),
+        dry_penalty_last_n: Some(d.dry_penalty_last_n as f64),
+        dry_sequence_breakers: Some(mlxcel_engine::SamplingParams::default().dry_sequence_breakers),
+        top_n_sigma: Some(d.top_n_sigma),
+        typical_p: Some(d.typical_p),
+        xtc_probability: Some(d.xtc_probability),
+        xtc_threshold: Some(d.xtc_threshold),
+        min_keep: Some(d.min_keep as f64),
+        logit_bias: Some(Default::default()),
+        samplers: Some(mlxcel_engine::sampler_chain::DEFAULT_STAGES.iter().map(|s| s.name().to_string()).collect()),
     }
 }
 

@@ -451,10 +451,38 @@ describe('bad input', () => {
       seed: null,
       stop: [],
       prefillChunk: 512,
+      frequencyPenalty: 0,
+      presencePenalty: 0,
+      dryMultiplier: 0,
+      dryBase: 1.75,
+      dryAllowedLength: 2,
+      dryPenaltyLastN: -1,
+      drySequenceBreakers: ['\n', ':', '"', '*'],
+      topNSigma: -1,
+      typicalP: 1,
+      xtcProbability: 0,
+      xtcThreshold: 0.1,
+      minKeep: 0,
+      logitBias: {},
+      samplers: ['penalties', 'dry', 'top_n_sigma', 'top_k', 'typ_p', 'top_p', 'min_p', 'xtc', 'temperature'],
     })
     // Absent options mean exactly the engine's defaults.
     const { seed, stop, ...explicit } = generationDefaults
     assert.equal(await model.generate('Once upon a time'), await model.generate('Once upon a time', explicit))
+  })
+
+  test('the sampler chain: logit bias, a seeded custom chain, named errors', async () => {
+    const greedy = await model.generate(CAPITAL, { maxTokens: 6 })
+    const first = model.tokenize(greedy, { addSpecialTokens: false })[0]
+    const banned = await model.generate(CAPITAL, { maxTokens: 6, logitBias: { [first]: -Infinity } })
+    assert.notEqual(banned.slice(0, 3), greedy.slice(0, 3))
+    const kw = { maxTokens: 16, temperature: 0.9, topK: 40, dryMultiplier: 0.8, xtcProbability: 0.5, samplers: 'penalties;dry;top_k;xtc;temperature', seed: 5 }
+    assert.equal(await model.generate('Once upon a time', kw), await model.generate('Once upon a time', kw))
+    await assert.rejects(model.generate(CAPITAL, { samplers: ['top_k', 'mirostat'] }), { code: 'INVALID_PARAMETER', param: 'samplers' })
+    await assert.rejects(model.generate(CAPITAL, { typicalP: 0 }), { code: 'INVALID_PARAMETER', param: 'typicalP' })
+    await assert.rejects(model.generate(CAPITAL, { logitBias: { 1000000: 1 } }), { code: 'INVALID_PARAMETER', param: 'logitBias' })
+    await assert.rejects(model.generate(CAPITAL, { logitBias: [1, 2] }), { code: 'INVALID_ARGUMENT' })
+    await assert.rejects(model.generate(CAPITAL, { mirostat: 2 }), { code: 'INVALID_ARGUMENT' })
   })
 
   test('bad parameters give the engine\'s messages', async () => {
