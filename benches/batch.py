@@ -17,6 +17,7 @@ Usage: benches/batch.py --server PATH/llama-server --gguf PATH.gguf
 benches/batch.sh builds llama-server from the llama-cpp-python sdist and calls this.
 """
 import argparse
+import shlex
 import json
 import os
 import platform
@@ -103,18 +104,21 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--server-args", default="",
+                    help="more llama-server arguments, e.g. --no-repack (its AMX repacking crashes on some AMX CPUs)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     text = open(os.path.join(HERE, "prompt.txt")).read()
     env = dict(os.environ, MLXCEL_NUM_THREADS=str(args.threads))
     results = {"cpu": cpu_model(), "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-               "threads": args.threads, "rounds": []}
+               "threads": args.threads, "server_args": args.server_args, "rounds": []}
     max_batch = max(batches)
     port = free_port()
     ctx = max_batch * (args.prompt_tokens + args.gen_tokens + 16)
     server = subprocess.Popen(
         [args.server, "-m", args.gguf, "-np", str(max_batch), "-cb", "-c", str(ctx), "-t", str(args.threads),
-         "-tb", str(args.threads), "--port", str(port), "--host", "127.0.0.1", "--no-webui"],
+         "-tb", str(args.threads), "--port", str(port), "--host", "127.0.0.1", "--no-webui",
+         *shlex.split(args.server_args)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
