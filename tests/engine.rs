@@ -173,3 +173,68 @@ fn a_cancelled_short_prompt_produces_nothing() {
     assert_eq!(out.finish_reason, FinishReason::Cancelled);
     assert!(out.tokens.is_empty());
 }
+
+/// The model's log-softmax at every position after the prompt, for
+/// `prompt` followed by `generated` (one forward pass over contiguous caches).
+fn model_logprobs(prompt: &[u32], generated: &[u32]) -> Vec<Vec<f32>> {
+    let engine = default_engine();
+    let network = engine.model().network();
+    let mut ids: Vec<i32> = prompt.iter().chain(generated).map(|&t| t as i32).collect();
+    ids.pop();
+    let tokens = mlx_sys::Array::from_slice(&ids, &[1, ids.len() as i32]).unwrap();
+    let logits = network.forward(&tokens, &mut network.new_caches()).unwrap().astype(mlx_sys::Dtype::Float32).unwrap();
+    let lp = logits.subtract(&logits.logsumexp(&[-1], true).unwrap()).unwrap().to_vec::<f32>().unwrap();
+    let vocab = lp.len() / ids.len();
+    (prompt.len() - 1..ids.len()).map(|p| lp[p * vocab..(p + 1) * vocab].to_vec()).collect()
+}
+
+/// Logprobs by default are the model's own distribution (the log-softmax
+/// of its logits, checked against a forward pass over the whole text, 1e-3)
+/// with the top alternatives most likely first; after the chain they are
+/// the distribution each token was drawn from; a row's logprobs are the
+/// same alone and in a batch, and stream with their pieces.
+#[test]
+fn logprobs_report_the_models_or_the_samplers_distribution() {
+    let engine = default_engine();
+    let prompt = "The capital of France is";
+    let params = SamplingParams { logprobs: Some(5), ..greedy(8) };
+    let mut streamed = Vec::new();
+    let out = engine
+        .generate(&request(prompt, params.clone()), |p| {
+            streamed.extend_from_slice(p.logprobs);
+            true
+        })
+        .unwrap();
+    assert_eq!(out.logprobs.len(), out.tokens.len());
+    assert_eq!(streamed, out.logprobs, "the pieces carry every token's logprobs once");
+    let ids = engine.tokenize_prompt(&Prompt::Text(prompt.into())).unwrap();
+    let want = model_logprobs(&ids, &out.tokens);
+    for (i, l) in out.logprobs.iter().enumerate() {
+        assert_eq!(l.token, out.tokens[i]);
+        assert_eq!(l.top.len(), 5);
+        assert_eq!(l.top[0].0, l.token, "greedy picks the most likely token");
+        assert!(l.top.windows(2).all(|w| w[0].1 >= w[1].1), "{:?}", l.top);
+        assert!((l.logprob - want[i][l.token as usize]).abs() < 1e-3, "token {i}: {} vs {}", l.logprob, want[i][l.token as usize]);
+        for &(id, lp) in &l.top {
+            assert!((lp - want[i][id as usize]).abs() < 1e-3, "token {i}, alternative {id}");
+        }
+    }
+    // Batched with other rows: the same logprobs, bit for bit.
+    let other = request("Once upon a time", SamplingParams { logprobs: Some(2), ..greedy(12) });
+    let batch = engine.generate_batch(&[request(prompt, params.clone()), other]);
+    assert_eq!(batch[0].as_ref().unwrap().logprobs, out.logprobs);
+    // After the chain: greedy draws from a point mass; top-k 3 at temperature 0.7 from 3 tokens.
+    let post = |p: SamplingParams| engine.generate(&request(prompt, SamplingParams { post_sampling_probs: true, ..p }), |_| true).unwrap();
+    let greedy_post = post(params.clone());
+    assert!(greedy_post.logprobs.iter().all(|l| l.logprob == 0.0 && l.top == [(l.token, 0.0)]), "{:?}", greedy_post.logprobs[0]);
+    let sampled = post(SamplingParams { temperature: 0.7, top_k: 3, seed: Some(3), ..params.clone() });
+    for l in &sampled.logprobs {
+        assert!(l.top.len() <= 3 && l.top.iter().any(|&(id, _)| id == l.token), "{l:?}");
+        let mass: f32 = l.top.iter().map(|&(_, lp)| lp.exp()).sum();
+        assert!((mass - 1.0).abs() < 1e-5, "{mass}");
+    }
+    // Without the request: none; more than 20 alternatives: refused.
+    assert!(engine.generate(&request(prompt, greedy(3)), |_| true).unwrap().logprobs.is_empty());
+    let err = engine.generate(&request(prompt, SamplingParams { logprobs: Some(21), ..greedy(3) }), |_| true).unwrap_err();
+    assert!(matches!(err, Error::InvalidParameter { name: "logprobs", .. }), "{err}");
+}

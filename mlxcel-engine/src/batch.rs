@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::generate::{CancelFlag, FinishReason, GenerationOutput, GenerationStats};
 use crate::prefix_cache::{self, BLOCK_TOKENS, MIN_PROMPT_TOKENS};
 use crate::sampler_chain::DryBreakers;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{PendingLogprobs, Sampled, Sampler, SamplingParams, TokenLogprobs};
 use crate::stop::{StopMatcher, StopOutcome};
 
 /// A row's handle inside one [`BatchEngine`].
@@ -61,7 +61,9 @@ pub struct RowRequest {
 pub enum RowEvent {
     /// Complete UTF-8 text and the token that completed it; `generated` is
     /// the number of tokens generated so far, this one included.
-    Piece { row: RowId, text: String, token: u32, generated: usize },
+    /// `logprobs`: those of the tokens since the previous piece, when the
+    /// request asks for them.
+    Piece { row: RowId, text: String, token: u32, generated: usize, logprobs: Vec<TokenLogprobs> },
     /// The row ended and was closed.
     Finished { row: RowId, output: GenerationOutput },
     /// The row failed and was closed; the other rows go on.
@@ -110,6 +112,12 @@ struct Row {
     queued: Option<Array>,
     /// The token `submit` took out of `queued`, for `finish_rows` to read.
     unread: Option<Array>,
+    /// The logprobs of `queued` and of `unread`, when the request asks.
+    queued_logprobs: Option<PendingLogprobs>,
+    unread_logprobs: Option<PendingLogprobs>,
+    /// Every generated token's logprobs, and how many went out with pieces.
+    logprobs: Vec<TokenLogprobs>,
+    logprobs_sent: usize,
     text: String,
     tokens: Vec<u32>,
     decoder: StreamDecodeState,
@@ -309,6 +317,10 @@ impl BatchEngine {
             cancel: request.cancel,
             queued: None,
             unread: None,
+            queued_logprobs: None,
+            unread_logprobs: None,
+            logprobs: Vec::new(),
+            logprobs_sent: 0,
             text: String::new(),
             tokens: Vec::new(),
             decoder: StreamDecodeState::new(true),
@@ -390,7 +402,7 @@ impl BatchEngine {
     /// tokens run.
     fn prefill_last_chunks(&mut self, rows: &[usize]) -> usize {
         let before: Vec<usize> = rows.iter().map(|&i| self.rows[i].cached()).collect();
-        let result = (|| -> Result<Vec<Array>> {
+        let result = (|| -> Result<Vec<Sampled>> {
             let inputs = rows
                 .iter()
                 .map(|&i| token_array(&self.rows[i].prompt[self.rows[i].prefilled..]))
@@ -408,17 +420,18 @@ impl BatchEngine {
                 let r = &mut self.rows[i];
                 next.push(r.sampler.sample(&logits.slice_axis(0, b as i32, b as i32 + 1)?, &r.history[..r.prompt.len() - 1], tokens)?);
             }
-            async_eval(next.iter())?;
+            queue_sampled(&next)?;
             Ok(next)
         })();
         match result {
             Ok(next) => {
                 let mut done = 0;
-                for (&i, token) in rows.iter().zip(next) {
+                for (&i, sampled) in rows.iter().zip(next) {
                     let r = &mut self.rows[i];
                     done += r.prompt.len() - r.prefilled;
                     r.prefilled = r.prompt.len();
-                    r.queued = Some(token);
+                    r.queued = Some(sampled.token);
+                    r.queued_logprobs = sampled.logprobs;
                     r.phase = Phase::Decoding;
                 }
                 done
@@ -457,8 +470,9 @@ impl BatchEngine {
         } else {
             let last = logits.squeeze(1)?;
             let next = r.sampler.sample(&last, &r.history[..total - 1], &tokens)?;
-            async_eval([&next])?;
-            r.queued = Some(next);
+            queue_sampled(std::slice::from_ref(&next))?;
+            r.queued = Some(next.token);
+            r.queued_logprobs = next.logprobs;
             r.phase = Phase::Decoding;
         }
         r.prefilled = end;
@@ -481,6 +495,7 @@ impl BatchEngine {
                 stepped.push((i, current.clone()));
             }
             r.unread = Some(current);
+            r.unread_logprobs = r.queued_logprobs.take();
         }
         if stepped.is_empty() {
             return;
@@ -504,7 +519,7 @@ impl BatchEngine {
     /// On an error every row's caches are as before.
     fn step_rows(&mut self, rows: &[(usize, Array)]) -> Result<()> {
         let before: Vec<usize> = rows.iter().map(|&(i, _)| self.rows[i].cached()).collect();
-        let result = (|| -> Result<Vec<Array>> {
+        let result = (|| -> Result<Vec<Sampled>> {
             let inputs = rows.iter().map(|(_, t)| t.reshape(&[1, 1])?.astype(Dtype::Int32)).collect::<mlx_sys::Result<Vec<_>>>()?;
             let tokens = if inputs.len() == 1 { inputs[0].clone() } else { concatenate(&inputs, 0)? };
             let logits = {
@@ -522,13 +537,14 @@ impl BatchEngine {
                 let row_logits = if rows.len() == 1 { logits.clone() } else { logits.slice_axis(0, b as i32, b as i32 + 1)? };
                 next.push(r.sampler.sample(&row_logits, &r.history, input)?);
             }
-            async_eval(next.iter())?;
+            queue_sampled(&next)?;
             Ok(next)
         })();
         match result {
             Ok(next) => {
-                for (&(i, _), token) in rows.iter().zip(next) {
-                    self.rows[i].queued = Some(token);
+                for (&(i, _), sampled) in rows.iter().zip(next) {
+                    self.rows[i].queued = Some(sampled.token);
+                    self.rows[i].queued_logprobs = sampled.logprobs;
                 }
                 Ok(())
             }
@@ -609,6 +625,9 @@ impl BatchEngine {
         }
         r.tokens.push(token);
         r.history.push(token);
+        if let Some(pending) = r.unread_logprobs.take() {
+            r.logprobs.push(pending.resolve(token)?);
+        }
         if !r.ignore_eos && tokenizer.is_eos(token) {
             return Ok(Some(Ending::flushed(FinishReason::Stop)));
         }
@@ -619,7 +638,9 @@ impl BatchEngine {
             };
             if !text.is_empty() {
                 r.text.push_str(&text);
-                events.push(RowEvent::Piece { row: r.id, text, token, generated: r.tokens.len() });
+                let logprobs = r.logprobs[r.logprobs_sent..].to_vec();
+                r.logprobs_sent = r.logprobs.len();
+                events.push(RowEvent::Piece { row: r.id, text, token, generated: r.tokens.len(), logprobs });
             }
             if stopped {
                 return Ok(Some(Ending { reason: FinishReason::Stop, flush: false }));
@@ -652,10 +673,18 @@ impl BatchEngine {
             if !tail.is_empty() {
                 r.text.push_str(&tail);
                 let token = *r.tokens.last().unwrap_or(&0);
-                events.push(RowEvent::Piece { row: r.id, text: tail, token, generated: r.tokens.len() });
+                let logprobs = r.logprobs[r.logprobs_sent..].to_vec();
+                r.logprobs_sent = r.logprobs.len();
+                events.push(RowEvent::Piece { row: r.id, text: tail, token, generated: r.tokens.len(), logprobs });
             }
         }
-        let output = GenerationOutput { text: r.text.clone(), tokens: r.tokens.clone(), finish_reason: end.reason, stats: r.stats() };
+        let output = GenerationOutput {
+            text: r.text.clone(),
+            tokens: r.tokens.clone(),
+            logprobs: r.logprobs.clone(),
+            finish_reason: end.reason,
+            stats: r.stats(),
+        };
         events.push(RowEvent::Finished { row: r.id, output });
         events
     }
@@ -699,6 +728,7 @@ pub(crate) fn unopened_output(request: &RowRequest, reason: FinishReason) -> Gen
     GenerationOutput {
         text: String::new(),
         tokens: Vec::new(),
+        logprobs: Vec::new(),
         finish_reason: reason,
         stats: GenerationStats {
             prompt_tokens: request.prompt.len(),
@@ -743,6 +773,12 @@ fn dry_breakers(model: &Model, breakers: &[String]) -> DryBreakers {
         |id| tokenizer.decode(&[id], false).map(String::into_bytes).unwrap_or_default(),
         |text| tokenizer.encode(&String::from_utf8_lossy(text), false).unwrap_or_default(),
     )
+}
+
+/// Queues the evaluation of sampled tokens and their logprobs.
+fn queue_sampled(sampled: &[Sampled]) -> Result<()> {
+    let arrays: Vec<&Array> = sampled.iter().flat_map(|s| std::iter::once(&s.token).chain(s.logprobs.iter().flat_map(|l| l.arrays()))).collect();
+    Ok(async_eval(arrays)?)
 }
 
 pub(crate) fn token_array(ids: &[u32]) -> Result<Array> {

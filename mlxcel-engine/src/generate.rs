@@ -1,6 +1,7 @@
 //! Prefill and decode: chunked prompt evaluation, then one token per step with
 //! the next step queued (`async_eval`) before the current token is handed out.
 
+use crate::sampling::TokenLogprobs;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -83,6 +84,9 @@ impl CancelFlag {
 pub struct Piece<'a> {
     pub text: &'a str,
     pub token: u32,
+    /// The logprobs of the tokens since the previous piece (empty unless
+    /// the request asks for them).
+    pub logprobs: &'a [TokenLogprobs],
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +149,8 @@ impl GenerationStats {
 pub struct GenerationOutput {
     pub text: String,
     pub tokens: Vec<u32>,
+    /// Each generated token's logprobs, when the request asks for them.
+    pub logprobs: Vec<TokenLogprobs>,
     pub finish_reason: FinishReason,
     pub stats: GenerationStats,
 }
@@ -398,12 +404,12 @@ impl Engine {
         let mut stopped_at = None;
         for event in events.iter() {
             match event {
-                RowEvent::Piece { text, token, generated, .. } => {
+                RowEvent::Piece { text, token, generated, logprobs, .. } => {
                     if stopped_at.is_some() {
                         continue;
                     }
                     delivered.push_str(&text);
-                    if !on_piece(Piece { text: &text, token }) {
+                    if !on_piece(Piece { text: &text, token, logprobs: &logprobs }) {
                         stop.cancel();
                         stopped_at = Some(generated);
                     }

@@ -32,7 +32,7 @@ pub use options::{GenerationOptions, DEFAULT_PREFILL_CHUNK};
 pub use mlxcel_tokenizer::Message;
 pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
 pub use mlxcel_models::KvFormat;
-pub use sampling::SamplingParams;
+pub use sampling::{SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use scheduler::shutdown;
 pub use stream::{GenerationStream, StreamEvent};
 pub use summary::{GroupSummary, ModelSummary, Quantization, TokenizerSummary};

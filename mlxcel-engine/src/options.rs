@@ -50,6 +50,10 @@ pub struct GenerationOptions {
     /// Stage names in order (`penalties`, `dry`, `top_n_sigma`, `top_k`,
     /// `typ_p`, `top_p`, `min_p`, `xtc`, `temperature`); None: that order.
     pub samplers: Option<Vec<String>>,
+    /// Report each token's logprob and this many alternatives (0..=20).
+    pub logprobs: Option<i64>,
+    /// From the distribution after the sampler chain (default: the model's).
+    pub post_sampling_probs: bool,
 }
 
 impl Default for GenerationOptions {
@@ -80,6 +84,8 @@ impl Default for GenerationOptions {
             min_keep: d.min_keep as i64,
             logit_bias: Vec::new(),
             samplers: None,
+            logprobs: None,
+            post_sampling_probs: false,
         }
     }
 }
@@ -90,7 +96,7 @@ fn shortest(x: f32) -> f64 {
 }
 
 /// The integer options: name, smallest and largest value, and the range as the message states it.
-const INTEGER_RANGES: [(&str, i128, i128, &str); 13] = [
+const INTEGER_RANGES: [(&str, i128, i128, &str); 14] = [
     ("max_tokens", 1, i64::MAX as i128, "an integer >= 1"),
     ("top_k", 0, u32::MAX as i128, "an integer in [0, 2**32) (0 = off)"),
     ("repetition_context_size", 0, i64::MAX as i128, "an integer >= 0"),
@@ -100,6 +106,7 @@ const INTEGER_RANGES: [(&str, i128, i128, &str); 13] = [
     ("dry_penalty_last_n", -1, i64::MAX as i128, "an integer >= -1 (-1 = the whole history)"),
     ("min_keep", 0, i64::MAX as i128, "an integer >= 0"),
     ("logit_bias", 0, u32::MAX as i128, "a token id in [0, 2**32)"),
+    ("logprobs", 0, 20, "an integer in [0, 20] (alternatives per token)"),
     // Load options (`EngineLimits`), checked with the same rules.
     ("kv_pool_bytes", 1 << 20, u64::MAX as i128, "an integer >= 1048576 (1 MiB)"),
     ("max_kv_size", 1, i32::MAX as i128, "an integer in [1, 2**31)"),
@@ -170,6 +177,8 @@ impl GenerationOptions {
                 .map(|&(id, bias)| Ok((Self::integer::<u32>("logit_bias", id)?, bias as f32)))
                 .collect::<Result<Vec<_>>>()?,
             samplers: self.samplers.as_ref().map(|names| Self::stages(names)).transpose()?,
+            logprobs: self.logprobs.map(|n| Self::integer("logprobs", n.into())).transpose()?,
+            post_sampling_probs: self.post_sampling_probs,
         };
         params.validate()?;
         Ok((params, Self::integer("prefill_chunk", self.prefill_chunk.into())?))

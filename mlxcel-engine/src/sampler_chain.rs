@@ -291,6 +291,17 @@ pub fn apply_logit_bias(bias: &[(u32, f32)], c: &mut Candidates) {
 
 /// The logit bias, every stage, then a draw: the chosen token.
 pub fn sample(p: &ChainParams, logits: &[f32], history: &[u32], dry: &DryBreakers, rng: &mut dyn RngCore) -> u32 {
+    sample_with_candidates(p, logits, history, dry, rng).0
+}
+
+/// [`sample`], with the candidates the token was drawn from.
+pub fn sample_with_candidates(
+    p: &ChainParams,
+    logits: &[f32],
+    history: &[u32],
+    dry: &DryBreakers,
+    rng: &mut dyn RngCore,
+) -> (u32, Candidates) {
     let mut c = Candidates::from_logits(logits);
     if !p.logit_bias.is_empty() {
         apply_logit_bias(&p.logit_bias, &mut c);
@@ -298,7 +309,7 @@ pub fn sample(p: &ChainParams, logits: &[f32], history: &[u32], dry: &DryBreaker
     for &stage in &p.stages {
         apply_stage(stage, p, &mut c, history, dry, rng);
     }
-    draw(&c, rng)
+    (draw(&c, rng), c)
 }
 
 /// llama.cpp's `dist`: one uniform draw in [0, 1) against the cumulative

@@ -67,6 +67,26 @@ pub struct SamplingParams {
     /// The chain's stages in order; None: llama-server's
     /// ([`DEFAULT_STAGES`]). A stage left out does not run.
     pub samplers: Option<Vec<SamplerStage>>,
+    /// Report each generated token's log-probability and the `n` most
+    /// likely alternatives (n <= 20; 0: the chosen token's only); None: off.
+    pub logprobs: Option<usize>,
+    /// Report them from the distribution the token was drawn from (after
+    /// the penalties, the filters and the temperature: llama-server's
+    /// `post_sampling_probs`); false (the default) reports the model's own
+    /// distribution, the log-softmax of its logits.
+    pub post_sampling_probs: bool,
+}
+
+/// The most alternatives a token's logprobs report.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated token's log-probability and the most likely alternatives
+/// (most likely first), as [`SamplingParams::logprobs`] asks.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -95,6 +115,8 @@ impl Default for SamplingParams {
             min_keep: 0,
             logit_bias: Vec::new(),
             samplers: None,
+            logprobs: None,
+            post_sampling_probs: false,
         }
     }
 }
@@ -151,6 +173,9 @@ impl SamplingParams {
         }
         if let Some(&(id, bias)) = self.logit_bias.iter().find(|(_, b)| b.is_nan() || *b == f32::INFINITY) {
             return Err(invalid("logit_bias", format!("the bias of token {id} must be a number or -inf, got {bias}")));
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(invalid("logprobs", format!("at most {MAX_TOP_LOGPROBS} alternatives, got {n}")));
         }
         if let Some(stages) = &self.samplers {
             if let Some(s) = stages.iter().enumerate().find_map(|(i, s)| stages[..i].contains(s).then_some(s)) {
@@ -232,10 +257,11 @@ impl Sampler {
         Ok(Sampler { params: params.clone(), key: random::key(seed)?, host })
     }
 
-    /// The next token as a [1] uint32 array (lazy on the device path).
-    /// `history` is the row's tokens before `input`'s last one (the token
-    /// the logits follow; lazy at decode).
-    pub fn sample(&mut self, logits: &Array, history: &[u32], input: &Array) -> Result<Array> {
+    /// The next token as a [1] uint32 array (lazy on the device path), and
+    /// its logprobs when the parameters ask for them. `history` is the
+    /// row's tokens before `input`'s last one (the token the logits follow;
+    /// lazy at decode).
+    pub fn sample(&mut self, logits: &Array, history: &[u32], input: &Array) -> Result<Sampled> {
         if let Some(host) = self.host.as_mut() {
             let last = input.reshape(&[-1])?;
             let n = last.dim(0);
@@ -244,21 +270,53 @@ impl Sampler {
             tokens.extend_from_slice(history);
             tokens.push(last);
             let values = logits.astype(Dtype::Float32)?.reshape(&[-1])?.to_vec::<f32>()?;
-            let token = sampler_chain::sample(&host.params, &values, &tokens, &host.dry, &mut host.rng);
-            return Ok(Array::from_slice(&[token], &[1])?);
+            let (token, after) = sampler_chain::sample_with_candidates(&host.params, &values, &tokens, &host.dry, &mut host.rng);
+            let logprobs = self.params.logprobs.map(|n| {
+                if self.params.post_sampling_probs {
+                    let ids: Vec<u32> = after.items.iter().map(|c| c.id).collect();
+                    let lp: Vec<f32> = after.probabilities().iter().map(|p| p.ln()).collect();
+                    PendingLogprobs::Host(host_logprobs(&ids, &lp, token, n))
+                } else {
+                    let max = values.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let lse = max + values.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+                    let lp: Vec<f32> = values.iter().map(|&x| x - lse).collect();
+                    let ids: Vec<u32> = (0..values.len() as u32).collect();
+                    PendingLogprobs::Host(host_logprobs(&ids, &lp, token, n))
+                }
+            });
+            return Ok(Sampled { token: Array::from_slice(&[token], &[1])?, logprobs });
         }
         let recent = recent_for(&self.params, history, input)?;
-        self.sample_on_device(logits, recent.as_ref())
-    }
-
-    /// Greedy or temperature sampling on the device. `recent` holds the
-    /// recent token ids for the repetition penalty (may include lazy tokens).
-    fn sample_on_device(&mut self, logits: &Array, recent: Option<&Array>) -> Result<Array> {
         let p = &self.params;
         let mut logits = logits.astype(Dtype::Float32)?;
-        if let (Some(recent), true) = (recent, p.repetition_penalty != 1.0) {
+        let raw = logits.clone();
+        if let (Some(recent), true) = (recent.as_ref(), p.repetition_penalty != 1.0) {
             logits = apply_repetition_penalty(&logits, recent, p.repetition_penalty)?;
         }
+        let token = self.sample_on_device(&logits)?;
+        let logprobs = match self.params.logprobs {
+            None => None,
+            Some(n) => {
+                let p = &self.params;
+                let scores = if !p.post_sampling_probs {
+                    raw
+                } else if p.temperature == 0.0 {
+                    // Greedy draws from a point mass.
+                    let none = Array::scalar(f64::NEG_INFINITY, Dtype::Float32)?.broadcast_to(&logits.shape())?;
+                    let at = token.astype(Dtype::Int32)?.reshape(&[1, 1])?;
+                    none.put_along_axis(&at, &Array::scalar(0.0, Dtype::Float32)?.reshape(&[1, 1])?, -1)?
+                } else {
+                    logits.mul_scalar(1.0 / p.temperature as f64)?
+                };
+                Some(device_logprobs(&scores, &token, n)?)
+            }
+        };
+        Ok(Sampled { token, logprobs })
+    }
+
+    /// Greedy or temperature sampling on the device from penalized logits.
+    fn sample_on_device(&mut self, logits: &Array) -> Result<Array> {
+        let p = &self.params;
         if p.temperature == 0.0 {
             return Ok(logits.argmax(-1, false)?);
         }
@@ -278,6 +336,73 @@ fn apply_repetition_penalty(logits: &Array, recent: &Array, penalty: f32) -> Res
         &selected.mul_scalar(1.0 / penalty as f64)?,
     )?;
     Ok(logits.put_along_axis(&index, &penalized, -1)?)
+}
+
+/// A sampled token (a [1] uint32 array) and its logprobs when asked for.
+pub(crate) struct Sampled {
+    pub token: Array,
+    pub logprobs: Option<PendingLogprobs>,
+}
+
+/// A token's logprobs, computed (host chain) or queued on the device.
+pub(crate) enum PendingLogprobs {
+    Host(TokenLogprobs),
+    Device { chosen: Array, ids: Array, values: Array },
+}
+
+impl PendingLogprobs {
+    /// Reads them back; `token` is the token they belong to.
+    pub fn resolve(self, token: u32) -> Result<TokenLogprobs> {
+        match self {
+            PendingLogprobs::Host(l) => Ok(l),
+            PendingLogprobs::Device { chosen, ids, values } => {
+                let logprob = chosen.reshape(&[-1])?.to_vec::<f32>()?[0];
+                let ids = ids.reshape(&[-1])?.astype(Dtype::Uint32)?.to_vec::<u32>()?;
+                let values = values.reshape(&[-1])?.to_vec::<f32>()?;
+                let mut top: Vec<(u32, f32)> = ids.into_iter().zip(values).filter(|p| p.1 > f32::NEG_INFINITY).collect();
+                top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                Ok(TokenLogprobs { token, logprob, top })
+            }
+        }
+    }
+
+    /// The arrays to evaluate with the token.
+    pub fn arrays(&self) -> Vec<&Array> {
+        match self {
+            PendingLogprobs::Host(_) => Vec::new(),
+            PendingLogprobs::Device { chosen, ids, values } => vec![chosen, ids, values],
+        }
+    }
+}
+
+/// The log-softmax of `scores` ([1, vocab]) at `token` and its `n` largest, queued.
+fn device_logprobs(scores: &Array, token: &Array, n: usize) -> Result<PendingLogprobs> {
+    let lp = scores.subtract(&scores.logsumexp(&[-1], true)?)?;
+    let chosen = lp.take_along_axis(&token.astype(Dtype::Int32)?.reshape(&[1, 1])?, -1)?;
+    let vocab = lp.dim(-1);
+    let n = (n as i32).min(vocab);
+    let (ids, values) = if n == 0 {
+        let empty = Array::from_slice::<i32>(&[], &[0])?;
+        (empty.clone(), Array::from_slice::<f32>(&[], &[0])?)
+    } else {
+        let ids = lp.negative()?.argpartition(n - 1, -1)?.slice_axis(-1, 0, n)?;
+        let values = lp.take_along_axis(&ids, -1)?;
+        (ids, values)
+    };
+    Ok(PendingLogprobs::Device { chosen, ids, values })
+}
+
+/// `token`'s logprob and the `n` largest of `lp` (over `ids`).
+fn host_logprobs(ids: &[u32], lp: &[f32], token: u32, n: usize) -> TokenLogprobs {
+    let logprob = ids.iter().position(|&i| i == token).map_or(f32::NEG_INFINITY, |i| lp[i]);
+    let mut order: Vec<usize> = (0..ids.len()).filter(|&i| lp[i] > f32::NEG_INFINITY).collect();
+    let k = n.min(order.len());
+    if k > 0 && k < order.len() {
+        order.select_nth_unstable_by(k - 1, |&a, &b| lp[b].total_cmp(&lp[a]).then(ids[a].cmp(&ids[b])));
+    }
+    order.truncate(k);
+    order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(ids[a].cmp(&ids[b])));
+    TokenLogprobs { token, logprob, top: order.into_iter().map(|i| (ids[i], lp[i])).collect() }
 }
 
 /// The repetition penalty's window: `history` followed by the last token of
@@ -312,7 +437,7 @@ mod tests {
     fn sample_many(params: SamplingParams, l: &Array, n: usize) -> Vec<u32> {
         let mut s = Sampler::new(&params, |_| Arc::default()).unwrap();
         let input = Array::from_slice(&[0u32], &[1]).unwrap();
-        (0..n).map(|_| s.sample(l, &[], &input).unwrap().to_vec::<u32>().unwrap()[0]).collect()
+        (0..n).map(|_| s.sample(l, &[], &input).unwrap().token.to_vec::<u32>().unwrap()[0]).collect()
     }
 
     #[test]
@@ -350,7 +475,7 @@ mod tests {
         let params = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
         let mut s = Sampler::new(&params, |_| Arc::default()).unwrap();
         let input = Array::from_slice(&[0u32], &[1]).unwrap();
-        let token = s.sample(&logits(&[3.0, 2.0, -1.0]), &[], &input).unwrap();
+        let token = s.sample(&logits(&[3.0, 2.0, -1.0]), &[], &input).unwrap().token;
         assert_eq!(token.to_vec::<u32>().unwrap(), [1]);
     }
 

@@ -6,12 +6,14 @@ use crossbeam_channel::Receiver;
 use crate::batch::RowEvent;
 use crate::error::Error;
 use crate::generate::{CancelFlag, Engine, GenerationOutput, GenerationRequest};
+use crate::sampling::TokenLogprobs;
 
 /// One event of a [`GenerationStream`].
 #[derive(Debug)]
 pub enum StreamEvent {
-    /// A piece of text (complete UTF-8) and the token that completed it.
-    Piece { text: String, token: u32 },
+    /// A piece of text (complete UTF-8), the token that completed it, and
+    /// the logprobs of the tokens since the previous piece (when asked for).
+    Piece { text: String, token: u32, logprobs: Vec<TokenLogprobs> },
     /// The generation ended; `text` and `tokens` hold the whole output.
     Done(GenerationOutput),
     /// The generation failed.
@@ -58,7 +60,7 @@ impl GenerationStream {
 
     fn convert(&mut self, event: RowEvent) -> StreamEvent {
         let event = match event {
-            RowEvent::Piece { text, token, .. } => StreamEvent::Piece { text, token },
+            RowEvent::Piece { text, token, logprobs, .. } => StreamEvent::Piece { text, token, logprobs },
             RowEvent::Finished { output, .. } => StreamEvent::Done(output),
             RowEvent::Failed { error, .. } => StreamEvent::Failed(error),
         };

@@ -70,6 +70,14 @@ struct GenerateArgs {
     /// Also print the generated token ids to stderr.
     #[arg(long)]
     show_tokens: bool,
+    /// Print each generated token's log-probability and its N most likely
+    /// alternatives (0-20) to stderr.
+    #[arg(long, value_name = "N")]
+    logprobs: Option<usize>,
+    /// Take --logprobs from the distribution the token was drawn from (after
+    /// penalties, filters and temperature) instead of the model's.
+    #[arg(long, requires = "logprobs")]
+    post_sampling_probs: bool,
     #[command(flatten)]
     chain: ChainArgs,
     #[command(flatten)]
@@ -276,6 +284,8 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
         ..SamplingParams::default()
     };
     request.params = args.chain.apply(request.params)?;
+    request.params.logprobs = args.logprobs;
+    request.params.post_sampling_probs = args.post_sampling_probs;
     let mut stdout = std::io::stdout().lock();
     let output = engine.generate(&request, |piece| {
         // A closed pipe (e.g. `| head`) stops generation instead of failing.
@@ -284,6 +294,11 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
     let _ = writeln!(stdout);
     if args.show_tokens {
         eprintln!("tokens: {:?}", output.tokens);
+    }
+    let piece = |id: u32| engine.model().tokenizer().decode(&[id], false).unwrap_or_default();
+    for l in &output.logprobs {
+        let top: Vec<String> = l.top.iter().map(|&(id, lp)| format!("{:?} {lp:.4}", piece(id))).collect();
+        eprintln!("logprob {:>6} {:<14} {:>9.4}   top: {}", l.token, format!("{:?}", piece(l.token)), l.logprob, top.join(", "));
     }
     let s = &output.stats;
     eprintln!(

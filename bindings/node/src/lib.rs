@@ -254,7 +254,7 @@ impl NativeEvent {
 
     fn of(event: StreamEvent) -> Self {
         match event {
-            StreamEvent::Piece { text, token } => {
+            StreamEvent::Piece { text, token, .. } => {
                 let mut event = NativeEvent::empty("piece");
                 event.text = Some(text);
                 event.token = Some(token);

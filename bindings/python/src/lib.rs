@@ -341,7 +341,7 @@ fn wait(stream: &mut GenerationStream, timeout: Duration, skip_pieces: bool) -> 
     let deadline = Instant::now() + timeout;
     loop {
         match stream.next_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(Some(StreamEvent::Piece { text, token })) => {
+            Ok(Some(StreamEvent::Piece { text, token, .. })) => {
                 if !skip_pieces {
                     return Waited::Piece(text, token);
                 }
