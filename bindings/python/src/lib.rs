@@ -18,7 +18,7 @@ use std::sync::{Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats,
+    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats, TokenLogprobs,
     GenerationStream, LimitOptions, ModelSummary, Prompt, Quantization, StreamEvent,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
@@ -116,7 +116,7 @@ struct Sampling<'a, 'py> {
 }
 
 /// The sampler chain's keyword arguments (llama-server's names).
-const CHAIN_KWARGS: [&str; 14] = [
+const CHAIN_KWARGS: [&str; 16] = [
     "frequency_penalty",
     "presence_penalty",
     "dry_multiplier",
@@ -131,6 +131,8 @@ const CHAIN_KWARGS: [&str; 14] = [
     "min_keep",
     "logit_bias",
     "samplers",
+    "logprobs",
+    "post_sampling_probs",
 ];
 
 fn real_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<f64> {
@@ -182,6 +184,13 @@ fn chain_args(py: Python<'_>, chain: &Bound<'_, PyDict>, options: &mut Generatio
                     .iter()
                     .map(|(id, bias)| Ok((wide_int(py, "logit_bias", &id)?, real_arg("logit_bias", &bias)?)))
                     .collect::<PyResult<_>>()?;
+            }
+            "logprobs" => options.logprobs = Some(count_arg(py, "logprobs", v)?),
+            "post_sampling_probs" => {
+                if !v.is_instance_of::<PyBool>() {
+                    return Err(PyTypeError::new_err(format!("`post_sampling_probs` must be a bool, not {}", type_name(v))));
+                }
+                options.post_sampling_probs = v.extract()?;
             }
             "samplers" => {
                 options.samplers = Some(match v.cast::<PyString>() {
@@ -328,7 +337,7 @@ fn messages_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Value>> {
 // Waiting on a generation thread
 
 enum Waited {
-    Piece(String, u32),
+    Piece(String, u32, Vec<TokenLogprobs>),
     Done(GenerationOutput),
     Failed(EngineError),
     Pending,
@@ -341,9 +350,9 @@ fn wait(stream: &mut GenerationStream, timeout: Duration, skip_pieces: bool) -> 
     let deadline = Instant::now() + timeout;
     loop {
         match stream.next_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(Some(StreamEvent::Piece { text, token, .. })) => {
+            Ok(Some(StreamEvent::Piece { text, token, logprobs })) => {
                 if !skip_pieces {
-                    return Waited::Piece(text, token);
+                    return Waited::Piece(text, token, logprobs);
                 }
             }
             Ok(Some(StreamEvent::Done(output))) => return Waited::Done(output),
@@ -641,6 +650,31 @@ struct Chunk {
     text: String,
     token: Option<u32>,
     finish_reason: Option<String>,
+    /// The logprobs of the tokens since the previous chunk (with `logprobs=N`).
+    logprobs: Vec<TokenLogprob>,
+}
+
+/// A generated token's log-probability and the most likely alternatives,
+/// most likely first, as `(token, logprob)` pairs.
+#[pyclass(module = "mlxcel", name = "TokenLogprob", frozen, get_all)]
+#[derive(Clone)]
+struct TokenLogprob {
+    token: u32,
+    logprob: f32,
+    top_logprobs: Vec<(u32, f32)>,
+}
+
+impl From<TokenLogprobs> for TokenLogprob {
+    fn from(l: TokenLogprobs) -> Self {
+        TokenLogprob { token: l.token, logprob: l.logprob, top_logprobs: l.top }
+    }
+}
+
+#[pymethods]
+impl TokenLogprob {
+    fn __repr__(&self) -> String {
+        format!("TokenLogprob(token={}, logprob={}, top_logprobs={:?})", self.token, self.logprob, self.top_logprobs)
+    }
 }
 
 #[pymethods]
@@ -690,14 +724,15 @@ impl Stream {
         let Some(mut stream) = state.stream.take() else { return Ok(None) };
         loop {
             match py.detach(|| wait(&mut stream, POLL, false)) {
-                Waited::Piece(text, token) => {
+                Waited::Piece(text, token, logprobs) => {
                     state.stream = Some(stream);
-                    return Ok(Some(Chunk { text, token: Some(token), finish_reason: None }));
+                    let logprobs = logprobs.into_iter().map(TokenLogprob::from).collect();
+                    return Ok(Some(Chunk { text, token: Some(token), finish_reason: None, logprobs }));
                 }
                 Waited::Done(output) => {
                     let reason = output.finish_reason.as_str().to_string();
                     state.output = Some(output);
-                    return Ok(Some(Chunk { text: String::new(), token: None, finish_reason: Some(reason) }));
+                    return Ok(Some(Chunk { text: String::new(), token: None, finish_reason: Some(reason), logprobs: Vec::new() }));
                 }
                 Waited::Failed(e) => return Err(engine_error(py, e)),
                 Waited::Lost => return Err(lost(py)),
@@ -740,6 +775,14 @@ impl Stream {
     #[getter]
     fn tokens(&self) -> PyResult<Option<Vec<u32>>> {
         Ok(self.lock()?.output.as_ref().map(|o| o.tokens.clone()))
+    }
+
+    /// Every generated token's logprobs once the stream has ended (with
+    /// `logprobs=N`), else None.
+    #[getter]
+    fn logprobs(&self) -> PyResult<Option<Vec<TokenLogprob>>> {
+        let state = self.lock()?;
+        Ok(state.output.as_ref().map(|o| o.logprobs.iter().cloned().map(TokenLogprob::from).collect()))
     }
 
     /// Timings and counts once the stream has ended, else None.
@@ -979,6 +1022,7 @@ mod _mlxcel {
     #[pymodule_export]
     use super::{
         _matmul_seconds, _stop_engines, default_model_path, generation_defaults, Chunk, Model, ModelInfo, Stream,
+        TokenLogprob,
     };
 
     #[pymodule_init]

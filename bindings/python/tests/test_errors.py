@@ -176,6 +176,22 @@ def test_the_sampler_chain(model):
         model.generate("Hi", logit_bias=[1, 2])
 
 
+def test_logprobs_stream_with_their_chunks(model):
+    with model.stream("The capital of France is", max_tokens=6, logprobs=3) as s:
+        chunks = list(s)
+    streamed = [l for c in chunks for l in c.logprobs]
+    assert [l.token for l in streamed] == s.tokens
+    assert [(l.token, l.logprob, l.top_logprobs) for l in streamed] == [(l.token, l.logprob, l.top_logprobs) for l in s.logprobs]
+    first = streamed[0]
+    assert len(first.top_logprobs) == 3 and first.top_logprobs[0][0] == first.token and first.logprob < 0
+    with model.stream("The capital of France is", max_tokens=3, logprobs=2, post_sampling_probs=True) as s:
+        list(s)
+    assert all(l.logprob == 0.0 for l in s.logprobs)
+    with pytest.raises(InvalidParameter) as err:
+        model.generate("Hi", logprobs=21)
+    assert err.value.name == "logprobs"
+
+
 def test_bad_parameters_give_the_engines_messages(model):
     with pytest.raises(InvalidParameter) as err:
         model.generate("Hi", top_k=-1)

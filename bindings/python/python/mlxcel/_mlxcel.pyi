@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 __version__: str
 #: The pinned MLX version the extension was built against.
@@ -39,6 +39,23 @@ class Chunk:
         """The token that completed this text (None on the last chunk)."""
     @property
     def finish_reason(self) -> Optional[str]: ...
+    @property
+    def logprobs(self) -> List[TokenLogprob]:
+        """The logprobs of the tokens since the previous chunk, with
+        ``logprobs=N`` (empty otherwise)."""
+
+class TokenLogprob:
+    """A generated token's log-probability and its most likely
+    alternatives, most likely first. By default from the model's own
+    distribution; with ``post_sampling_probs=True`` from the distribution the
+    token was drawn from (after penalties, filters and temperature)."""
+
+    @property
+    def token(self) -> int: ...
+    @property
+    def logprob(self) -> float: ...
+    @property
+    def top_logprobs(self) -> List[Tuple[int, float]]: ...
 
 class Stream(Iterator[Chunk]):
     """Chunks of a generation (a row of the engine's scheduler).
@@ -63,6 +80,10 @@ class Stream(Iterator[Chunk]):
     @property
     def tokens(self) -> Optional[List[int]]:
         """All generated token ids once the stream has ended, else None."""
+    @property
+    def logprobs(self) -> Optional[List[TokenLogprob]]:
+        """Every generated token's logprobs once the stream has ended (with
+        ``logprobs=N``), else None."""
     @property
     def stats(self) -> Optional[dict[str, Union[int, float]]]:
         """prompt_tokens, generated_tokens, time_to_first_token (s),
@@ -171,6 +192,8 @@ class Model:
         min_keep: Optional[int] = None,
         logit_bias: Optional[Mapping[int, float]] = None,
         samplers: Union[str, Sequence[str], None] = None,
+        logprobs: Optional[int] = None,
+        post_sampling_probs: Optional[bool] = None,
     ) -> str:
         """Generates a continuation of ``prompt``.
 
@@ -193,6 +216,11 @@ class Model:
         top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature``). Greedy and
         plain temperature sampling run on the device; any filter or chain
         option runs llama.cpp's sampler chain on the host.
+
+        ``logprobs=N`` (0-20) reports each token's log-probability and its N
+        most likely alternatives on the stream's chunks and its ``logprobs``
+        (``post_sampling_probs=True``: from the distribution the token was
+        drawn from instead of the model's).
 
         Raises InvalidParameter (bad values, empty or too long prompt),
         TypeError (wrong types), GenerationError, KeyboardInterrupt.
@@ -224,6 +252,8 @@ class Model:
         min_keep: Optional[int] = None,
         logit_bias: Optional[Mapping[int, float]] = None,
         samplers: Union[str, Sequence[str], None] = None,
+        logprobs: Optional[int] = None,
+        post_sampling_probs: Optional[bool] = None,
     ) -> List[str]:
         """Generates a continuation of every prompt as one batch (the model
         decodes all of them in each forward pass); the texts come back in
@@ -257,6 +287,8 @@ class Model:
         min_keep: Optional[int] = None,
         logit_bias: Optional[Mapping[int, float]] = None,
         samplers: Union[str, Sequence[str], None] = None,
+        logprobs: Optional[int] = None,
+        post_sampling_probs: Optional[bool] = None,
     ) -> Stream:
         """Like ``generate``, yielding Chunks as the text is generated."""
     def chat(
@@ -286,6 +318,8 @@ class Model:
         min_keep: Optional[int] = None,
         logit_bias: Optional[Mapping[int, float]] = None,
         samplers: Union[str, Sequence[str], None] = None,
+        logprobs: Optional[int] = None,
+        post_sampling_probs: Optional[bool] = None,
     ) -> str:
         """The assistant's reply to ``messages``, rendered with the model's
         chat template (with the generation prompt)."""
@@ -316,6 +350,8 @@ class Model:
         min_keep: Optional[int] = None,
         logit_bias: Optional[Mapping[int, float]] = None,
         samplers: Union[str, Sequence[str], None] = None,
+        logprobs: Optional[int] = None,
+        post_sampling_probs: Optional[bool] = None,
     ) -> Stream:
         """Like ``chat``, yielding Chunks."""
     def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]: ...
