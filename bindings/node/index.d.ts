@@ -60,6 +60,10 @@ export interface GenerateOptions {
   logitBias?: Record<number, number> | Map<number, number>
   /** The chain's stages in order: "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature" (the default) or an array of those names. */
   samplers?: string | string[]
+  /** Report each token's log-probability and this many alternatives (0-20) on the stream's chunks. */
+  logprobs?: number
+  /** Take them from the distribution the token was drawn from (after penalties, filters and temperature) instead of the model's (default false). */
+  postSamplingProbs?: boolean
 }
 
 export type FinishReason = 'stop' | 'length' | 'cancelled'
@@ -88,6 +92,8 @@ export interface Chunk {
   /** null until the final chunk, which has the reason and the stats. */
   finishReason: FinishReason | null
   stats?: GenerationStats
+  /** With the `logprobs` option: the logprobs of this chunk's tokens, each with its alternatives as [token, logprob] pairs, most likely first. */
+  logprobs?: { token: number; logprob: number; topLogprobs: [number, number][] }[]
 }
 
 /** A running generation. Starts when iteration starts; leaving the loop early cancels it. */
@@ -217,7 +223,7 @@ export interface LoadOptions {
  */
 /** The engine's defaults of the generation options: what an absent option means (the same in C and Python). */
 export declare const generationDefaults: Readonly<
-  Required<Omit<GenerateOptions, 'signal' | 'seed' | 'stop' | 'logitBias' | 'samplers'>> & {
+  Required<Omit<GenerateOptions, 'signal' | 'seed' | 'stop' | 'logitBias' | 'samplers' | 'logprobs'>> & {
     seed: number | null
     stop: string[]
     logitBias: Record<number, number>

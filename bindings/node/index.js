@@ -93,8 +93,9 @@ const NUMBER_OPTIONS = [
   'xtcProbability',
   'xtcThreshold',
   'minKeep',
+  'logprobs',
 ]
-const KNOWN_OPTIONS = new Set([...NUMBER_OPTIONS, 'stop', 'signal', 'drySequenceBreakers', 'logitBias', 'samplers'])
+const KNOWN_OPTIONS = new Set([...NUMBER_OPTIONS, 'stop', 'signal', 'drySequenceBreakers', 'logitBias', 'samplers', 'postSamplingProbs'])
 
 function isAbortSignal(value) {
   return (
@@ -132,6 +133,9 @@ function parseOptions(model, opts) {
         throw argumentError('option `drySequenceBreakers` must be an array of strings')
       }
       options.drySequenceBreakers = value
+    } else if (key === 'postSamplingProbs') {
+      if (typeof value !== 'boolean') throw argumentError('option `postSamplingProbs` must be a boolean')
+      options.postSamplingProbs = value
     } else if (key === 'samplers') {
       const list = typeof value === 'string' ? value.split(';').filter((s) => s.trim() !== '') : value
       if (!Array.isArray(list) || !list.every((s) => typeof s === 'string')) {
@@ -218,7 +222,7 @@ function startGeneration(model, prompt, options, signal, onPiece, onEnd) {
     handle.next().then(
       (events) => {
         for (const event of events) {
-          if (event.kind === 'piece') onPiece(event.text, event.token)
+          if (event.kind === 'piece') onPiece(event.text, event.token, event.logprobs)
           else if (event.kind === 'error') return end(withParam(codedError(event.code, event.message)))
           else return end(null, event)
         }
@@ -247,6 +251,19 @@ function generateText(model, prompt, opts) {
       (error) => (error ? reject(error) : resolve(text)),
     )
   })
+}
+
+// A piece's logprobs as `{ logprobs: [{ token, logprob, topLogprobs: [[token, logprob], ...] }] }`,
+// or nothing when the options did not ask for them.
+function logprobsOf(native) {
+  if (!native || native.length === 0) return {}
+  return {
+    logprobs: native.map((l) => ({
+      token: l.token,
+      logprob: l.logprob,
+      topLogprobs: l.topTokens.map((t, i) => [t, l.topLogprobs[i]]),
+    })),
+  }
 }
 
 function statsOf(done) {
@@ -291,7 +308,7 @@ class GenerationStream {
       this.#prompt,
       this.#options,
       this.#signal,
-      (text, token) => this.#push({ text, token, finishReason: null }),
+      (text, token, logprobs) => this.#push({ text, token, finishReason: null, ...logprobsOf(logprobs) }),
       (error, done) => {
         if (error) this.#error = error
         else this.#push({ text: '', token: null, finishReason: done.finishReason, stats: statsOf(done) })

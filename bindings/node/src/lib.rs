@@ -208,6 +208,17 @@ pub struct NativeOptions {
     /// Token id (a decimal string, as JavaScript object keys are) to bias.
     pub logit_bias: Option<std::collections::HashMap<String, f64>>,
     pub samplers: Option<Vec<String>>,
+    pub logprobs: Option<f64>,
+    pub post_sampling_probs: Option<bool>,
+}
+
+/// A generated token's log-probability and its most likely alternatives.
+#[napi(object)]
+pub struct NativeLogprob {
+    pub token: u32,
+    pub logprob: f64,
+    pub top_tokens: Vec<u32>,
+    pub top_logprobs: Vec<f64>,
 }
 
 /// One event of a generation: `kind` is "piece", "done" or "error".
@@ -231,6 +242,8 @@ pub struct NativeEvent {
     /// error: the public error code and message.
     pub code: Option<String>,
     pub message: Option<String>,
+    /// piece: the logprobs of its tokens (with the `logprobs` option).
+    pub logprobs: Option<Vec<NativeLogprob>>,
 }
 
 impl NativeEvent {
@@ -249,15 +262,27 @@ impl NativeEvent {
             cached_tokens: None,
             code: None,
             message: None,
+            logprobs: None,
         }
     }
 
     fn of(event: StreamEvent) -> Self {
         match event {
-            StreamEvent::Piece { text, token, .. } => {
+            StreamEvent::Piece { text, token, logprobs } => {
                 let mut event = NativeEvent::empty("piece");
                 event.text = Some(text);
                 event.token = Some(token);
+                event.logprobs = Some(
+                    logprobs
+                        .into_iter()
+                        .map(|l| NativeLogprob {
+                            token: l.token,
+                            logprob: l.logprob as f64,
+                            top_tokens: l.top.iter().map(|t| t.0).collect(),
+                            top_logprobs: l.top.iter().map(|t| t.1 as f64).collect(),
+                        })
+                        .collect(),
+                );
                 event
             }
             StreamEvent::Done(output) => {
@@ -344,6 +369,8 @@ fn generation_options(o: &NativeOptions) -> Result<GenerationOptions, Code> {
             }
         },
         samplers: o.samplers.clone(),
+        logprobs: integer("logprobs", o.logprobs)?.map(|v| v.clamp(i64::MIN as i128, i64::MAX as i128) as i64),
+        post_sampling_probs: o.post_sampling_probs.unwrap_or(d.post_sampling_probs),
     };
     options.validate().map_err(coded)?;
     Ok(options)
@@ -378,6 +405,8 @@ pub fn generation_defaults() -> NativeOptions {
         min_keep: Some(d.min_keep as f64),
         logit_bias: Some(Default::default()),
         samplers: Some(mlxcel_engine::sampler_chain::DEFAULT_STAGES.iter().map(|s| s.name().to_string()).collect()),
+        logprobs: None,
+        post_sampling_probs: Some(d.post_sampling_probs),
     }
 }
 

@@ -465,6 +465,7 @@ describe('bad input', () => {
       minKeep: 0,
       logitBias: {},
       samplers: ['penalties', 'dry', 'top_n_sigma', 'top_k', 'typ_p', 'top_p', 'min_p', 'xtc', 'temperature'],
+      postSamplingProbs: false,
     })
     // Absent options mean exactly the engine's defaults.
     const { seed, stop, ...explicit } = generationDefaults
@@ -483,6 +484,18 @@ describe('bad input', () => {
     await assert.rejects(model.generate(CAPITAL, { logitBias: { 1000000: 1 } }), { code: 'INVALID_PARAMETER', param: 'logitBias' })
     await assert.rejects(model.generate(CAPITAL, { logitBias: [1, 2] }), { code: 'INVALID_ARGUMENT' })
     await assert.rejects(model.generate(CAPITAL, { mirostat: 2 }), { code: 'INVALID_ARGUMENT' })
+  })
+
+  test('logprobs come with their chunks', async () => {
+    const chunks = await collect(model.stream(CAPITAL, { maxTokens: 6, logprobs: 3 }))
+    const logprobs = chunks.flatMap((c) => c.logprobs ?? [])
+    assert.equal(logprobs.length, 6)
+    assert.equal(logprobs[0].topLogprobs.length, 3)
+    assert.equal(logprobs[0].topLogprobs[0][0], logprobs[0].token)
+    assert.ok(logprobs[0].logprob < 0)
+    const post = await collect(model.stream(CAPITAL, { maxTokens: 3, logprobs: 1, postSamplingProbs: true }))
+    assert.ok(post.flatMap((c) => c.logprobs ?? []).every((l) => l.logprob === 0))
+    await assert.rejects(model.generate(CAPITAL, { logprobs: 21 }), { code: 'INVALID_PARAMETER', param: 'logprobs' })
   })
 
   test('bad parameters give the engine\'s messages', async () => {
