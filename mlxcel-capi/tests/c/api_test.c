@@ -372,6 +372,24 @@ static void test_generate(void) {
     CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", chain, NULL, NULL, again, sizeof again, &r), MLXCEL_ERR_NULL_POINTER);
     CHECK_ERROR_MENTIONS("logit_bias_tokens");
 
+    /* Logprobs: one per token, the chosen one first among 3 alternatives. */
+    chain = greedy(6);
+    chain.logprobs = 3;
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", chain, NULL, NULL, again, sizeof again, &r), MLXCEL_OK);
+    mlxcel_token_logprob lps[8];
+    size_t n_lp = 0;
+    CHECK_STATUS(mlxcel_context_logprobs(ctx, lps, 8, &n_lp), MLXCEL_OK);
+    CHECK(n_lp == 6 && lps[0].token == toks[0] && lps[0].n_top == 3 && lps[0].top_tokens[0] == toks[0]);
+    CHECK(lps[0].logprob < 0 && lps[0].top_logprobs[0] >= lps[0].top_logprobs[1]);
+    CHECK_STATUS(mlxcel_context_logprobs(ctx, lps, 2, &n_lp), MLXCEL_ERR_BUFFER_TOO_SMALL);
+    CHECK(n_lp == 6);
+    chain.logprobs = 21;
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", chain, NULL, NULL, again, sizeof again, &r), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("logprobs");
+    CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", greedy(2), NULL, NULL, again, sizeof again, &r), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_context_logprobs(ctx, NULL, 0, &n_lp), MLXCEL_OK);
+    CHECK(n_lp == 0);
+
     /* A truncated output buffer is not an error; the context has the whole text. */
     char small[4];
     CHECK_STATUS(mlxcel_generate(ctx, "The capital of France is", greedy(6), NULL, NULL, small, sizeof small, &r), MLXCEL_OK);
