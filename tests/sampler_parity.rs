@@ -27,27 +27,7 @@ fn float(v: &Value) -> f32 {
 }
 
 fn base() -> ChainParams {
-    ChainParams {
-        stages: Vec::new(),
-        logit_bias: Vec::new(),
-        min_keep: 0,
-        temperature: 1.0,
-        top_k: 0,
-        top_p: 1.0,
-        min_p: 0.0,
-        typical_p: 1.0,
-        top_n_sigma: -1.0,
-        repetition_penalty: 1.0,
-        repetition_context_size: 64,
-        frequency_penalty: 0.0,
-        presence_penalty: 0.0,
-        dry_multiplier: 0.0,
-        dry_base: 1.75,
-        dry_allowed_length: 2,
-        dry_penalty_last_n: None,
-        xtc_probability: 0.0,
-        xtc_threshold: 0.1,
-    }
+    ChainParams { stages: Vec::new(), ..Default::default() }
 }
 
 fn params_of(stage: &str, p: &Value) -> ChainParams {

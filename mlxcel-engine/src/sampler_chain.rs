@@ -247,6 +247,33 @@ pub struct ChainParams {
     pub xtc_threshold: f32,
 }
 
+impl Default for ChainParams {
+    /// The default order with every stage off (temperature 1).
+    fn default() -> Self {
+        ChainParams {
+            stages: DEFAULT_STAGES.to_vec(),
+            logit_bias: Vec::new(),
+            min_keep: 0,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            typical_p: 1.0,
+            top_n_sigma: -1.0,
+            repetition_penalty: 1.0,
+            repetition_context_size: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            dry_multiplier: 0.0,
+            dry_base: 1.75,
+            dry_allowed_length: 2,
+            dry_penalty_last_n: None,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+        }
+    }
+}
+
 /// Applies one stage to `c`; `history` is the row's tokens so far (prompt
 /// and generated), `rng` its generator (XTC draws from it).
 pub fn apply_stage(
@@ -586,27 +613,7 @@ mod tests {
     use rand::SeedableRng;
 
     fn params() -> ChainParams {
-        ChainParams {
-            stages: DEFAULT_STAGES.to_vec(),
-            logit_bias: Vec::new(),
-            min_keep: 0,
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            typical_p: 1.0,
-            top_n_sigma: -1.0,
-            repetition_penalty: 1.0,
-            repetition_context_size: 64,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            dry_multiplier: 0.0,
-            dry_base: 1.75,
-            dry_allowed_length: 2,
-            dry_penalty_last_n: None,
-            xtc_probability: 0.0,
-            xtc_threshold: 0.1,
-        }
+        ChainParams::default()
     }
 
     fn ids(c: &Candidates) -> Vec<u32> {
