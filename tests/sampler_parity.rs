@@ -12,7 +12,8 @@
 //! sorts by NaN, so its result has no defined order (ours treats those
 //! tokens as the least typical).
 
-use mlxcel_engine::sampler_chain::{self, Candidate, Candidates, ChainParams, DryBreakers, SamplerStage, DEFAULT_STAGES};
+use mlxcel_engine::sampler_chain::{self, Candidate, Candidates, DryBreakers, SamplerStage};
+use mlxcel_engine::SamplingParams;
 use mlxcel_models::tokenizer::Tokenizer;
 use mlxcel_tests::{default_model_dir, repo_root};
 use rand::SeedableRng;
@@ -26,16 +27,17 @@ fn float(v: &Value) -> f32 {
     }
 }
 
-fn base() -> ChainParams {
-    ChainParams { stages: Vec::new(), ..Default::default() }
+/// Every stage off, llama.cpp's neutral values (temperature 1).
+fn base() -> SamplingParams {
+    SamplingParams { temperature: 1.0, repetition_context_size: 64, ..Default::default() }
 }
 
-fn params_of(stage: &str, p: &Value) -> ChainParams {
+fn params_of(stage: &str, p: &Value) -> SamplingParams {
     let f = |k: &str, d: f32| p.get(k).map_or(d, float);
     let u = |k: &str, d: usize| p.get(k).and_then(Value::as_u64).map_or(d, |v| v as usize);
     let b = base();
-    ChainParams {
-        stages: if stage == "default_chain" { DEFAULT_STAGES.to_vec() } else { vec![SamplerStage::from_name(stage).unwrap()] },
+    SamplingParams {
+        samplers: (stage != "default_chain").then(|| vec![SamplerStage::from_name(stage).unwrap()]),
         logit_bias: p
             .get("logit_bias")
             .map(|l| l.as_array().unwrap().iter().map(|e| (e[0].as_u64().unwrap() as u32, float(&e[1]))).collect())
@@ -57,6 +59,7 @@ fn params_of(stage: &str, p: &Value) -> ChainParams {
         dry_penalty_last_n: p.get("dry_penalty_last_n").and_then(Value::as_u64).map(|v| v as usize),
         xtc_probability: f("xtc_probability", 0.0),
         xtc_threshold: f("xtc_threshold", 0.1),
+        ..b
     }
 }
 
@@ -128,7 +131,7 @@ fn every_stage_and_the_default_chain_match_llama_cpp() {
             let mut candidates = Candidates { items: ids.iter().zip(&logits).map(|(&id, &logit)| Candidate { id, logit }).collect(), sorted: false };
             sampler_chain::apply_logit_bias(&params.logit_bias, &mut candidates);
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
-            for &s in &params.stages {
+            for &s in sampler_chain::stages(&params) {
                 sampler_chain::apply_stage(s, &params, &mut candidates, &history, &breakers, &mut rng);
             }
             let ours: Vec<(u32, f32)> = candidates.items.iter().map(|x| (x.id, x.logit)).collect();

@@ -23,6 +23,8 @@ use std::collections::HashMap;
 use rand::{Rng, RngCore};
 use serde::{Deserialize, Serialize};
 
+use crate::sampling::SamplingParams;
+
 /// One stage of the chain, by llama-server's name for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -221,64 +223,11 @@ impl DryBreakers {
     }
 }
 
-/// The parameters every stage reads; see [`crate::SamplingParams`] for
-/// their meaning and defaults.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ChainParams {
-    pub stages: Vec<SamplerStage>,
-    pub logit_bias: Vec<(u32, f32)>,
-    pub min_keep: usize,
-    pub temperature: f32,
-    pub top_k: u32,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub typical_p: f32,
-    pub top_n_sigma: f32,
-    pub repetition_penalty: f32,
-    pub repetition_context_size: usize,
-    pub frequency_penalty: f32,
-    pub presence_penalty: f32,
-    pub dry_multiplier: f32,
-    pub dry_base: f32,
-    pub dry_allowed_length: usize,
-    /// Tokens of history DRY looks at; None: all of it.
-    pub dry_penalty_last_n: Option<usize>,
-    pub xtc_probability: f32,
-    pub xtc_threshold: f32,
-}
-
-impl Default for ChainParams {
-    /// The default order with every stage off (temperature 1).
-    fn default() -> Self {
-        ChainParams {
-            stages: DEFAULT_STAGES.to_vec(),
-            logit_bias: Vec::new(),
-            min_keep: 0,
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            typical_p: 1.0,
-            top_n_sigma: -1.0,
-            repetition_penalty: 1.0,
-            repetition_context_size: 64,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            dry_multiplier: 0.0,
-            dry_base: 1.75,
-            dry_allowed_length: 2,
-            dry_penalty_last_n: None,
-            xtc_probability: 0.0,
-            xtc_threshold: 0.1,
-        }
-    }
-}
-
 /// Applies one stage to `c`; `history` is the row's tokens so far (prompt
 /// and generated), `rng` its generator (XTC draws from it).
 pub fn apply_stage(
     stage: SamplerStage,
-    p: &ChainParams,
+    p: &SamplingParams,
     c: &mut Candidates,
     history: &[u32],
     dry: &DryBreakers,
@@ -301,6 +250,11 @@ pub fn apply_stage(
     }
 }
 
+/// The stages `p` runs, in order: its `samplers`, else [`DEFAULT_STAGES`].
+pub fn stages(p: &SamplingParams) -> &[SamplerStage] {
+    p.samplers.as_deref().unwrap_or(&DEFAULT_STAGES)
+}
+
 /// Adds each bias to its token's logit.
 pub fn apply_logit_bias(bias: &[(u32, f32)], c: &mut Candidates) {
     if bias.is_empty() {
@@ -317,13 +271,13 @@ pub fn apply_logit_bias(bias: &[(u32, f32)], c: &mut Candidates) {
 }
 
 /// The logit bias, every stage, then a draw: the chosen token.
-pub fn sample(p: &ChainParams, logits: &[f32], history: &[u32], dry: &DryBreakers, rng: &mut dyn RngCore) -> u32 {
+pub fn sample(p: &SamplingParams, logits: &[f32], history: &[u32], dry: &DryBreakers, rng: &mut dyn RngCore) -> u32 {
     sample_with_candidates(p, logits, history, dry, rng).0
 }
 
 /// [`sample`], with the candidates the token was drawn from.
 pub fn sample_with_candidates(
-    p: &ChainParams,
+    p: &SamplingParams,
     logits: &[f32],
     history: &[u32],
     dry: &DryBreakers,
@@ -333,7 +287,7 @@ pub fn sample_with_candidates(
     if !p.logit_bias.is_empty() {
         apply_logit_bias(&p.logit_bias, &mut c);
     }
-    for &stage in &p.stages {
+    for &stage in stages(p) {
         apply_stage(stage, p, &mut c, history, dry, rng);
     }
     (draw(&c, rng), c)
@@ -364,7 +318,7 @@ pub fn draw(c: &Candidates, rng: &mut dyn RngCore) -> u32 {
     c.items.iter().zip(&e).rev().find(|(_, &x)| x > 0.0).map_or(c.items[0].id, |(i, _)| i.id)
 }
 
-fn penalties(p: &ChainParams, c: &mut Candidates, history: &[u32]) {
+fn penalties(p: &SamplingParams, c: &mut Candidates, history: &[u32]) {
     let off = p.repetition_penalty == 1.0 && p.frequency_penalty == 0.0 && p.presence_penalty == 0.0;
     if off || p.repetition_context_size == 0 {
         return;
@@ -473,7 +427,7 @@ fn typical(typical_p: f32, min_keep: usize, c: &mut Candidates) {
     c.sorted = false;
 }
 
-fn xtc(p: &ChainParams, c: &mut Candidates, rng: &mut dyn RngCore) {
+fn xtc(p: &SamplingParams, c: &mut Candidates, rng: &mut dyn RngCore) {
     if p.xtc_probability <= 0.0 || p.xtc_threshold > 0.5 || c.items.len() < 2 {
         return;
     }
@@ -520,7 +474,7 @@ fn temperature(t: f32, c: &mut Candidates) {
     }
 }
 
-fn dry_penalty(p: &ChainParams, c: &mut Candidates, history: &[u32], breakers: &DryBreakers) {
+fn dry_penalty(p: &SamplingParams, c: &mut Candidates, history: &[u32], breakers: &DryBreakers) {
     let last_n = p.dry_penalty_last_n.unwrap_or(history.len());
     if p.dry_multiplier == 0.0 || p.dry_base < 1.0 || last_n == 0 {
         return;
@@ -612,8 +566,8 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
 
-    fn params() -> ChainParams {
-        ChainParams::default()
+    fn params() -> SamplingParams {
+        SamplingParams { temperature: 1.0, repetition_context_size: 64, ..Default::default() }
     }
 
     fn ids(c: &Candidates) -> Vec<u32> {
@@ -635,27 +589,27 @@ mod tests {
     fn filters_keep_what_llama_cpp_keeps() {
         let logits = [3.0, 1.0, 2.0, 0.0, 2.0];
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
-        let run = |p: ChainParams, stage: SamplerStage, rng: &mut dyn RngCore| {
+        let run = |p: SamplingParams, stage: SamplerStage, rng: &mut dyn RngCore| {
             let mut c = Candidates::from_logits(&logits);
             apply_stage(stage, &p, &mut c, &[], &DryBreakers::default(), rng);
             ids(&c)
         };
         // Ties at the cut go to the lower id.
-        assert_eq!(run(ChainParams { top_k: 2, ..params() }, SamplerStage::TopK, &mut rng), [0, 2]);
+        assert_eq!(run(SamplingParams { top_k: 2, ..params() }, SamplerStage::TopK, &mut rng), [0, 2]);
         // p = 0.47, 0.17, 0.17, 0.06, 0.02 (by id 0, 2, 4, 1, 3): 0.47 + 0.17 + 0.17 >= 0.8.
-        assert_eq!(run(ChainParams { top_p: 0.8, ..params() }, SamplerStage::TopP, &mut rng), [0, 2, 4]);
-        assert_eq!(run(ChainParams { top_p: 0.1, min_keep: 2, ..params() }, SamplerStage::TopP, &mut rng), [0, 2]);
+        assert_eq!(run(SamplingParams { top_p: 0.8, ..params() }, SamplerStage::TopP, &mut rng), [0, 2, 4]);
+        assert_eq!(run(SamplingParams { top_p: 0.1, min_keep: 2, ..params() }, SamplerStage::TopP, &mut rng), [0, 2]);
         // min_p 0.3: logits >= 3 + ln 0.3 = 1.80.
-        assert_eq!(run(ChainParams { min_p: 0.3, ..params() }, SamplerStage::MinP, &mut rng), [0, 2, 4]);
-        assert_eq!(run(ChainParams { temperature: 0.0, ..params() }, SamplerStage::Temperature, &mut rng), [0]);
+        assert_eq!(run(SamplingParams { min_p: 0.3, ..params() }, SamplerStage::MinP, &mut rng), [0, 2, 4]);
+        assert_eq!(run(SamplingParams { temperature: 0.0, ..params() }, SamplerStage::Temperature, &mut rng), [0]);
         // Mean 1.6, std 1.02: at least 3 - 1.02 = 1.98, or 3 - 0.51.
-        assert_eq!(run(ChainParams { top_n_sigma: 1.0, ..params() }, SamplerStage::TopNSigma, &mut rng), [0, 2, 4]);
-        assert_eq!(run(ChainParams { top_n_sigma: 0.5, ..params() }, SamplerStage::TopNSigma, &mut rng), [0]);
+        assert_eq!(run(SamplingParams { top_n_sigma: 1.0, ..params() }, SamplerStage::TopNSigma, &mut rng), [0, 2, 4]);
+        assert_eq!(run(SamplingParams { top_n_sigma: 0.5, ..params() }, SamplerStage::TopNSigma, &mut rng), [0]);
     }
 
     #[test]
     fn penalties_follow_llama_cpp() {
-        let p = ChainParams { repetition_penalty: 2.0, frequency_penalty: 0.5, presence_penalty: 0.25, ..params() };
+        let p = SamplingParams { repetition_penalty: 2.0, frequency_penalty: 0.5, presence_penalty: 0.25, ..params() };
         let mut c = Candidates::from_logits(&[4.0, -1.0, 1.0]);
         apply_stage(SamplerStage::Penalties, &p, &mut c, &[0, 0, 1], &DryBreakers::default(), &mut rand_chacha::ChaCha8Rng::seed_from_u64(0));
         let got: Vec<f32> = c.items.iter().map(|x| x.logit).collect();
@@ -665,7 +619,7 @@ mod tests {
     #[test]
     fn dry_penalizes_the_token_that_extends_a_repeat() {
         // a b c x a b -> c would extend "a b" (length 2) to 3.
-        let p = ChainParams { dry_multiplier: 1.0, dry_base: 2.0, dry_allowed_length: 2, ..params() };
+        let p = SamplingParams { dry_multiplier: 1.0, dry_base: 2.0, dry_allowed_length: 2, ..params() };
         let history = [1, 2, 3, 9, 1, 2];
         let mut c = Candidates::from_logits(&[0.0; 10]);
         apply_stage(SamplerStage::Dry, &p, &mut c, &history, &DryBreakers::default(), &mut rand_chacha::ChaCha8Rng::seed_from_u64(0));

@@ -10,7 +10,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
-use crate::sampler_chain::{self, ChainParams, DryBreakers, SamplerStage, DEFAULT_STAGES};
+use crate::sampler_chain::{self, DryBreakers, SamplerStage, DEFAULT_STAGES};
 
 /// How to pick each next token and when to stop.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -200,35 +200,10 @@ impl SamplingParams {
             || self.samplers.as_deref().is_some_and(|s| s != DEFAULT_STAGES);
         !chain_only && (self.temperature == 0.0 || !filters)
     }
-
-    fn chain(&self) -> ChainParams {
-        ChainParams {
-            stages: self.samplers.clone().unwrap_or_else(|| DEFAULT_STAGES.to_vec()),
-            logit_bias: self.logit_bias.clone(),
-            min_keep: self.min_keep,
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            typical_p: self.typical_p,
-            top_n_sigma: self.top_n_sigma,
-            repetition_penalty: self.repetition_penalty,
-            repetition_context_size: self.repetition_context_size,
-            frequency_penalty: self.frequency_penalty,
-            presence_penalty: self.presence_penalty,
-            dry_multiplier: self.dry_multiplier,
-            dry_base: self.dry_base,
-            dry_allowed_length: self.dry_allowed_length,
-            dry_penalty_last_n: self.dry_penalty_last_n,
-            xtc_probability: self.xtc_probability,
-            xtc_threshold: self.xtc_threshold,
-        }
-    }
 }
 
-/// The host chain of one row: its parameters, generator and DRY breakers.
+/// The host chain of one row: its generator and DRY breakers.
 struct HostChain {
-    params: ChainParams,
     rng: ChaCha8Rng,
     dry: Arc<DryBreakers>,
 }
@@ -250,7 +225,6 @@ impl Sampler {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
         });
         let host = (!params.on_device()).then(|| HostChain {
-            params: params.chain(),
             rng: ChaCha8Rng::seed_from_u64(seed),
             dry: if params.dry_multiplier > 0.0 { dry(&params.dry_sequence_breakers) } else { Arc::default() },
         });
@@ -270,7 +244,7 @@ impl Sampler {
             tokens.extend_from_slice(history);
             tokens.push(last);
             let values = logits.astype(Dtype::Float32)?.reshape(&[-1])?.to_vec::<f32>()?;
-            let (token, after) = sampler_chain::sample_with_candidates(&host.params, &values, &tokens, &host.dry, &mut host.rng);
+            let (token, after) = sampler_chain::sample_with_candidates(&self.params, &values, &tokens, &host.dry, &mut host.rng);
             let logprobs = self.params.logprobs.map(|n| {
                 if self.params.post_sampling_probs {
                     let ids: Vec<u32> = after.items.iter().map(|c| c.id).collect();
