@@ -137,7 +137,7 @@ function parseOptions(model, opts) {
       if (typeof value !== 'boolean') throw argumentError('option `postSamplingProbs` must be a boolean')
       options.postSamplingProbs = value
     } else if (key === 'samplers') {
-      const list = typeof value === 'string' ? value.split(';').filter((s) => s.trim() !== '') : value
+      const list = typeof value === 'string' ? [value] : value
       if (!Array.isArray(list) || !list.every((s) => typeof s === 'string')) {
         throw argumentError('option `samplers` must be a string ("top_k;temperature") or an array of stage names')
       }

@@ -482,7 +482,7 @@ unsafe fn generation_options(p: &mlxcel_generate_params) -> CResult<GenerationOp
         samplers: if p.samplers.is_null() {
             None
         } else {
-            Some(c_str(p.samplers, "samplers")?.split(';').filter(|s| !s.trim().is_empty()).map(str::to_owned).collect())
+            Some(vec![c_str(p.samplers, "samplers")?.to_owned()])
         },
         logprobs: (p.logprobs != -1).then_some(p.logprobs.into()),
         post_sampling_probs: p.post_sampling_probs,

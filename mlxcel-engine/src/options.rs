@@ -48,7 +48,8 @@ pub struct GenerationOptions {
     /// (token id, bias) pairs.
     pub logit_bias: Vec<(i128, f64)>,
     /// Stage names in order (`penalties`, `dry`, `top_n_sigma`, `top_k`,
-    /// `typ_p`, `top_p`, `min_p`, `xtc`, `temperature`); None: that order.
+    /// `typ_p`, `top_p`, `min_p`, `xtc`, `temperature`), each entry one or
+    /// several separated by `;`; None: that order.
     pub samplers: Option<Vec<String>>,
     /// Report each token's logprob and this many alternatives (0..=20).
     pub logprobs: Option<i64>,
@@ -184,10 +185,13 @@ impl GenerationOptions {
         Ok((params, Self::integer("prefill_chunk", self.prefill_chunk.into())?))
     }
 
-    /// The stages named in `names` (llama-server's names).
+    /// The stages named in `names` (llama-server's names); an entry may
+    /// hold several, separated by `;` or `,` ("top_k;temperature").
     pub fn stages(names: &[String]) -> Result<Vec<SamplerStage>> {
         names
             .iter()
+            .flat_map(|entry| entry.split([';', ',']))
+            .filter(|name| !name.trim().is_empty())
             .map(|name| {
                 SamplerStage::from_name(name).ok_or_else(|| Error::InvalidParameter {
                     name: "samplers",
@@ -281,6 +285,8 @@ mod tests {
         .validate()
         .unwrap();
         assert_eq!(params.samplers, Some(vec![SamplerStage::TopK, SamplerStage::Temperature]));
+        let joined = GenerationOptions::stages(&["top_k; temperature".into()]).unwrap();
+        assert_eq!(joined, [SamplerStage::TopK, SamplerStage::Temperature]);
         assert_eq!(params.logit_bias, [(7, f32::NEG_INFINITY)]);
         assert_eq!(params.dry_penalty_last_n, Some(64));
         assert!(!params.on_device());

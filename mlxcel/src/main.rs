@@ -132,18 +132,7 @@ pub struct ChainArgs {
 impl ChainArgs {
     /// These options over `params`.
     fn apply(&self, params: SamplingParams) -> AnyResult<SamplingParams> {
-        let samplers = match &self.samplers {
-            None => None,
-            Some(list) => Some(
-                list.split([';', ','])
-                    .filter(|s| !s.trim().is_empty())
-                    .map(|name| {
-                        mlxcel_engine::sampler_chain::SamplerStage::from_name(name)
-                            .ok_or_else(|| format!("--samplers: unknown stage {name:?} (known: penalties, dry, top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature)"))
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
-            ),
-        };
+        let samplers = self.samplers.as_ref().map(|list| mlxcel_engine::GenerationOptions::stages(&[list.clone()])).transpose()?;
         let logit_bias = self
             .logit_bias
             .iter()

@@ -194,7 +194,7 @@ fn chain_args(py: Python<'_>, chain: &Bound<'_, PyDict>, options: &mut Generatio
             }
             "samplers" => {
                 options.samplers = Some(match v.cast::<PyString>() {
-                    Ok(s) => s.to_str()?.split(';').filter(|x| !x.trim().is_empty()).map(str::to_owned).collect(),
+                    Ok(s) => vec![s.to_str()?.to_owned()],
                     Err(_) => strings_arg(&key, v)?,
                 })
             }
