@@ -194,13 +194,11 @@ impl BatchEngine {
     /// 8-bit `format` need a paged pool.
     pub fn pool_for(model: &Model, bytes: usize, window: KvWindow, format: KvFormat) -> Result<Arc<KvPool>> {
         let network = model.network();
-        let name = if format != KvFormat::F32 && (!network.reads_paged_kv() || network.shape().head_dim % 64 != 0) {
-            "kv_bits"
-        } else {
-            "max_kv_size"
-        };
+        format
+            .check(network.shape(), network.reads_paged_kv())
+            .map_err(|e| Error::InvalidParameter { name: "kv_bits", message: e.to_string() })?;
         KvPool::new(network.shape(), bytes, network.reads_paged_kv(), window, format)
-            .map_err(|e| Error::InvalidParameter { name, message: e.to_string() })
+            .map_err(|e| Error::InvalidParameter { name: "max_kv_size", message: e.to_string() })
     }
 
     /// The KV pool of this engine's rows.

@@ -72,6 +72,24 @@ pub enum KvFormat {
 }
 
 impl KvFormat {
+    /// Whether a pool over `shape` (`paged` or not) can keep this format.
+    pub fn check(self, shape: &ModelShape, paged: bool) -> crate::Result<()> {
+        if self == KvFormat::Q8 {
+            if !paged {
+                return Err(crate::Error::Mlx(
+                    "an 8-bit KV cache needs the paged KV pool, which this model's kernels (CPU, quantized) do not read".into(),
+                ));
+            }
+            if shape.head_dim % 64 != 0 {
+                return Err(crate::Error::Mlx(format!(
+                    "an 8-bit KV cache quantizes groups of 64 features; this model's head_dim {} is not a multiple of 64",
+                    shape.head_dim
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Bits per stored feature (mlx-lm's `kv_bits`), 32 for f32.
     pub fn bits(self) -> u32 {
         match self {
@@ -201,26 +219,14 @@ impl KvPool {
             clock: 0,
             unmap_later: Vec::new(),
         };
-        let shape = PoolShape { layers: shape.num_layers, kv_heads: shape.kv_heads, head_dim: shape.head_dim };
         let paged = paged && total > 0;
         if window != KvWindow::ALL && !paged {
             return Err(crate::Error::Mlx(
                 "a sliding KV window needs the paged KV pool, which this model's kernels (CPU, quantized) do not read".into(),
             ));
         }
-        if format == KvFormat::Q8 {
-            if !paged {
-                return Err(crate::Error::Mlx(
-                    "an 8-bit KV cache needs the paged KV pool, which this model's kernels (CPU, quantized) do not read".into(),
-                ));
-            }
-            if shape.head_dim % 64 != 0 {
-                return Err(crate::Error::Mlx(format!(
-                    "an 8-bit KV cache quantizes groups of 64 features; this model's head_dim {} is not a multiple of 64",
-                    shape.head_dim
-                )));
-            }
-        }
+        format.check(shape, paged)?;
+        let shape = PoolShape { layers: shape.num_layers, kv_heads: shape.kv_heads, head_dim: shape.head_dim };
         Ok(Arc::new(KvPool { state: Mutex::new(state), total, block_bytes, budget_bytes, shape, paged, window, format }))
     }
 
