@@ -30,12 +30,15 @@ use mlxcel_models::nn::RowKernels;
 use mlxcel_models::paged::{KvFormat, KvPool, PagedKvCache, RowBlocks};
 use mlxcel_models::{KvCache, LanguageModel, Model};
 use mlxcel_tokenizer::StreamDecodeState;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
 use crate::generate::{CancelFlag, FinishReason, GenerationOutput, GenerationStats};
 use crate::prefix_cache::{self, BLOCK_TOKENS, MIN_PROMPT_TOKENS};
 use crate::sampler_chain::DryBreakers;
 use crate::sampling::{PendingLogprobs, Sampled, Sampler, SamplingParams, TokenLogprobs};
+use crate::speculative::{self, DraftPolicy, Speculation};
 use crate::stop::{StopMatcher, StopOutcome};
 
 /// A row's handle inside one [`BatchEngine`].
@@ -82,6 +85,8 @@ impl RowEvent {
 enum Phase {
     Prefilling,
     Decoding,
+    /// Failed in `submit`; removed at its end.
+    Failed,
 }
 
 struct Row {
@@ -110,11 +115,13 @@ struct Row {
     history: Vec<u32>,
     /// The latest sampled token, not yet read back: the input of the next step.
     queued: Option<Array>,
-    /// The token `submit` took out of `queued`, for `finish_rows` to read.
-    unread: Option<Array>,
-    /// The logprobs of `queued` and of `unread`, when the request asks.
+    /// The token `submit` took out of `queued`, then the draft tokens a
+    /// verify round accepted after it, for `finish_rows` to read in order.
+    unread: Vec<Unread>,
+    /// The logprobs of `queued`, when the request asks.
     queued_logprobs: Option<PendingLogprobs>,
-    unread_logprobs: Option<PendingLogprobs>,
+    /// Speculative decoding state, for rows that speculate.
+    spec: Option<SpecRow>,
     /// Every generated token's logprobs, and how many went out with pieces.
     logprobs: Vec<TokenLogprobs>,
     logprobs_sent: usize,
@@ -125,6 +132,35 @@ struct Row {
     opened: Instant,
     prompt_time: Option<Duration>,
     decode_start: Option<Instant>,
+}
+
+/// A generated token waiting to be read back, with its logprobs.
+struct Unread {
+    token: Array,
+    logprobs: Option<PendingLogprobs>,
+}
+
+/// A speculating row's drafter state.
+struct SpecRow {
+    policy: DraftPolicy,
+    /// The draft model's caches, for `Speculation::Draft`.
+    draft: Option<DraftCaches>,
+}
+
+/// A row's caches in the draft model and how many of its tokens they hold.
+struct DraftCaches {
+    caches: Vec<Box<dyn KvCache>>,
+    cached: usize,
+    /// Draws draft tokens at temperature > 0.
+    rng: ChaCha8Rng,
+}
+
+/// One row's verify round: its index, its input token and drafts, and the
+/// draft model's distributions when the round uses rejection sampling.
+struct Round {
+    index: usize,
+    inputs: Vec<u32>,
+    q: Option<Vec<Vec<f32>>>,
 }
 
 impl Row {
@@ -160,6 +196,8 @@ impl Row {
             prompt_time: self.prompt_time.unwrap_or_default(),
             decode_time: self.decode_start.map_or(Duration::ZERO, |t| t.elapsed()),
             kv_cache_bytes: self.caches.iter().map(|c| c.nbytes()).sum(),
+            draft_tokens: self.spec.as_ref().map_or(0, |s| s.policy.drafted),
+            accepted_tokens: self.spec.as_ref().map_or(0, |s| s.policy.accepted),
             process_peak_memory_bytes: memory::peak_memory(),
             cached_tokens: self.cached_tokens,
         }
@@ -178,6 +216,9 @@ pub struct BatchEngine {
     pending: Vec<RowEvent>,
     /// DRY's breakers over the model's vocabulary, by breaker list.
     dry_breakers: HashMap<Vec<String>, Arc<DryBreakers>>,
+    /// The draft model for `Speculation::Draft`, and its decode cost in
+    /// target decode steps (the ratio of their weight bytes).
+    draft: Option<(Arc<Model>, f64)>,
 }
 
 impl BatchEngine {
@@ -186,7 +227,16 @@ impl BatchEngine {
     /// `prefix_caching` is on and the pool is paged.
     pub fn new(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool) -> Self {
         let prefix_caching = caches_prefixes(model.network(), &pool, prefix_caching);
-        BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new(), dry_breakers: HashMap::new() }
+        BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new(), dry_breakers: HashMap::new(), draft: None }
+    }
+
+    /// Lets rows speculate with `draft` (`Speculation::Draft`): a smaller
+    /// model with the same vocabulary. Its caches are per row, outside the pool.
+    pub fn set_draft_model(&mut self, draft: Arc<Model>) -> Result<()> {
+        check_draft_model(&self.model, &draft)?;
+        let cost = draft.info().weight_bytes as f64 / self.model.info().weight_bytes.max(1) as f64;
+        self.draft = Some((draft, cost));
+        Ok(())
     }
 
     /// A pool of `bytes` for `model`'s rows: paged when its kernels read a
@@ -265,6 +315,7 @@ impl BatchEngine {
             cache.entry(breakers.to_vec()).or_insert_with(|| Arc::new(dry_breakers(model, breakers))).clone()
         })?;
         validate_prompt(&self.model, &request.prompt, request.prefill_chunk)?;
+        let spec = self.spec_row(&request.params)?;
         let needed = self.blocks_needed(&request);
         let (mut kernels, mut block_hashes, mut adopted) = (RowKernels::ByCount, Vec::new(), Vec::new());
         if self.prefix_caching && request.prompt.len() > MIN_PROMPT_TOKENS {
@@ -314,9 +365,9 @@ impl BatchEngine {
             ignore_eos: request.ignore_eos,
             cancel: request.cancel,
             queued: None,
-            unread: None,
+            unread: Vec::new(),
             queued_logprobs: None,
-            unread_logprobs: None,
+            spec,
             logprobs: Vec::new(),
             logprobs_sent: 0,
             text: String::new(),
@@ -481,36 +532,172 @@ impl BatchEngine {
     /// goes in, and the token sampled from it is queued (`async_eval`) before
     /// [`finish_rows`](Self::finish_rows) reads the previous one back. Rows
     /// that reach `max_tokens` with the token they hold are not stepped.
+    /// Speculating rows with a draft verify it instead ([`Self::verify_rows`]).
     pub fn submit(&mut self) {
         let mut stepped = Vec::new();
-        for (i, r) in self.rows.iter_mut().enumerate() {
-            if r.phase != Phase::Decoding || r.unread.is_some() {
+        let mut rounds = Vec::new();
+        for i in 0..self.rows.len() {
+            let r = &mut self.rows[i];
+            if r.phase != Phase::Decoding || !r.unread.is_empty() {
                 continue;
             }
             let Some(current) = r.queued.take() else { continue };
-            let more = r.tokens.len() + 1 < r.params.max_tokens;
-            if more && !r.cancelled() {
-                stepped.push((i, current.clone()));
+            let generated = r.tokens.len();
+            let more = generated + 1 < r.params.max_tokens;
+            r.unread.push(Unread { token: current.clone(), logprobs: r.queued_logprobs.take() });
+            if !more || r.cancelled() {
+                continue;
             }
-            r.unread = Some(current);
-            r.unread_logprobs = r.queued_logprobs.take();
+            match self.draft_round(i, &current) {
+                Ok(Some(round)) => rounds.push(round),
+                Ok(None) => stepped.push((i, current)),
+                Err(error) => self.pending_failure(i, error),
+            }
         }
-        if stepped.is_empty() {
-            return;
-        }
-        if self.step_rows(&stepped).is_err() {
+        if !stepped.is_empty() && self.step_rows(&stepped).is_err() {
             // The batch failed as a whole: find the rows at fault by running
             // each alone; the others go on.
-            let mut failed = Vec::new();
             for (i, token) in &stepped {
                 if let Err(error) = self.step_rows(&[(*i, token.clone())]) {
-                    failed.push((*i, error));
+                    self.pending_failure(*i, error);
                 }
             }
-            for (i, error) in failed.into_iter().rev() {
-                self.fail(i, error);
+        }
+        // Rows whose drafts have the same length verify in one forward.
+        rounds.sort_by_key(|r| r.inputs.len());
+        while !rounds.is_empty() {
+            let length = rounds[0].inputs.len();
+            let split = rounds.iter().position(|r| r.inputs.len() != length).unwrap_or(rounds.len());
+            let group: Vec<Round> = rounds.drain(..split).collect();
+            if group.len() > 1 && self.verify_rows(&group).is_ok() {
+                continue;
+            }
+            for round in group {
+                if let Err(error) = self.verify_rows(std::slice::from_ref(&round)) {
+                    self.pending_failure(round.index, error);
+                }
             }
         }
+        self.remove_failed();
+    }
+
+    /// The draft for row `index` whose next input is `current`, sized by its
+    /// policy and by the tokens it may still generate; None when it does not
+    /// speculate this step (plain decode step).
+    fn draft_round(&mut self, index: usize, current: &Array) -> Result<Option<Round>> {
+        let r = &mut self.rows[index];
+        let Some(spec) = r.spec.as_mut() else { return Ok(None) };
+        // The round reads back its input, its accepted drafts and queues
+        // one more token: at most max_tokens in all.
+        let room = r.params.max_tokens.saturating_sub(r.tokens.len() + 2);
+        let length = spec.policy.length(r.params.draft_max.min(room));
+        if length == 0 || length < r.params.draft_min {
+            spec.policy.idle();
+            return Ok(None);
+        }
+        let current = current.astype(Dtype::Uint32)?.item::<u32>()?;
+        let mut known = r.history.clone();
+        known.push(current);
+        let (drafts, q) = match spec.draft.as_mut() {
+            None => (speculative::prompt_lookup(&known, length), None),
+            Some(caches) => {
+                let (draft, _) = self.draft.as_ref().expect("draft rows need the draft model");
+                let sample = r.params.temperature > 0.0;
+                let (tokens, q) = draft_tokens(draft, caches, &r.sampler, &known, length, sample)?;
+                (tokens, sample.then_some(q))
+            }
+        };
+        if drafts.is_empty() || drafts.len() < r.params.draft_min {
+            spec.policy.idle();
+            return Ok(None);
+        }
+        let mut inputs = vec![current];
+        inputs.extend(drafts);
+        Ok(Some(Round { index, inputs, q }))
+    }
+
+    /// One forward over the rounds' inputs (all of one length), each row
+    /// then keeping the drafts its target samples agree with (see
+    /// [`crate::speculative`]); the rejected positions are trimmed from its
+    /// caches. On an error every row's caches are as before.
+    fn verify_rows(&mut self, rounds: &[Round]) -> Result<()> {
+        let before: Vec<usize> = rounds.iter().map(|round| self.rows[round.index].cached()).collect();
+        let length = rounds[0].inputs.len();
+        let result = (|| -> Result<Vec<Vec<(u32, Option<PendingLogprobs>)>>> {
+            let ids: Vec<i32> = rounds.iter().flat_map(|round| round.inputs.iter().map(|&t| t as i32)).collect();
+            let tokens = Array::from_slice(&ids, &[rounds.len() as i32, length as i32])?;
+            let logits = {
+                let mut caches: Vec<&mut [Box<dyn KvCache>]> = Vec::with_capacity(rounds.len());
+                let mut by_index: Vec<Option<&mut Row>> = self.rows.iter_mut().map(Some).collect();
+                for round in rounds {
+                    caches.push(&mut by_index[round.index].take().expect("each row once").caches);
+                }
+                self.model.network().forward_batch_all(&tokens, &mut caches)?
+            };
+            let mut emitted = Vec::with_capacity(rounds.len());
+            for (b, round) in rounds.iter().enumerate() {
+                let r = &mut self.rows[round.index];
+                let row_logits = logits.slice_axis(0, b as i32, b as i32 + 1)?;
+                emitted.push(match &round.q {
+                    Some(q) => r.sampler.verify_rejection(&row_logits, &r.history, &round.inputs, q)?,
+                    None => r.sampler.verify(&row_logits, &r.history, &round.inputs)?,
+                });
+            }
+            Ok(emitted)
+        })();
+        let emitted = match result {
+            Ok(emitted) => emitted,
+            Err(error) => {
+                for (round, &offset) in rounds.iter().zip(&before) {
+                    self.rows[round.index].rewind(offset);
+                }
+                return Err(error);
+            }
+        };
+        for ((round, mut tokens), &offset) in rounds.iter().zip(emitted).zip(&before) {
+            let r = &mut self.rows[round.index];
+            let accepted = tokens.len() - 1;
+            let keep = offset + 1 + accepted;
+            r.rewind(keep);
+            if r.cached() != keep {
+                self.pending_failure(round.index, Error::Mlx(mlx_sys::Error::new(format!("the KV cache could not drop {} rejected draft positions", length - 1 - accepted))));
+                continue;
+            }
+            let (last, last_logprobs) = tokens.pop().expect("a verify round emits a token");
+            for (token, logprobs) in tokens {
+                r.unread.push(Unread { token: Array::from_slice(&[token], &[1])?, logprobs });
+            }
+            r.queued = Some(Array::from_slice(&[last], &[1])?);
+            r.queued_logprobs = last_logprobs;
+            if let Some(spec) = r.spec.as_mut() {
+                spec.policy.record(length - 1, accepted);
+                if let Some(draft) = spec.draft.as_mut() {
+                    // The draft caches hold the known tokens and all drafts but the last.
+                    let known = r.history.len() + 1;
+                    let keep = known + accepted.min(length - 2);
+                    for cache in &mut draft.caches {
+                        let extra = cache.offset().saturating_sub(keep);
+                        cache.trim(extra);
+                    }
+                    draft.cached = keep;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks row `index` failed: its event is pending and it is removed at
+    /// the end of [`submit`](Self::submit).
+    fn pending_failure(&mut self, index: usize, error: Error) {
+        let r = &mut self.rows[index];
+        r.queued = None;
+        r.unread.clear();
+        r.phase = Phase::Failed;
+        self.pending.push(RowEvent::Failed { row: r.id, error });
+    }
+
+    fn remove_failed(&mut self) {
+        self.rows.retain(|r| r.phase != Phase::Failed);
     }
 
     /// One forward for `rows` (index, input token), then each row's sampling.
@@ -563,11 +750,20 @@ impl BatchEngine {
         let mut events = std::mem::take(&mut self.pending);
         let mut ended = Vec::new();
         for index in 0..self.rows.len() {
-            let Some(current) = self.rows[index].unread.take() else { continue };
-            match self.read_token(index, &current, &mut events) {
-                Ok(None) => {}
-                Ok(Some(end)) => ended.push((index, Ok(end))),
-                Err(error) => ended.push((index, Err(error))),
+            let unread = std::mem::take(&mut self.rows[index].unread);
+            let count = unread.len();
+            for (n, u) in unread.into_iter().enumerate() {
+                match self.read_token(index, u, n + 1 == count, &mut events) {
+                    Ok(None) => {}
+                    Ok(Some(end)) => {
+                        ended.push((index, Ok(end)));
+                        break;
+                    }
+                    Err(error) => {
+                        ended.push((index, Err(error)));
+                        break;
+                    }
+                }
             }
         }
         for (index, outcome) in ended.into_iter().rev() {
@@ -612,18 +808,19 @@ impl BatchEngine {
         self.rows.iter().position(|r| r.id == row)
     }
 
-    /// Processes one read-back token; `Some` when the row ends.
-    fn read_token(&mut self, index: usize, current: &Array, events: &mut Vec<RowEvent>) -> Result<Option<Ending>> {
+    /// Processes one read-back token (`last`: the last one this step reads
+    /// for the row); `Some` when the row ends.
+    fn read_token(&mut self, index: usize, unread: Unread, last: bool, events: &mut Vec<RowEvent>) -> Result<Option<Ending>> {
         let tokenizer = self.model.tokenizer();
         let r = &mut self.rows[index];
-        let token = current.astype(Dtype::Uint32)?.item::<u32>()?;
+        let token = unread.token.astype(Dtype::Uint32)?.item::<u32>()?;
         if r.prompt_time.is_none() {
             r.prompt_time = Some(r.opened.elapsed());
             r.decode_start = Some(Instant::now());
         }
         r.tokens.push(token);
         r.history.push(token);
-        if let Some(pending) = r.unread_logprobs.take() {
+        if let Some(pending) = unread.logprobs {
             r.logprobs.push(pending.resolve(token)?);
         }
         if !r.ignore_eos && tokenizer.is_eos(token) {
@@ -647,7 +844,7 @@ impl BatchEngine {
         if r.cancelled() {
             return Ok(Some(Ending { reason: FinishReason::Cancelled, flush: false }));
         }
-        if r.queued.is_none() {
+        if last && r.queued.is_none() {
             return Ok(Some(Ending::flushed(FinishReason::Length)));
         }
         Ok(None)
@@ -782,4 +979,88 @@ fn queue_sampled(sampled: &[Sampled]) -> Result<()> {
 pub(crate) fn token_array(ids: &[u32]) -> Result<Array> {
     let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_slice(&ids, &[1, ids.len() as i32])?)
+}
+
+/// The speculation state for a row of `params`, or an error naming what
+/// it needs and lacks.
+impl BatchEngine {
+    fn spec_row(&self, params: &SamplingParams) -> Result<Option<SpecRow>> {
+        let invalid = |message: &str| Error::InvalidParameter { name: "speculation", message: message.into() };
+        if params.speculation == Speculation::Off {
+            return Ok(None);
+        }
+        if self.pool.window() != KvWindow::ALL {
+            return Err(invalid("speculative decoding does not run under a rotating KV window (max_kv_size)"));
+        }
+        Ok(Some(match params.speculation {
+            Speculation::Off => unreachable!(),
+            Speculation::PromptLookup => SpecRow { policy: DraftPolicy::new(0.0), draft: None },
+            Speculation::Draft => {
+                let Some((draft, cost)) = &self.draft else {
+                    return Err(invalid("\"draft\" needs a draft model, loaded with the model (draft_model)"));
+                };
+                let seed = params.seed.unwrap_or(0) ^ 0x9e37_79b9_7f4a_7c15;
+                SpecRow {
+                    policy: DraftPolicy::new(*cost),
+                    draft: Some(DraftCaches { caches: draft.network().new_caches(), cached: 0, rng: ChaCha8Rng::seed_from_u64(seed) }),
+                }
+            }
+        }))
+    }
+}
+
+/// Whether `draft` can draft for `target`: the same vocabulary, token for token.
+pub fn check_draft_model(target: &Model, draft: &Model) -> Result<()> {
+    let invalid = |message: String| Error::InvalidParameter { name: "draft_model", message };
+    let (t, d) = (target.tokenizer(), draft.tokenizer());
+    let (tv, dv) = (target.network().shape().vocab_size, draft.network().shape().vocab_size);
+    if tv != dv || t.vocab_size() != d.vocab_size() {
+        return Err(invalid(format!(
+            "{} has a vocabulary of {} (tokenizer {}), the target {} has {} (tokenizer {})",
+            draft.dir().display(), dv, d.vocab_size(), target.dir().display(), tv, t.vocab_size()
+        )));
+    }
+    if let Some(id) = (0..t.vocab_size() as u32).find(|&id| t.id_to_token(id) != d.id_to_token(id)) {
+        return Err(invalid(format!(
+            "{} does not share the target's tokenizer: token {id} is {:?} there and {:?} in {}",
+            draft.dir().display(), d.id_to_token(id), t.id_to_token(id), target.dir().display()
+        )));
+    }
+    Ok(())
+}
+
+/// Up to `length` draft tokens from the draft model after `known` (the
+/// row's tokens and its next input): greedy, or drawn from the draft's
+/// distribution under the row's chain when `sample` (returned with them).
+/// The caches catch up on the tokens they lack first.
+fn draft_tokens(draft: &Model, d: &mut DraftCaches, sampler: &Sampler, known: &[u32], length: usize, sample: bool) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let net = draft.network();
+    let vocab = net.shape().vocab_size;
+    let mut logits = None;
+    for chunk in known[d.cached.min(known.len())..].chunks(crate::options::DEFAULT_PREFILL_CHUNK) {
+        logits = Some(net.forward_last(&token_array(chunk)?, &mut d.caches)?);
+    }
+    d.cached = known.len();
+    let mut logits = logits.ok_or_else(|| Error::Mlx(mlx_sys::Error::new("the draft model's caches are ahead of the row".to_string())))?;
+    let (mut tokens, mut qs) = (Vec::with_capacity(length), Vec::new());
+    let mut seq = known.to_vec();
+    for i in 0..length {
+        let token = if sample {
+            let values = logits.astype(Dtype::Float32)?.reshape(&[-1])?.to_vec::<f32>()?;
+            let c = sampler.draft_distribution(&values, &seq, &mut d.rng)?;
+            let q = speculative::dense_probabilities(&c, vocab);
+            let token = speculative::draw_dense(&q, &mut d.rng);
+            qs.push(q);
+            token
+        } else {
+            logits.reshape(&[-1])?.argmax(0, false)?.astype(Dtype::Uint32)?.item::<u32>()?
+        };
+        tokens.push(token);
+        seq.push(token);
+        if i + 1 < length {
+            logits = net.forward_last(&token_array(&[token])?, &mut d.caches)?;
+            d.cached += 1;
+        }
+    }
+    Ok((tokens, qs))
 }

@@ -128,6 +128,9 @@ pub struct GenerationStats {
     /// Prompt tokens whose keys and values came from the prefix cache
     /// instead of being prefilled (included in `prompt_tokens`).
     pub cached_tokens: usize,
+    /// Speculative decoding: draft tokens proposed and accepted (0 without it).
+    pub draft_tokens: usize,
+    pub accepted_tokens: usize,
 }
 
 impl GenerationStats {
@@ -168,6 +171,7 @@ pub struct Engine {
     limits: EngineLimits,
     pool: Arc<KvPool>,
     scheduler: Arc<Scheduler>,
+    draft: Option<Arc<Model>>,
 }
 
 /// What an engine may hold, fixed when it starts.
@@ -276,9 +280,25 @@ impl Engine {
     /// `InvalidParameter` when they do not hold (a window the model's
     /// caches cannot keep).
     pub fn with_limits(model: Arc<Model>, limits: EngineLimits) -> Result<Self> {
+        Engine::with_draft(model, limits, None)
+    }
+
+    /// [`with_limits`](Self::with_limits), with a draft model that
+    /// requests may speculate with (`Speculation::Draft`): a smaller model
+    /// with the same tokenizer (`InvalidParameter` naming `draft_model`
+    /// otherwise). Each speculating row keeps its own draft caches.
+    pub fn with_draft(model: Arc<Model>, limits: EngineLimits, draft: Option<Arc<Model>>) -> Result<Self> {
+        if let Some(draft) = &draft {
+            crate::batch::check_draft_model(&model, draft)?;
+        }
         let pool = BatchEngine::pool_for(&model, limits.kv_pool_bytes, limits.window()?, limits.kv_format)?;
-        let scheduler = Arc::new(Scheduler::start(model.clone(), pool.clone(), limits.prefix_caching));
-        Ok(Engine { scheduler, model, limits, pool })
+        let scheduler = Arc::new(Scheduler::start(model.clone(), pool.clone(), limits.prefix_caching, draft.clone()));
+        Ok(Engine { scheduler, model, limits, pool, draft })
+    }
+
+    /// The draft model requests may speculate with, if one was loaded.
+    pub fn draft_model(&self) -> Option<&Arc<Model>> {
+        self.draft.as_ref()
     }
 
     pub fn limits(&self) -> EngineLimits {
@@ -298,11 +318,22 @@ impl Engine {
 
     /// [`load`](Self::load) with its KV pool and prefix cache set by `limits`.
     pub fn load_with(dir: &Path, limits: EngineLimits) -> Result<Self> {
-        if !dir.is_dir() {
-            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
-            return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
-        }
-        Engine::with_limits(Arc::new(Model::load(dir).map_err(Error::load)?), limits)
+        Engine::load_with_draft(dir, limits, None)
+    }
+
+    /// [`load_with`](Self::load_with) plus a draft model from `draft_dir`
+    /// (see [`with_draft`](Self::with_draft)).
+    pub fn load_with_draft(dir: &Path, limits: EngineLimits, draft_dir: Option<&Path>) -> Result<Self> {
+        let load = |dir: &Path| -> Result<Arc<Model>> {
+            if !dir.is_dir() {
+                let what = if dir.exists() { "not a directory" } else { "no such model directory" };
+                return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
+            }
+            Ok(Arc::new(Model::load(dir).map_err(Error::load)?))
+        };
+        let model = load(dir)?;
+        let draft = draft_dir.map(load).transpose()?;
+        Engine::with_draft(model, limits, draft)
     }
 
     pub fn model(&self) -> &Arc<Model> {

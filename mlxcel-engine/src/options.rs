@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::generate::{GenerationRequest, Prompt};
 use crate::sampler_chain::{SamplerStage, DEFAULT_STAGES};
 use crate::sampling::SamplingParams;
+use crate::speculative::{Speculation, MAX_DRAFT_TOKENS};
 
 /// Prompt tokens evaluated per forward pass during prefill, unless a request says otherwise.
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
@@ -55,6 +56,10 @@ pub struct GenerationOptions {
     pub logprobs: Option<i64>,
     /// From the distribution after the sampler chain (default: the model's).
     pub post_sampling_probs: bool,
+    /// `off`, `prompt-lookup` or `draft`; None: off.
+    pub speculation: Option<String>,
+    pub draft_max: i64,
+    pub draft_min: i64,
 }
 
 impl Default for GenerationOptions {
@@ -87,6 +92,9 @@ impl Default for GenerationOptions {
             samplers: None,
             logprobs: None,
             post_sampling_probs: false,
+            speculation: None,
+            draft_max: d.draft_max as i64,
+            draft_min: d.draft_min as i64,
         }
     }
 }
@@ -97,7 +105,7 @@ fn shortest(x: f32) -> f64 {
 }
 
 /// The integer options: name, smallest and largest value, and the range as the message states it.
-const INTEGER_RANGES: [(&str, i128, i128, &str); 14] = [
+const INTEGER_RANGES: [(&str, i128, i128, &str); 16] = [
     ("max_tokens", 1, i64::MAX as i128, "an integer >= 1"),
     ("top_k", 0, u32::MAX as i128, "an integer in [0, 2**32) (0 = off)"),
     ("repetition_context_size", 0, i64::MAX as i128, "an integer >= 0"),
@@ -108,6 +116,8 @@ const INTEGER_RANGES: [(&str, i128, i128, &str); 14] = [
     ("min_keep", 0, i64::MAX as i128, "an integer >= 0"),
     ("logit_bias", 0, u32::MAX as i128, "a token id in [0, 2**32)"),
     ("logprobs", 0, 20, "an integer in [0, 20] (alternatives per token)"),
+    ("draft_max", 1, MAX_DRAFT_TOKENS as i128, "an integer in [1, 14]"),
+    ("draft_min", 0, MAX_DRAFT_TOKENS as i128, "an integer in [0, 14]"),
     // Load options (`EngineLimits`), checked with the same rules.
     ("kv_pool_bytes", 1 << 20, u64::MAX as i128, "an integer >= 1048576 (1 MiB)"),
     ("max_kv_size", 1, i32::MAX as i128, "an integer in [1, 2**31)"),
@@ -180,9 +190,20 @@ impl GenerationOptions {
             samplers: self.samplers.as_ref().map(|names| Self::stages(names)).transpose()?,
             logprobs: self.logprobs.map(|n| Self::integer("logprobs", n.into())).transpose()?,
             post_sampling_probs: self.post_sampling_probs,
+            speculation: self.speculation.as_deref().map(Self::speculation).transpose()?.unwrap_or_default(),
+            draft_max: Self::integer("draft_max", self.draft_max.into())?,
+            draft_min: Self::integer("draft_min", self.draft_min.into())?,
         };
         params.validate()?;
         Ok((params, Self::integer("prefill_chunk", self.prefill_chunk.into())?))
+    }
+
+    /// The speculation method named `name`.
+    pub fn speculation(name: &str) -> Result<Speculation> {
+        Speculation::from_name(name).ok_or_else(|| Error::InvalidParameter {
+            name: "speculation",
+            message: format!("unknown method {name:?} (known: off, prompt-lookup, draft)"),
+        })
     }
 
     /// The stages named in `names` (llama-server's names); an entry may

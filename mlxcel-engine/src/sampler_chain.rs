@@ -283,6 +283,12 @@ pub fn sample_with_candidates(
     dry: &DryBreakers,
     rng: &mut dyn RngCore,
 ) -> (u32, Candidates) {
+    let c = distribution(p, logits, history, dry, rng);
+    (draw(&c, rng), c)
+}
+
+/// The candidates the chain leaves, before the draw.
+pub fn distribution(p: &SamplingParams, logits: &[f32], history: &[u32], dry: &DryBreakers, rng: &mut dyn RngCore) -> Candidates {
     let mut c = Candidates::from_logits(logits);
     if !p.logit_bias.is_empty() {
         apply_logit_bias(&p.logit_bias, &mut c);
@@ -290,7 +296,7 @@ pub fn sample_with_candidates(
     for &stage in stages(p) {
         apply_stage(stage, p, &mut c, history, dry, rng);
     }
-    (draw(&c, rng), c)
+    c
 }
 
 /// llama.cpp's `dist`: one uniform draw in [0, 1) against the cumulative

@@ -10,7 +10,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::{Error, Result};
-use crate::sampler_chain::{self, DryBreakers, SamplerStage, DEFAULT_STAGES};
+use crate::sampler_chain::{self, Candidates, DryBreakers, SamplerStage, DEFAULT_STAGES};
+use crate::speculative::{self, Speculation, MAX_DRAFT_TOKENS};
 
 /// How to pick each next token and when to stop.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -75,6 +76,17 @@ pub struct SamplingParams {
     /// `post_sampling_probs`); false (the default) reports the model's own
     /// distribution, the log-softmax of its logits.
     pub post_sampling_probs: bool,
+    /// Speculative decoding: off (the default), prompt lookup, or the
+    /// engine's draft model. The tokens are those of plain decoding (greedy
+    /// or seeded), except with a draft model at temperature > 0, where they
+    /// keep the target's distribution (see [`crate::speculative`]).
+    pub speculation: Speculation,
+    /// The most tokens one draft proposes (1..=14, llama-server's
+    /// `speculative.n_max`); the engine drafts fewer, or none, where
+    /// drafts are rarely accepted.
+    pub draft_max: usize,
+    /// Drafts shorter than this are not verified (llama-server's `speculative.n_min`).
+    pub draft_min: usize,
 }
 
 /// The most alternatives a token's logprobs report.
@@ -117,6 +129,9 @@ impl Default for SamplingParams {
             samplers: None,
             logprobs: None,
             post_sampling_probs: false,
+            speculation: Speculation::Off,
+            draft_max: 8,
+            draft_min: 0,
         }
     }
 }
@@ -177,6 +192,12 @@ impl SamplingParams {
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(invalid("logprobs", format!("at most {MAX_TOP_LOGPROBS} alternatives, got {n}")));
         }
+        if !(1..=MAX_DRAFT_TOKENS).contains(&self.draft_max) {
+            return Err(invalid("draft_max", format!("must be in [1, {MAX_DRAFT_TOKENS}], got {}", self.draft_max)));
+        }
+        if self.draft_min > self.draft_max {
+            return Err(invalid("draft_min", format!("must be at most draft_max ({}), got {}", self.draft_max, self.draft_min)));
+        }
         if let Some(stages) = &self.samplers {
             if let Some(s) = stages.iter().enumerate().find_map(|(i, s)| stages[..i].contains(s).then_some(s)) {
                 return Err(invalid("samplers", format!("lists {} twice", s.name())));
@@ -198,7 +219,9 @@ impl SamplingParams {
             || self.xtc_probability > 0.0
             || !self.logit_bias.is_empty()
             || self.samplers.as_deref().is_some_and(|s| s != DEFAULT_STAGES);
-        !chain_only && (self.temperature == 0.0 || !filters)
+        // Rejection sampling needs the target's distribution on the host.
+        let rejection = self.speculation == Speculation::Draft && self.temperature > 0.0;
+        !chain_only && !rejection && (self.temperature == 0.0 || !filters)
     }
 }
 
@@ -245,19 +268,7 @@ impl Sampler {
             tokens.push(last);
             let values = logits.astype(Dtype::Float32)?.reshape(&[-1])?.to_vec::<f32>()?;
             let (token, after) = sampler_chain::sample_with_candidates(&self.params, &values, &tokens, &host.dry, &mut host.rng);
-            let logprobs = self.params.logprobs.map(|n| {
-                if self.params.post_sampling_probs {
-                    let ids: Vec<u32> = after.items.iter().map(|c| c.id).collect();
-                    let lp: Vec<f32> = after.probabilities().iter().map(|p| p.ln()).collect();
-                    PendingLogprobs::Host(host_logprobs(&ids, &lp, token, n))
-                } else {
-                    let max = values.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let lse = max + values.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
-                    let lp: Vec<f32> = values.iter().map(|&x| x - lse).collect();
-                    let ids: Vec<u32> = (0..values.len() as u32).collect();
-                    PendingLogprobs::Host(host_logprobs(&ids, &lp, token, n))
-                }
-            });
+            let logprobs = self.host_logprobs(&values, &after, token);
             return Ok(Sampled { token: Array::from_slice(&[token], &[1])?, logprobs });
         }
         let recent = recent_for(&self.params, history, input)?;
@@ -286,6 +297,114 @@ impl Sampler {
             }
         };
         Ok(Sampled { token, logprobs })
+    }
+
+    /// The logprobs of `token`, when asked for: from the chain's candidates
+    /// `after` (post-sampling) or the model's log-softmax of `values`.
+    fn host_logprobs(&self, values: &[f32], after: &Candidates, token: u32) -> Option<PendingLogprobs> {
+        self.params.logprobs.map(|n| {
+            if self.params.post_sampling_probs {
+                let ids: Vec<u32> = after.items.iter().map(|c| c.id).collect();
+                let lp: Vec<f32> = after.probabilities().iter().map(|p| p.ln()).collect();
+                PendingLogprobs::Host(host_logprobs(&ids, &lp, token, n))
+            } else {
+                let max = values.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                let lse = max + values.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+                let lp: Vec<f32> = values.iter().map(|&x| x - lse).collect();
+                let ids: Vec<u32> = (0..values.len() as u32).collect();
+                PendingLogprobs::Host(host_logprobs(&ids, &lp, token, n))
+            }
+        })
+    }
+
+    /// Sample-and-match verification: `logits` [L, vocab] follow `inputs`
+    /// (the row's next input token, then its L - 1 draft tokens) after
+    /// `history`. Each position is sampled exactly as a decode step would
+    /// sample it, in order, until a sample differs from the draft token at
+    /// that position; returns the emitted tokens (the agreed drafts, then
+    /// the target's own token) and their logprobs. The generator (host
+    /// chain) or the key chain (device) advances once per emitted token, so
+    /// the tokens are those of decoding without speculation.
+    pub fn verify(&mut self, logits: &Array, history: &[u32], inputs: &[u32]) -> Result<Vec<(u32, Option<PendingLogprobs>)>> {
+        let length = inputs.len();
+        let mut known = Vec::with_capacity(history.len() + length);
+        known.extend_from_slice(history);
+        let mut emitted = Vec::with_capacity(length);
+        if self.host.is_some() {
+            let values = logits.astype(Dtype::Float32)?.reshape(&[length as i32, -1])?.to_vec::<f32>()?;
+            let vocab = values.len() / length;
+            for (i, &input) in inputs.iter().enumerate() {
+                known.push(input);
+                let row = &values[i * vocab..(i + 1) * vocab];
+                let host = self.host.as_mut().expect("host chain");
+                let (token, after) = sampler_chain::sample_with_candidates(&self.params, row, &known, &host.dry, &mut host.rng);
+                let logprobs = self.host_logprobs(row, &after, token);
+                emitted.push((token, logprobs));
+                if inputs.get(i + 1) != Some(&token) {
+                    break;
+                }
+            }
+            return Ok(emitted);
+        }
+        // Device: every position sampled lazily with the next key of the
+        // chain, read back once; the key then moves past the emitted ones.
+        let mut keys = vec![self.key.clone()];
+        let mut sampled = Vec::with_capacity(length);
+        for (i, &input) in inputs.iter().enumerate() {
+            let row = logits.reshape(&[length as i32, -1])?.slice_axis(0, i as i32, i as i32 + 1)?;
+            let input = Array::from_slice(&[input], &[1])?;
+            sampled.push(self.sample(&row, &known, &input)?);
+            known.push(inputs[i]);
+            keys.push(self.key.clone());
+        }
+        queue_sampled_eval(&sampled)?;
+        for (i, s) in sampled.into_iter().enumerate() {
+            let token = s.token.astype(Dtype::Uint32)?.reshape(&[-1])?.to_vec::<u32>()?[0];
+            emitted.push((token, s.logprobs));
+            if inputs.get(i + 1) != Some(&token) {
+                break;
+            }
+        }
+        self.key = keys[emitted.len()].clone();
+        Ok(emitted)
+    }
+
+    /// Rejection-sampling verification for a draft model at temperature >
+    /// 0 (host chain): `drafts[i]` was drawn from `q[i]`, the draft model's
+    /// distribution after the same chain; see [`crate::speculative`].
+    pub fn verify_rejection(&mut self, logits: &Array, history: &[u32], inputs: &[u32], q: &[Vec<f32>]) -> Result<Vec<(u32, Option<PendingLogprobs>)>> {
+        let length = inputs.len();
+        let values = logits.astype(Dtype::Float32)?.reshape(&[length as i32, -1])?.to_vec::<f32>()?;
+        let vocab = values.len() / length;
+        let mut known = history.to_vec();
+        let mut emitted = Vec::with_capacity(length);
+        for (i, &input) in inputs.iter().enumerate() {
+            known.push(input);
+            let row = &values[i * vocab..(i + 1) * vocab];
+            let host = self.host.as_mut().ok_or_else(|| invalid("speculation", "rejection sampling runs on the host chain".into()))?;
+            let after = sampler_chain::distribution(&self.params, row, &known, &host.dry, &mut host.rng);
+            let p = speculative::dense_probabilities(&after, vocab);
+            let (token, done) = match (inputs.get(i + 1), q.get(i)) {
+                (Some(&draft), Some(q)) => match speculative::accept_or_resample(&p, q, draft, &mut host.rng) {
+                    Ok(()) => (draft, false),
+                    Err(token) => (token, true),
+                },
+                _ => (speculative::draw_dense(&p, &mut host.rng), true),
+            };
+            let logprobs = self.host_logprobs(row, &after, token);
+            emitted.push((token, logprobs));
+            if done {
+                break;
+            }
+        }
+        Ok(emitted)
+    }
+
+    /// The draft model's distribution for one position under this row's
+    /// chain (host chain rows), drawn with the drafter's own generator.
+    pub fn draft_distribution(&self, values: &[f32], tokens: &[u32], rng: &mut dyn rand::RngCore) -> Result<Candidates> {
+        let host = self.host.as_ref().ok_or_else(|| invalid("speculation", "draft sampling runs on the host chain".into()))?;
+        Ok(sampler_chain::distribution(&self.params, values, tokens, &host.dry, rng))
     }
 
     /// Greedy or temperature sampling on the device from penalized logits.
@@ -347,6 +466,12 @@ impl PendingLogprobs {
             PendingLogprobs::Device { chosen, ids, values } => vec![chosen, ids, values],
         }
     }
+}
+
+/// Evaluates sampled tokens and their logprobs.
+fn queue_sampled_eval(sampled: &[Sampled]) -> Result<()> {
+    let arrays: Vec<&Array> = sampled.iter().flat_map(|s| std::iter::once(&s.token).chain(s.logprobs.iter().flat_map(|l| l.arrays()))).collect();
+    Ok(mlx_sys::eval(arrays)?)
 }
 
 /// The log-softmax of `scores` ([1, vocab]) at `token` and its `n` largest, queued.

