@@ -39,30 +39,6 @@ fn every_position_of_a_verify_pass_equals_a_decode_step() {
     }
 }
 
-#[test]
-#[ignore]
-fn verify_cost_by_length() {
-    let engine = default_engine();
-    let model = engine.model();
-    let net = model.network();
-    let prompt: Vec<u32> = (0..200).map(|i| 100 + (i * 37) % 5000).collect();
-    for length in [1usize, 2, 3, 4, 6, 8, 12, 16] {
-        let mut caches: Vec<Box<dyn KvCache>> = net.new_caches();
-        net.forward_last(&ids_array(&prompt), &mut caches).unwrap();
-        let tokens: Vec<u32> = (0..length as u32).map(|i| 300 + i).collect();
-        let mut times = Vec::new();
-        for _ in 0..12 {
-            let t = std::time::Instant::now();
-            let all = net.forward_batch_all(&ids_array(&tokens), &mut [&mut caches[..]]).unwrap();
-            mlx_sys::eval([&all]).unwrap();
-            times.push(t.elapsed().as_secs_f64() * 1e3);
-            for c in caches.iter_mut() { c.trim(length); }
-        }
-        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        println!("L={length}: median {:.2} ms", times[6]);
-    }
-}
-
 use mlxcel_engine::{GenerationOutput, GenerationRequest, Prompt, SamplingParams, Speculation, MAX_DRAFT_TOKENS};
 
 /// Twenty prompts: ten that quote or rewrite their input (where lookup
@@ -184,4 +160,51 @@ fn draft_speculation_without_a_draft_model_is_refused() {
     }
     let params = SamplingParams { speculation: Speculation::PromptLookup, draft_max: 4, draft_min: 5, ..Default::default() };
     assert!(params.validate().unwrap_err().to_string().contains("draft_min"));
+}
+
+/// The 4-bit default model drafting for its 8-bit requantization: greedy
+/// output equals the 8-bit model's alone, with drafting forced on
+/// (draft_min) since the policy finds a draft this large does not pay on
+/// the CPU.
+#[test]
+fn a_draft_model_keeps_greedy_tokens() {
+    use std::sync::Arc;
+    let target_dir = mlxcel_hub::default_model_requantized(8, 32).unwrap();
+    let target = Arc::new(mlxcel_models::Model::load(&target_dir).unwrap());
+    let draft = default_engine().model().clone();
+    let engine = mlxcel_engine::Engine::with_draft(target, mlxcel_engine::EngineLimits::default(), Some(draft)).unwrap();
+    let mut accepted = 0;
+    for (i, prompt) in PROMPTS.iter().enumerate().step_by(4) {
+        let plain = run(&engine, prompt, SamplingParams { max_tokens: 32, ..Default::default() });
+        let spec = run(&engine, prompt, SamplingParams { max_tokens: 32, speculation: Speculation::Draft, draft_min: 3, draft_max: 5, ..Default::default() });
+        assert_eq!(spec.tokens, plain.tokens, "prompt {i}: {:?} vs {:?}", spec.text, plain.text);
+        assert!(spec.stats.draft_tokens > 0, "prompt {i}: drafting was forced");
+        accepted += spec.stats.accepted_tokens;
+    }
+    assert!(accepted > 0);
+    // Without draft_min the policy decides, from the models' sizes.
+    let adaptive = run(&engine, PROMPTS[0], SamplingParams { max_tokens: 32, speculation: Speculation::Draft, ..Default::default() });
+    let plain = run(&engine, PROMPTS[0], SamplingParams { max_tokens: 32, ..Default::default() });
+    assert_eq!(adaptive.tokens, plain.tokens);
+}
+
+/// A draft model whose vocabulary differs from the target's is refused
+/// when the engine is built, naming draft_model.
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused() {
+    let tiny = mlxcel_tests::repo_root().join("mlxcel-models/tests/data/tiny/llama");
+    let dir = std::env::temp_dir().join(format!("mlxcel-draft-vocab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(tiny.join(name), dir.join(name)).unwrap();
+    }
+    for entry in std::fs::read_dir(mlxcel_tests::default_model_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap().to_string_lossy().starts_with("tokenizer") {
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let err = mlxcel_engine::Engine::load_with_draft(&mlxcel_tests::default_model_dir(), mlxcel_engine::EngineLimits::default(), Some(&dir)).err().unwrap().to_string();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(err.contains("draft_model"), "{err}");
 }

@@ -590,9 +590,17 @@ impl BatchEngine {
         // The round reads back its input, its accepted drafts and queues
         // one more token: at most max_tokens in all.
         let room = r.params.max_tokens.saturating_sub(r.tokens.len() + 2);
-        let length = spec.policy.length(r.params.draft_max.min(room));
+        let length = spec.policy.length(r.params.draft_max).max(r.params.draft_min).min(room);
         if length == 0 || length < r.params.draft_min {
             spec.policy.idle();
+            return Ok(None);
+        }
+        let lookup = spec.draft.is_none();
+        if !spec.policy.due() {
+            return Ok(None);
+        }
+        if lookup && !speculative::prompt_lookup_possible(&r.history) {
+            spec.policy.missed();
             return Ok(None);
         }
         let current = current.astype(Dtype::Uint32)?.item::<u32>()?;
@@ -608,7 +616,7 @@ impl BatchEngine {
             }
         };
         if drafts.is_empty() || drafts.len() < r.params.draft_min {
-            spec.policy.idle();
+            spec.policy.missed();
             return Ok(None);
         }
         let mut inputs = vec![current];

@@ -85,7 +85,10 @@ pub struct SamplingParams {
     /// `speculative.n_max`); the engine drafts fewer, or none, where
     /// drafts are rarely accepted.
     pub draft_max: usize,
-    /// Drafts shorter than this are not verified (llama-server's `speculative.n_min`).
+    /// The fewest tokens a round drafts (llama-server's `speculative.n_min`):
+    /// above 0 it overrides the adaptive policy, which would otherwise draft
+    /// none where drafting does not pay; a prompt-lookup draft shorter than
+    /// this is not verified.
     pub draft_min: usize,
 }
 

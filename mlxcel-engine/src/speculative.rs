@@ -59,6 +59,19 @@ pub const MAX_DRAFT_TOKENS: usize = 14;
 const LOOKUP_NGRAM_MAX: usize = 3;
 const LOOKUP_NGRAM_MIN: usize = 2;
 
+/// Whether [`prompt_lookup`] can find a match for `history` plus any next
+/// token: the shortest n-gram's first n − 1 tokens must occur earlier.
+/// Checked before the next token is read back, so a row whose text has no
+/// repeats never waits on it.
+pub fn prompt_lookup_possible(history: &[u32]) -> bool {
+    let n = LOOKUP_NGRAM_MIN - 1;
+    if history.len() <= n {
+        return false;
+    }
+    let tail = &history[history.len() - n..];
+    history[..history.len() - n].windows(n).any(|w| w == tail)
+}
+
 /// Up to `max` tokens that followed the most recent earlier occurrence of
 /// the last n tokens of `tokens` (n from 3 down to 2), or none.
 pub fn prompt_lookup(tokens: &[u32], max: usize) -> Vec<u32> {
@@ -103,11 +116,15 @@ pub struct DraftPolicy {
     pub drafted: usize,
     pub accepted: usize,
     pub rounds: usize,
+    /// Drafting attempts that found nothing in a row, and the steps left
+    /// before the next attempt (1, 2, 4, … up to 16 after each miss).
+    misses: u32,
+    skip: usize,
 }
 
 impl DraftPolicy {
     pub fn new(draft_cost: f64) -> Self {
-        DraftPolicy { acceptance: PRIOR_ACCEPTANCE, draft_cost, drafted: 0, accepted: 0, rounds: 0 }
+        DraftPolicy { acceptance: PRIOR_ACCEPTANCE, draft_cost, drafted: 0, accepted: 0, rounds: 0, misses: 0, skip: 0 }
     }
 
     /// The draft length in 0..=`max` with the most expected tokens per unit
@@ -131,11 +148,28 @@ impl DraftPolicy {
         best.1
     }
 
+    /// Whether this step may try to draft: false while backing off after
+    /// attempts that found no draft (each costs a wait for the row's token).
+    pub fn due(&mut self) -> bool {
+        if self.skip > 0 {
+            self.skip -= 1;
+            return false;
+        }
+        true
+    }
+
+    /// An attempt that found no draft.
+    pub fn missed(&mut self) {
+        self.misses = (self.misses + 1).min(4);
+        self.skip = 1 << self.misses;
+    }
+
     /// After a round in which `accepted` of `drafted` tokens were kept.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         if drafted == 0 {
             return;
         }
+        self.misses = 0;
         self.drafted += drafted;
         self.accepted += accepted;
         self.rounds += 1;
@@ -221,6 +255,32 @@ mod tests {
         assert_eq!(prompt_lookup(&[1, 2, 3, 4], 4), Vec::<u32>::new());
         assert_eq!(prompt_lookup(&[1, 2, 1, 2], 4), [1, 2]);
         assert_eq!(prompt_lookup(&[1, 2, 1, 2], 0), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn lookup_is_possible_only_when_the_last_token_repeats() {
+        assert!(!prompt_lookup_possible(&[1, 2, 3]));
+        assert!(prompt_lookup_possible(&[3, 2, 3]));
+        assert!(!prompt_lookup_possible(&[3]));
+    }
+
+    #[test]
+    fn misses_back_off_exponentially_and_a_round_resets_them() {
+        let mut p = DraftPolicy::new(0.0);
+        let waits: Vec<usize> = (0..6)
+            .map(|_| {
+                p.missed();
+                let mut waited = 0;
+                while !p.due() {
+                    waited += 1;
+                }
+                waited
+            })
+            .collect();
+        assert_eq!(waits, [2, 4, 8, 16, 16, 16]);
+        p.record(3, 2);
+        p.missed();
+        assert!(!p.due() && !p.due() && p.due());
     }
 
     #[test]

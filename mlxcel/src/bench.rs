@@ -56,6 +56,19 @@ pub struct BenchArgs {
     pub kv_pool_mib: Option<u64>,
     #[command(flatten)]
     pub kv: crate::KvArgs,
+    /// Bench this text, as one user message through the model's chat
+    /// template, instead of --prompt-tokens of benches/prompt.txt (e.g.
+    /// benches/rewrite.txt: a passage to rewrite, where prompt lookup pays).
+    #[arg(long, value_name = "FILE")]
+    pub prompt_file: Option<PathBuf>,
+    /// Sampling temperature (seeded, the same seed every run); 0 is greedy.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temp: f32,
+    /// With --spec, each run is paired with the same run without
+    /// speculation (greedy: the tokens must match), and the report adds
+    /// acceptance_rate and spec_decode_speedup.
+    #[command(flatten)]
+    pub spec: crate::SpecArgs,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -82,6 +95,13 @@ impl BenchArgs {
 
 /// The figures of one run.
 struct Run {
+    /// The tokens of the run's first row.
+    tokens: Vec<u32>,
+    /// Speculation: tokens drafted and accepted, over all rows.
+    draft_tokens: usize,
+    accepted_tokens: usize,
+    /// The same run without speculation (only with --spec).
+    without_spec: Option<Box<Run>>,
     /// Prefill up to and including the first sampled token (the engine's `prompt_time`).
     prompt_s: f64,
     prompt_tps: f64,
@@ -110,6 +130,9 @@ impl Run {
             "decode_tps": self.decode_tps,
             "aggregate_decode_tps": self.aggregate_decode_tps,
             "process_peak_mlx_bytes": self.process_peak_mlx_bytes,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "without_spec": self.without_spec.as_ref().map(|r| r.to_json()),
         })
     }
 }
@@ -121,7 +144,9 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let baseline_rss = rss_bytes("VmRSS:");
     let loaded = Instant::now();
     let limits = args.kv.limits(args.kv_pool_mib.map(|m| m.saturating_mul(1 << 20)))?;
-    let engine = Engine::load_with(dir, limits)?;
+    let engine = args.spec.load(dir, limits)?;
+    let speculation = args.spec.speculation()?;
+    let params = args.spec.apply(SamplingParams { temperature: args.temp, seed: Some(0), max_tokens: args.gen_tokens, ..SamplingParams::default() })?;
     eprintln!("loaded in {:.2} s", loaded.elapsed().as_secs_f64());
     // Peak RSS counts generation only, not the loader's transient buffers.
     let loaded_rss = rss_bytes("VmRSS:");
@@ -143,13 +168,21 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             );
         }
     }
-    let ids = prompt_ids(model.tokenizer(), args.prompt_tokens)?;
+    let ids = match &args.prompt_file {
+        None => prompt_ids(model.tokenizer(), args.prompt_tokens)?,
+        Some(file) => {
+            let text = std::fs::read_to_string(file).map_err(|e| format!("--prompt-file {}: {e}", file.display()))?;
+            engine.chat_tokens(&[mlxcel_engine::Message::user(text)])?
+        }
+    };
     if args.prefix_reuse {
         return prefix_reuse(args, &engine, &ids);
     }
 
     eprintln!("warm-up: {} prompt + {WARMUP_GEN_TOKENS} generated tokens (untimed)", ids.len().min(WARMUP_PROMPT_TOKENS));
-    run_once(&engine, &ids[..ids.len().min(WARMUP_PROMPT_TOKENS)], WARMUP_GEN_TOKENS, args.prefill_chunk)?;
+    let warmup = SamplingParams { max_tokens: WARMUP_GEN_TOKENS, ..params.clone() };
+    run_once(&engine, &ids[..ids.len().min(WARMUP_PROMPT_TOKENS)], &warmup, args.prefill_chunk)?;
+    let without = SamplingParams { speculation: mlxcel_engine::Speculation::Off, ..params.clone() };
 
     // Batch rows: the same text from other starting points, so every row's
     // prompt differs and has the same length.
@@ -157,18 +190,40 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let watch = PoolWatch::start(engine.kv_pool().clone());
     let mut runs = Vec::with_capacity(args.repeat);
     for i in 1..=args.repeat {
-        let run = if args.batch == 1 {
-            run_once(&engine, &ids, args.gen_tokens, args.prefill_chunk)?
-        } else {
-            run_batch(&engine, &batch_ids, args.gen_tokens, args.prefill_chunk)?
+        let once = |params: &SamplingParams| {
+            if args.batch == 1 {
+                run_once(&engine, &ids, params, args.prefill_chunk)
+            } else {
+                run_batch(&engine, &batch_ids, params, args.prefill_chunk)
+            }
         };
+        let mut run = once(&params)?;
+        if speculation != mlxcel_engine::Speculation::Off {
+            let plain = once(&without)?;
+            // Greedy, and seeded sampling-and-match, keep the tokens; rejection sampling keeps only their distribution.
+            let identical = args.temp == 0.0 || speculation == mlxcel_engine::Speculation::PromptLookup;
+            if identical && plain.tokens != run.tokens {
+                return Err("decoding with speculation gave other tokens than without it".into());
+            }
+            run.without_spec = Some(Box::new(plain));
+        }
         eprintln!(
-            "run {i}/{}: prompt {:.1} tok/s, decode {:.1} tok/s, TTFT {:.3} s{}",
+            "run {i}/{}: prompt {:.1} tok/s, decode {:.1} tok/s, TTFT {:.3} s{}{}",
             args.repeat,
             run.prompt_tps,
             run.decode_tps,
             run.ttft_s,
-            if args.batch > 1 { format!(", aggregate decode {:.1} tok/s over {} rows", run.aggregate_decode_tps, args.batch) } else { String::new() }
+            if args.batch > 1 { format!(", aggregate decode {:.1} tok/s over {} rows", run.aggregate_decode_tps, args.batch) } else { String::new() },
+            match &run.without_spec {
+                Some(plain) => format!(
+                    "; without speculation {:.1} tok/s ({:.2}x), {} of {} drafts accepted",
+                    plain.decode_tps,
+                    run.decode_tps / plain.decode_tps,
+                    run.accepted_tokens,
+                    run.draft_tokens
+                ),
+                None => String::new(),
+            }
         );
         runs.push(run);
     }
@@ -177,13 +232,21 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
 
     let prompt_tps = median(runs.iter().map(|r| r.prompt_tps));
     let decode_tps = median(runs.iter().map(|r| r.decode_tps));
+    let spec = (speculation != mlxcel_engine::Speculation::Off).then(|| {
+        let drafted: usize = runs.iter().map(|r| r.draft_tokens).sum();
+        let accepted: usize = runs.iter().map(|r| r.accepted_tokens).sum();
+        let plain_tps = median(runs.iter().filter_map(|r| r.without_spec.as_ref()).map(|r| r.decode_tps));
+        // The median of each run's ratio to its own pair: drift between runs cancels.
+        let speedup = median(runs.iter().filter_map(|r| r.without_spec.as_ref().map(|p| r.decode_tps / p.decode_tps)));
+        (accepted as f64 / drafted.max(1) as f64, plain_tps, speedup)
+    });
     let ttft_s = median(runs.iter().map(|r| r.ttft_s));
     let process_peak_mlx_bytes = runs.iter().map(|r| r.process_peak_mlx_bytes).max().unwrap_or(0);
     let peak_rss = peak_rss_bytes();
     let weight_bytes = model.info().weight_bytes;
     // The KV cache of a run holds prompt + generated positions (the last
     // token is never fed back; one position of slack keeps the figure simple).
-    let kv_positions = args.prompt_tokens + args.gen_tokens;
+    let kv_positions = ids.len() + args.gen_tokens;
     // Per position as the pool stores it (f32 or 8 bits).
     let kv_bytes = (engine.kv_pool().block_bytes() / mlxcel_models::paged::BLOCK_TOKENS * kv_positions) as u64;
     let kernel_threads = mlx_sys::kernels::num_threads();
@@ -196,11 +259,12 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     if args.json {
         let report = json!({
             "model": dir.to_string_lossy(),
-            "prompt_tokens": args.prompt_tokens,
+            "prompt_tokens": ids.len(),
             "gen_tokens": args.gen_tokens,
             "repeat": args.repeat,
             "prefill_chunk": args.prefill_chunk,
             "batch": args.batch,
+            "temperature": args.temp,
             "prompt_tps": prompt_tps,
             "decode_tps": decode_tps,
             "aggregate_decode_tps": aggregate_decode_tps,
@@ -223,6 +287,13 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "mlx_version": mlx_sys::mlx_version(),
             "runs": runs.iter().map(Run::to_json).collect::<Vec<_>>(),
             "kv_pool": pool.to_json(),
+            "prompt_file": args.prompt_file.as_ref().map(|f| f.to_string_lossy()),
+            "speculation": speculation.name(),
+            "draft_model": args.spec.draft_model.as_ref().map(|d| d.to_string_lossy()),
+            "draft_max": args.spec.draft_max,
+            "acceptance_rate": spec.map(|s| s.0),
+            "decode_tps_without_spec": spec.map(|s| s.1),
+            "spec_decode_speedup": spec.map(|s| s.2),
         });
         println!("{report}");
         return Ok(());
@@ -234,13 +305,27 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("cpu", cpu.clone()),
         ("kernels", format!("{kernel_threads} threads, {gemm_loop} GEMM (prefill), {matvec_loop} matvec (decode)")),
         ("BLAS", format!("{} build, {} at run time (models never call it)", mlx_sys::BLAS_BACKEND, if blas_library.is_empty() { "none found".to_string() } else { blas_library.clone() })),
-        ("prompt tokens", format!("{} (prefill chunk {})", args.prompt_tokens, args.prefill_chunk)),
-        ("gen tokens", format!("{} (greedy, EOS ignored)", args.gen_tokens)),
+        ("prompt tokens", format!("{} (prefill chunk {}){}", ids.len(), args.prefill_chunk, match &args.prompt_file {
+            Some(file) => format!(", {} in the chat template", file.display()),
+            None => String::new(),
+        })),
+        ("gen tokens", format!("{} ({}, EOS ignored)", args.gen_tokens, if args.temp == 0.0 { "greedy".to_string() } else { format!("temperature {}, seed 0", args.temp) })),
         ("repeat", format!("{} (+1 warm-up), medians below", args.repeat)),
         ("prompt tok/s", format!("{prompt_tps:.1}")),
         ("decode tok/s", format!("{decode_tps:.1}{}", if args.batch > 1 { " (median row)" } else { "" })),
         ("batch", format!("{} rows, aggregate decode {aggregate_decode_tps:.1} tok/s", args.batch)),
         ("TTFT", format!("{ttft_s:.3} s")),
+        (
+            "speculation",
+            match spec {
+                Some((acceptance, plain_tps, speedup)) => format!(
+                    "{}: decode {speedup:.2}x the same runs without it ({plain_tps:.1} tok/s), {:.0} % of drafted tokens accepted",
+                    speculation.name(),
+                    100.0 * acceptance
+                ),
+                None => "off".to_string(),
+            },
+        ),
         ("peak RSS", peak_rss.map_or_else(|| "n/a".to_string(), mib)),
         ("baseline RSS", baseline_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (before loading the model)", mib(b)))),
         ("loaded RSS", loaded_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (model loaded, before generating)", mib(b)))),
@@ -292,10 +377,11 @@ fn prompt_ids(tokenizer: &Tokenizer, n: usize) -> AnyResult<Vec<u32>> {
     Ok(text.iter().copied().cycle().take(n).collect())
 }
 
-/// One greedy generation of exactly `gen` tokens after the prompt `ids`.
-fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> AnyResult<Run> {
+/// One generation of exactly `params.max_tokens` tokens after the prompt `ids`.
+fn run_once(engine: &Engine, ids: &[u32], params: &SamplingParams, prefill_chunk: usize) -> AnyResult<Run> {
+    let gen = params.max_tokens;
     let mut request = GenerationRequest::new(Prompt::Tokens(ids.to_vec()));
-    request.params = SamplingParams { temperature: 0.0, max_tokens: gen, ..SamplingParams::default() };
+    request.params = params.clone();
     request.prefill_chunk = prefill_chunk;
     request.ignore_eos = true;
     // Every run prefills its prompt cold (the runs repeat one prompt).
@@ -316,6 +402,10 @@ fn run_once(engine: &Engine, ids: &[u32], gen: usize, prefill_chunk: usize) -> A
         .into());
     }
     Ok(Run {
+        tokens: output.tokens.clone(),
+        draft_tokens: stats.draft_tokens,
+        accepted_tokens: stats.accepted_tokens,
+        without_spec: None,
         prompt_s: stats.prompt_time.as_secs_f64(),
         prompt_tps: stats.prompt_tokens_per_second(),
         // `decode_time` runs from the moment the first token was read back to
@@ -456,12 +546,13 @@ fn rotated(ids: &[u32], row: usize) -> Vec<u32> {
     ids[shift..].iter().chain(&ids[..shift]).copied().collect()
 }
 
-/// One batch: every row queued at once, greedy, exactly `gen` tokens each.
-fn run_batch(engine: &Engine, rows: &[Vec<u32>], gen: usize, prefill_chunk: usize) -> AnyResult<Run> {
+/// One batch: every row queued at once, exactly `params.max_tokens` tokens each.
+fn run_batch(engine: &Engine, rows: &[Vec<u32>], params: &SamplingParams, prefill_chunk: usize) -> AnyResult<Run> {
+    let gen = params.max_tokens;
     let requests: Vec<GenerationRequest> = rows
         .iter()
         .map(|ids| GenerationRequest {
-            params: SamplingParams { temperature: 0.0, max_tokens: gen, ..SamplingParams::default() },
+            params: params.clone(),
             prefill_chunk,
             ignore_eos: true,
             cache_prompt: false,
@@ -481,6 +572,10 @@ fn run_batch(engine: &Engine, rows: &[Vec<u32>], gen: usize, prefill_chunk: usiz
     let prompt_tokens: usize = outputs.iter().map(|o| o.stats.prompt_tokens).sum();
     let prompt_s = outputs.iter().map(|o| o.stats.prompt_time.as_secs_f64()).fold(0.0, f64::max);
     Ok(Run {
+        tokens: outputs[0].tokens.clone(),
+        draft_tokens: outputs.iter().map(|o| o.stats.draft_tokens).sum(),
+        accepted_tokens: outputs.iter().map(|o| o.stats.accepted_tokens).sum(),
+        without_spec: None,
         prompt_s,
         // All rows' prompt tokens over the time until the last row's first token.
         prompt_tps: prompt_tokens as f64 / prompt_s.max(1e-9),

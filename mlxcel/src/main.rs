@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use mlxcel_engine::{Engine, GenerationRequest, Message, Prompt, SamplingParams};
+use mlxcel_engine::{Engine, GenerationRequest, Message, Prompt, SamplingParams, Speculation};
 use mlxcel_gguf::ConvertOptions;
 use mlxcel_models::model::{load_network, read_config, ModelInfo};
 use mlxcel_tokenizer::Tokenizer;
@@ -82,6 +82,8 @@ struct GenerateArgs {
     chain: ChainArgs,
     #[command(flatten)]
     kv: KvArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
 /// The sampler chain's options (llama-server's names and defaults); any of
@@ -161,6 +163,55 @@ impl ChainArgs {
             logit_bias,
             ..params
         })
+    }
+}
+
+/// Speculative decoding, for `generate` and `bench`. Greedy output is
+/// token-identical with and without it; sampled output keeps its
+/// distribution (and, with prompt lookup, a seeded request its tokens).
+#[derive(Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// prompt-lookup: draft the tokens that followed the latest match of the
+    /// last few tokens in the prompt and output; draft: a --draft-model
+    /// proposes them. The target verifies a draft in one batched pass.
+    #[arg(long, value_name = "METHOD")]
+    pub spec: Option<String>,
+    /// A smaller checkpoint with the same tokenizer, drafting for the model
+    /// (implies --spec draft).
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<PathBuf>,
+    /// Most tokens drafted per round (1-14); each row adapts its draft
+    /// length to its measured acceptance.
+    #[arg(long, value_name = "N", default_value_t = SamplingParams::default().draft_max)]
+    pub draft_max: usize,
+    /// Fewest tokens a round drafts: above 0 it overrides the adaptive
+    /// policy (which drafts none where drafting does not pay).
+    #[arg(long, value_name = "N", default_value_t = SamplingParams::default().draft_min)]
+    pub draft_min: usize,
+}
+
+impl SpecArgs {
+    pub fn speculation(&self) -> AnyResult<Speculation> {
+        let speculation = match (&self.spec, &self.draft_model) {
+            (Some(name), _) => mlxcel_engine::GenerationOptions::speculation(name)?,
+            (None, Some(_)) => Speculation::Draft,
+            (None, None) => Speculation::Off,
+        };
+        if speculation == Speculation::Draft && self.draft_model.is_none() {
+            return Err("--spec draft needs --draft-model DIR".into());
+        }
+        Ok(speculation)
+    }
+
+    /// These options over `params`.
+    pub fn apply(&self, params: SamplingParams) -> AnyResult<SamplingParams> {
+        Ok(SamplingParams { speculation: self.speculation()?, draft_max: self.draft_max, draft_min: self.draft_min, ..params })
+    }
+
+    /// The engine over `dir` with `limits`, and the draft model if one was given.
+    pub fn load(&self, dir: &Path, limits: mlxcel_engine::EngineLimits) -> AnyResult<Engine> {
+        self.speculation()?;
+        Ok(Engine::load_with_draft(dir, limits, self.draft_model.as_deref())?)
     }
 }
 
@@ -249,7 +300,7 @@ fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {
 
 fn generate(args: GenerateArgs) -> AnyResult<()> {
     let dir = model_dir(args.model)?;
-    let engine = Engine::load_with(&dir, args.kv.limits(None)?)?;
+    let engine = args.spec.load(&dir, args.kv.limits(None)?)?;
     let prompt = if args.chat || args.system.is_some() {
         let mut messages = Vec::new();
         if let Some(system) = args.system {
@@ -273,6 +324,7 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
         ..SamplingParams::default()
     };
     request.params = args.chain.apply(request.params)?;
+    request.params = args.spec.apply(request.params)?;
     request.params.logprobs = args.logprobs;
     request.params.post_sampling_probs = args.post_sampling_probs;
     let mut stdout = std::io::stdout().lock();
@@ -301,6 +353,15 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
         human_bytes(s.process_peak_memory_bytes as u64),
         output.finish_reason.as_str(),
     );
+    if request.params.speculation != Speculation::Off {
+        eprintln!(
+            "speculation ({}): {} of {} drafted tokens accepted ({:.0} %)",
+            request.params.speculation.name(),
+            s.accepted_tokens,
+            s.draft_tokens,
+            100.0 * s.accepted_tokens as f64 / s.draft_tokens.max(1) as f64
+        );
+    }
     Ok(())
 }
 
