@@ -37,7 +37,7 @@
 // function's signature or a struct's layout changes incompatibly; a program
 // must only run against a library with the same major version. It is also
 // the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
-#define MLXCEL_ABI_VERSION_MAJOR 4
+#define MLXCEL_ABI_VERSION_MAJOR 5
 
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
@@ -175,6 +175,12 @@ typedef struct mlxcel_model_params {
     // a multiple of 64, fails the load with `MLXCEL_ERR_INVALID_ARGUMENT`.
     // Since ABI 4.0.
     uint32_t kv_bits;
+    // A draft model for `speculation` "draft": a smaller checkpoint
+    // directory with the model's tokenizer, NUL-terminated; NULL (the
+    // default) loads none. A draft with another vocabulary fails the load
+    // with `MLXCEL_ERR_INVALID_ARGUMENT` naming `draft_model`. Only read
+    // during `mlxcel_model_load`. Since ABI 5.0.
+    const char *draft_model;
 } mlxcel_model_params;
 
 // A summary of a loaded model. Strings are NUL-terminated (truncated if
@@ -282,6 +288,18 @@ typedef struct mlxcel_generate_params {
     // penalties, filters and temperature) instead of the model's (false,
     // the default).
     bool post_sampling_probs;
+    // How to speculate, NUL-terminated: "off", "prompt-lookup" (draft
+    // tokens from n-gram matches in the prompt and output) or "draft" (from
+    // the model's `draft_model`); NULL = off (default). The target checks
+    // every draft in one forward pass; the tokens are those of plain
+    // decoding, greedy or seeded (with a draft model at a temperature > 0,
+    // the same distribution instead).
+    const char *speculation;
+    // The most tokens one draft proposes, in [1, 14] (default 8); fewer, or
+    // none, are drafted where drafts are rarely accepted.
+    int32_t draft_max;
+    // Shorter drafts are not checked, in [0, `draft_max`] (default 0).
+    int32_t draft_min;
 } mlxcel_generate_params;
 
 // Called with each piece of generated text as soon as it is complete UTF-8.
@@ -323,6 +341,10 @@ typedef struct mlxcel_generation_result {
     // Process-wide: MLX's allocator high-water mark when the run ended, over
     // every model and generation in the process (not reset by any run).
     uint64_t process_peak_memory_bytes;
+    // Speculative decoding: draft tokens proposed, and those accepted (both
+    // 0 without it). Since ABI 5.0.
+    size_t draft_tokens;
+    size_t accepted_tokens;
 } mlxcel_generation_result;
 
 // One generated token's log-probability and its most likely alternatives
@@ -361,7 +383,8 @@ const char *mlxcel_status_string(mlxcel_status status);
 
 // The default model parameters: `path` NULL (the default model),
 // `kv_pool_bytes` 0 (the default budget), `max_kv_size` 0 (every position
-// kept), `kv_keep` 4, `kv_bits` 0 (f32 keys and values).
+// kept), `kv_keep` 4, `kv_bits` 0 (f32 keys and values), `draft_model`
+// NULL (no draft model).
 struct mlxcel_model_params mlxcel_model_default_params(void);
 
 // Loads a model. On success stores a new handle in `*out_model`; free it
@@ -370,8 +393,10 @@ struct mlxcel_model_params mlxcel_model_default_params(void);
 // Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
 // `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB, a
 // `max_kv_size` not larger than `kv_keep`, a `kv_bits` other than 0 or 8, or
-// either option on a model without the paged pool),
-// `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
+// either option on a model without the paged pool; a `draft_model` whose
+// tokenizer differs from the model's),
+// `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong,
+// in the model or the draft model).
 // On failure `*out_model` is set to NULL (if out_model is not NULL) and
 // nothing is allocated. May take seconds (and download the default model on
 // first use). Thread-safe: several threads may load models at once.
@@ -471,7 +496,8 @@ mlxcel_status mlxcel_context_free(struct mlxcel_context *ctx);
 // greedy, 256 tokens, no filters, no repetition penalty (context 20),
 // prefill chunks of 512 tokens, no stop strings, seed from the clock; the
 // chain's options off (DRY base 1.75, allowed length 2, the whole
-// history, the default breakers; XTC threshold 0.1; top-n-sigma -1).
+// history, the default breakers; XTC threshold 0.1; top-n-sigma -1); no
+// speculation (drafts of at most 8 tokens, at least 0).
 struct mlxcel_generate_params mlxcel_generate_default_params(void);
 
 // Generates a continuation of the NUL-terminated UTF-8 `prompt` (tokenized

@@ -64,7 +64,20 @@ export interface GenerateOptions {
   logprobs?: number
   /** Take them from the distribution the token was drawn from (after penalties, filters and temperature) instead of the model's (default false). */
   postSamplingProbs?: boolean
+  /**
+   * Speculative decoding: 'prompt-lookup' drafts tokens from n-gram matches in the prompt and output,
+   * 'draft' from the model's `draftModel` (see LoadOptions); 'off' (the default) does not. The model
+   * checks each draft in one forward pass; the tokens are those of plain decoding, greedy or seeded
+   * (with a draft model at a temperature > 0, the same distribution instead).
+   */
+  speculation?: Speculation
+  /** The most tokens one draft proposes, 1-14 (default 8); fewer, or none, where drafts are rarely accepted. */
+  draftMax?: number
+  /** Shorter drafts are not checked, 0 to draftMax (default 0). */
+  draftMin?: number
 }
+
+export type Speculation = 'off' | 'prompt-lookup' | 'draft'
 
 export type FinishReason = 'stop' | 'length' | 'cancelled'
 
@@ -81,6 +94,10 @@ export interface GenerationStats {
   processPeakMemoryBytes: number
   /** Prompt tokens whose keys and values came from the prefix cache (included in promptTokens). */
   cachedTokens: number
+  /** Speculative decoding: draft tokens proposed (0 without it). */
+  draftTokens: number
+  /** Draft tokens the model accepted. */
+  acceptedTokens: number
 }
 
 /** A piece of streamed text. */
@@ -212,15 +229,13 @@ export interface LoadOptions {
    * INVALID_PARAMETER. Unset keeps f32.
    */
   kvBits?: number
+  /**
+   * A smaller checkpoint directory with the model's tokenizer, loaded beside it to draft tokens
+   * for `speculation: 'draft'`. One with another tokenizer rejects with INVALID_PARAMETER.
+   */
+  draftModel?: string
 }
 
-/**
- * Loads a model directory (MLX / Hugging Face layout: config.json, safetensors,
- * tokenizer.json), off the event loop. Without a path, loads the default model
- * (SmolLM2-135M-Instruct), downloading and converting it into the cache
- * directory ($MLXCEL_CACHE_DIR or ~/.cache/mlxcel) on first use.
- * Rejects with code MODEL_LOAD on failure (INVALID_ARGUMENT for bad arguments).
- */
 /** The engine's defaults of the generation options: what an absent option means (the same in C and Python). */
 export declare const generationDefaults: Readonly<
   Required<Omit<GenerateOptions, 'signal' | 'seed' | 'stop' | 'logitBias' | 'samplers' | 'logprobs'>> & {
@@ -231,5 +246,12 @@ export declare const generationDefaults: Readonly<
   }
 >
 
+/**
+ * Loads a model directory (MLX / Hugging Face layout: config.json, safetensors,
+ * tokenizer.json), off the event loop. Without a path, loads the default model
+ * (SmolLM2-135M-Instruct), downloading and converting it into the cache
+ * directory ($MLXCEL_CACHE_DIR or ~/.cache/mlxcel) on first use.
+ * Rejects with code MODEL_LOAD on failure (INVALID_ARGUMENT for bad arguments).
+ */
 export declare function loadModel(path?: string | null, options?: LoadOptions): Promise<Model>
 export declare function loadModel(options: LoadOptions): Promise<Model>

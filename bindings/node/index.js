@@ -94,8 +94,19 @@ const NUMBER_OPTIONS = [
   'xtcThreshold',
   'minKeep',
   'logprobs',
+  'draftMax',
+  'draftMin',
 ]
-const KNOWN_OPTIONS = new Set([...NUMBER_OPTIONS, 'stop', 'signal', 'drySequenceBreakers', 'logitBias', 'samplers', 'postSamplingProbs'])
+const KNOWN_OPTIONS = new Set([
+  ...NUMBER_OPTIONS,
+  'stop',
+  'signal',
+  'drySequenceBreakers',
+  'logitBias',
+  'samplers',
+  'postSamplingProbs',
+  'speculation',
+])
 
 function isAbortSignal(value) {
   return (
@@ -133,6 +144,9 @@ function parseOptions(model, opts) {
         throw argumentError('option `drySequenceBreakers` must be an array of strings')
       }
       options.drySequenceBreakers = value
+    } else if (key === 'speculation') {
+      if (typeof value !== 'string') throw argumentError('option `speculation` must be a string ("off", "prompt-lookup" or "draft")')
+      options.speculation = value
     } else if (key === 'postSamplingProbs') {
       if (typeof value !== 'boolean') throw argumentError('option `postSamplingProbs` must be a boolean')
       options.postSamplingProbs = value
@@ -275,6 +289,8 @@ function statsOf(done) {
     kvCacheBytes: done.kvCacheBytes,
     processPeakMemoryBytes: done.processPeakMemoryBytes,
     cachedTokens: done.cachedTokens,
+    draftTokens: done.draftTokens,
+    acceptedTokens: done.acceptedTokens,
   }
 }
 
@@ -461,14 +477,24 @@ async function loadModel(modelPath, opts) {
       if (value !== undefined && typeof value !== 'boolean') throw argumentError('option `progress` must be a boolean')
     } else if (key === 'kvPoolBytes' || key === 'maxKvSize' || key === 'kvKeep' || key === 'kvBits') {
       if (value !== undefined && typeof value !== 'number') throw argumentError(`option \`${key}\` must be a number`)
+    } else if (key === 'draftModel') {
+      if (value !== undefined && value !== null && typeof value !== 'string') throw argumentError('option `draftModel` must be a string')
     } else {
-      throw argumentError(`unknown loadModel option \`${key}\` (known: progress, kvPoolBytes, maxKvSize, kvKeep, kvBits)`)
+      throw argumentError(`unknown loadModel option \`${key}\` (known: progress, kvPoolBytes, maxKvSize, kvKeep, kvBits, draftModel)`)
     }
   }
   let task
   try {
     // The engine checks the limits before the load starts.
-    task = native.loadModel(modelPath == null ? undefined : modelPath, opts.progress, opts.kvPoolBytes, opts.maxKvSize, opts.kvKeep, opts.kvBits)
+    task = native.loadModel(
+      modelPath == null ? undefined : modelPath,
+      opts.progress,
+      opts.kvPoolBytes,
+      opts.maxKvSize,
+      opts.kvKeep,
+      opts.kvBits,
+      opts.draftModel ?? undefined,
+    )
   } catch (error) {
     throw fromNative(error)
   }

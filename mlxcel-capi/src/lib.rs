@@ -129,6 +129,12 @@ pub struct mlxcel_model_params {
     /// a multiple of 64, fails the load with `MLXCEL_ERR_INVALID_ARGUMENT`.
     /// Since ABI 4.0.
     pub kv_bits: u32,
+    /// A draft model for `speculation` "draft": a smaller checkpoint
+    /// directory with the model's tokenizer, NUL-terminated; NULL (the
+    /// default) loads none. A draft with another vocabulary fails the load
+    /// with `MLXCEL_ERR_INVALID_ARGUMENT` naming `draft_model`. Only read
+    /// during `mlxcel_model_load`. Since ABI 5.0.
+    pub draft_model: *const c_char,
 }
 
 /// How to generate. Get the defaults from `mlxcel_generate_default_params()`
@@ -211,6 +217,19 @@ pub struct mlxcel_generate_params {
     /// penalties, filters and temperature) instead of the model's (false,
     /// the default).
     pub post_sampling_probs: bool,
+    // Speculative decoding (since ABI 5.0).
+    /// How to speculate, NUL-terminated: "off", "prompt-lookup" (draft
+    /// tokens from n-gram matches in the prompt and output) or "draft" (from
+    /// the model's `draft_model`); NULL = off (default). The target checks
+    /// every draft in one forward pass; the tokens are those of plain
+    /// decoding, greedy or seeded (with a draft model at a temperature > 0,
+    /// the same distribution instead).
+    pub speculation: *const c_char,
+    /// The most tokens one draft proposes, in [1, 14] (default 8); fewer, or
+    /// none, are drafted where drafts are rarely accepted.
+    pub draft_max: i32,
+    /// Shorter drafts are not checked, in [0, `draft_max`] (default 0).
+    pub draft_min: i32,
 }
 
 /// The most alternatives `mlxcel_generate_params.logprobs` may ask for.
@@ -252,6 +271,10 @@ pub struct mlxcel_generation_result {
     /// Process-wide: MLX's allocator high-water mark when the run ended, over
     /// every model and generation in the process (not reset by any run).
     pub process_peak_memory_bytes: u64,
+    /// Speculative decoding: draft tokens proposed, and those accepted (both
+    /// 0 without it). Since ABI 5.0.
+    pub draft_tokens: usize,
+    pub accepted_tokens: usize,
 }
 
 /// A summary of a loaded model. Strings are NUL-terminated (truncated if
@@ -486,6 +509,13 @@ unsafe fn generation_options(p: &mlxcel_generate_params) -> CResult<GenerationOp
         },
         logprobs: (p.logprobs != -1).then_some(p.logprobs.into()),
         post_sampling_probs: p.post_sampling_probs,
+        speculation: if p.speculation.is_null() {
+            None
+        } else {
+            Some(c_str(p.speculation, "speculation")?.to_owned())
+        },
+        draft_max: p.draft_max.into(),
+        draft_min: p.draft_min.into(),
     })
 }
 
@@ -569,6 +599,8 @@ fn fill_stats(res: &mut mlxcel_generation_result, stats: &GenerationStats) {
     res.prompt_seconds = stats.prompt_time.as_secs_f64();
     res.decode_seconds = stats.decode_time.as_secs_f64();
     res.process_peak_memory_bytes = stats.process_peak_memory_bytes as u64;
+    res.draft_tokens = stats.draft_tokens;
+    res.accepted_tokens = stats.accepted_tokens;
 }
 
 fn empty_result() -> mlxcel_generation_result {
@@ -581,6 +613,8 @@ fn empty_result() -> mlxcel_generation_result {
         prompt_seconds: 0.0,
         decode_seconds: 0.0,
         process_peak_memory_bytes: 0,
+        draft_tokens: 0,
+        accepted_tokens: 0,
     }
 }
 
@@ -686,7 +720,8 @@ pub extern "C" fn mlxcel_status_string(status: mlxcel_status) -> *const c_char {
 
 /// The default model parameters: `path` NULL (the default model),
 /// `kv_pool_bytes` 0 (the default budget), `max_kv_size` 0 (every position
-/// kept), `kv_keep` 4, `kv_bits` 0 (f32 keys and values).
+/// kept), `kv_keep` 4, `kv_bits` 0 (f32 keys and values), `draft_model`
+/// NULL (no draft model).
 #[no_mangle]
 pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
     mlxcel_model_params {
@@ -695,6 +730,7 @@ pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
         max_kv_size: 0,
         kv_keep: mlxcel_engine::DEFAULT_KV_KEEP as u32,
         kv_bits: 0,
+        draft_model: std::ptr::null(),
     }
 }
 
@@ -704,8 +740,10 @@ pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
 /// Fails with `MLXCEL_ERR_NULL_POINTER` (out_model NULL),
 /// `MLXCEL_ERR_INVALID_ARGUMENT` (`kv_pool_bytes` under 1 MiB, a
 /// `max_kv_size` not larger than `kv_keep`, a `kv_bits` other than 0 or 8, or
-/// either option on a model without the paged pool),
-/// `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong).
+/// either option on a model without the paged pool; a `draft_model` whose
+/// tokenizer differs from the model's),
+/// `MLXCEL_ERR_MODEL_LOAD` (the message names the file and what is wrong,
+/// in the model or the draft model).
 /// On failure `*out_model` is set to NULL (if out_model is not NULL) and
 /// nothing is allocated. May take seconds (and download the default model on
 /// first use). Thread-safe: several threads may load models at once.
@@ -732,7 +770,9 @@ pub unsafe extern "C" fn mlxcel_model_load(
             kv_bits: (params.kv_bits != 0).then_some(params.kv_bits.into()),
         }
         .resolve()?;
-        *out_model = MODELS.insert(Arc::new(Engine::load_with(&dir, limits)?)) as *mut mlxcel_model;
+        let draft = (!params.draft_model.is_null()).then(|| path_from_c(params.draft_model));
+        let engine = Engine::load_with_draft(&dir, limits, draft.as_deref())?;
+        *out_model = MODELS.insert(Arc::new(engine)) as *mut mlxcel_model;
         // MLX's statics exist now: the exit handler must run before their destructors.
         shutdown::register_exit_handler();
         Ok(MLXCEL_OK)
@@ -981,7 +1021,8 @@ pub extern "C" fn mlxcel_context_free(ctx: *mut mlxcel_context) -> mlxcel_status
 /// greedy, 256 tokens, no filters, no repetition penalty (context 20),
 /// prefill chunks of 512 tokens, no stop strings, seed from the clock; the
 /// chain's options off (DRY base 1.75, allowed length 2, the whole
-/// history, the default breakers; XTC threshold 0.1; top-n-sigma -1).
+/// history, the default breakers; XTC threshold 0.1; top-n-sigma -1); no
+/// speculation (drafts of at most 8 tokens, at least 0).
 #[no_mangle]
 pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
     let d = GenerationOptions::default();
@@ -1018,6 +1059,9 @@ pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
         samplers: std::ptr::null(),
         logprobs: -1,
         post_sampling_probs: d.post_sampling_probs,
+        speculation: std::ptr::null(),
+        draft_max: narrow(d.draft_max),
+        draft_min: narrow(d.draft_min),
     }
 }
 

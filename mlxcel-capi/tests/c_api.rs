@@ -339,6 +339,13 @@ fn c_kv_pool_budget_queues_and_refuses() {
     api_test("pool");
 }
 
+/// Speculative decoding from C: prompt lookup and a draft model give the
+/// greedy text of plain decoding; bad names and lengths are refused (see api_test.c).
+#[test]
+fn c_speculation_keeps_the_greedy_tokens() {
+    api_test("speculation");
+}
+
 /// The C example under valgrind: no definite leaks, no memory errors, and
 /// (as the registry would keep a leaked handle reachable) little left in use
 /// at exit. MLX's and OpenBLAS's caches may be "possibly lost" or "still

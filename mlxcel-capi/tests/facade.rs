@@ -66,6 +66,8 @@ fn default_params_are_the_engines() {
     assert_eq!(c.prefill_chunk as usize, mlxcel_engine::DEFAULT_PREFILL_CHUNK);
     assert_eq!(c.has_seed, d.seed.is_some());
     assert_eq!(c.n_stop, d.stop.len());
+    assert_eq!((c.speculation.is_null(), d.speculation), (true, None));
+    assert_eq!((c.draft_max as i64, c.draft_min as i64), (d.draft_max, d.draft_min));
 }
 
 #[test]

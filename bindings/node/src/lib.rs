@@ -73,6 +73,7 @@ pub struct LoadTask {
     path: Option<String>,
     progress: bool,
     limits: EngineLimits,
+    draft_model: Option<String>,
 }
 
 impl Task for LoadTask {
@@ -96,7 +97,8 @@ impl Task for LoadTask {
                 .map_err(|e| Error::from_reason(e.to_string()))?
             }
         };
-        Engine::load_with(&dir, self.limits).map_err(|e| Error::from_reason(e.to_string()))
+        let draft = self.draft_model.as_deref().map(std::path::Path::new);
+        Engine::load_with_draft(&dir, self.limits, draft).map_err(|e| Error::from_reason(e.to_string()))
     }
 
     fn resolve(&mut self, _env: Env, engine: Engine) -> Result<NativeModel> {
@@ -109,7 +111,8 @@ impl Task for LoadTask {
 /// `progress` is not false) off the event loop.
 /// The limits (whole numbers: `kv_pool_bytes` at least 1 MiB, `max_kv_size`
 /// larger than `kv_keep`, `kv_bits` 8) are checked before the load starts: a bad one
-/// throws INVALID_PARAMETER.
+/// throws INVALID_PARAMETER. `draft_model`: a checkpoint directory loaded
+/// beside the model, drafting for `speculation: "draft"`.
 #[napi(ts_return_type = "Promise<NativeModel>")]
 pub fn load_model(
     path: Option<String>,
@@ -118,6 +121,7 @@ pub fn load_model(
     max_kv_size: Option<f64>,
     kv_keep: Option<f64>,
     kv_bits: Option<f64>,
+    draft_model: Option<String>,
 ) -> Result<AsyncTask<LoadTask>, Code> {
     let whole = |name, v: Option<f64>| v.map(|v| GenerationOptions::whole_number(name, v)).transpose().map_err(coded);
     let limits = LimitOptions {
@@ -128,7 +132,7 @@ pub fn load_model(
     }
     .resolve()
     .map_err(coded)?;
-    Ok(AsyncTask::new(LoadTask { path, progress: progress.unwrap_or(true), limits }))
+    Ok(AsyncTask::new(LoadTask { path, progress: progress.unwrap_or(true), limits, draft_model }))
 }
 
 // ---------------------------------------------------------------- model
@@ -210,6 +214,10 @@ pub struct NativeOptions {
     pub samplers: Option<Vec<String>>,
     pub logprobs: Option<f64>,
     pub post_sampling_probs: Option<bool>,
+    // Speculative decoding.
+    pub speculation: Option<String>,
+    pub draft_max: Option<f64>,
+    pub draft_min: Option<f64>,
 }
 
 /// A generated token's log-probability and its most likely alternatives.
@@ -239,6 +247,9 @@ pub struct NativeEvent {
     pub kv_cache_bytes: Option<f64>,
     pub process_peak_memory_bytes: Option<f64>,
     pub cached_tokens: Option<u32>,
+    /// done: speculative decoding's draft tokens proposed and accepted.
+    pub draft_tokens: Option<u32>,
+    pub accepted_tokens: Option<u32>,
     /// error: the public error code and message.
     pub code: Option<String>,
     pub message: Option<String>,
@@ -260,6 +271,8 @@ impl NativeEvent {
             kv_cache_bytes: None,
             process_peak_memory_bytes: None,
             cached_tokens: None,
+            draft_tokens: None,
+            accepted_tokens: None,
             code: None,
             message: None,
             logprobs: None,
@@ -295,6 +308,8 @@ impl NativeEvent {
                 event.decode_ms = Some(ms(stats.decode_time));
                 event.kv_cache_bytes = Some(stats.kv_cache_bytes as f64);
                 event.cached_tokens = Some(stats.cached_tokens as u32);
+                event.draft_tokens = Some(stats.draft_tokens as u32);
+                event.accepted_tokens = Some(stats.accepted_tokens as u32);
                 event.process_peak_memory_bytes = Some(stats.process_peak_memory_bytes as f64);
                 event
             }
@@ -371,6 +386,9 @@ fn generation_options(o: &NativeOptions) -> Result<GenerationOptions, Code> {
         samplers: o.samplers.clone(),
         logprobs: integer("logprobs", o.logprobs)?.map(|v| v.clamp(i64::MIN as i128, i64::MAX as i128) as i64),
         post_sampling_probs: o.post_sampling_probs.unwrap_or(d.post_sampling_probs),
+        speculation: o.speculation.clone(),
+        draft_max: count("draft_max", o.draft_max, d.draft_max)?,
+        draft_min: count("draft_min", o.draft_min, d.draft_min)?,
     };
     options.validate().map_err(coded)?;
     Ok(options)
@@ -407,6 +425,9 @@ pub fn generation_defaults() -> NativeOptions {
         samplers: Some(mlxcel_engine::sampler_chain::DEFAULT_STAGES.iter().map(|s| s.name().to_string()).collect()),
         logprobs: None,
         post_sampling_probs: Some(d.post_sampling_probs),
+        speculation: Some(d.speculation.unwrap_or_else(|| mlxcel_engine::Speculation::default().name().to_string())),
+        draft_max: Some(d.draft_max as f64),
+        draft_min: Some(d.draft_min as f64),
     }
 }
 

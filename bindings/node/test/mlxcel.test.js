@@ -11,6 +11,8 @@ const path = require('node:path')
 const { loadModel, Model, generationDefaults } = require('..')
 
 const CAPITAL = 'The capital of France is'
+// A prompt whose continuation repeats its own text, so prompt lookup drafts.
+const LIST = '<ul><li>one</li><li>two</li><li>three</li><li>'
 // A prompt of about 250 tokens: prefill takes several chunks.
 const LONG_PROMPT = 'The quick brown fox jumps over the lazy dog. '.repeat(25)
 // LONG_PROMPT after a number of its own: each call's prompt shares no block
@@ -108,6 +110,29 @@ describe('generate', () => {
     }
     assert.ok(chunks.length >= 3)
     assert.equal(chunks.map((c) => c.text).join(''), expected)
+  })
+
+  test('greedy prompt lookup gives the tokens of plain decoding', async () => {
+    const plain = await collect(model.stream(LIST, { maxTokens: 32 }))
+    const spec = await collect(model.stream(LIST, { maxTokens: 32, speculation: 'prompt-lookup', draftMax: 6 }))
+    const tokens = (chunks) => chunks.slice(0, -1).map((c) => c.token)
+    assert.deepEqual(tokens(spec), tokens(plain))
+    assert.equal(spec.map((c) => c.text).join(''), plain.map((c) => c.text).join(''))
+    const [p, s] = [plain.at(-1).stats, spec.at(-1).stats]
+    assert.equal(p.draftTokens, 0)
+    assert.equal(p.acceptedTokens, 0)
+    assert.ok(s.acceptedTokens > 0 && s.acceptedTokens <= s.draftTokens, JSON.stringify(s))
+    assert.equal(await model.generate(LIST, { maxTokens: 32, speculation: 'prompt-lookup' }), plain.map((c) => c.text).join(''))
+  })
+
+  test('a draft model keeps the greedy tokens', async () => {
+    // The model drafting for itself: it shares the tokenizer (the engine
+    // drafts little or nothing with a draft as large as the model).
+    const drafted = await loadModel({ draftModel: model.info.path, progress: false })
+    const chunks = await collect(drafted.stream(LIST, { maxTokens: 24, speculation: 'draft' }))
+    assert.equal(chunks.map((c) => c.text).join(''), await model.generate(LIST, { maxTokens: 24 }))
+    const stats = chunks.at(-1).stats
+    assert.ok(stats.acceptedTokens <= stats.draftTokens)
   })
 
   test('seeded sampling is reproducible', async () => {
@@ -466,6 +491,9 @@ describe('bad input', () => {
       logitBias: {},
       samplers: ['penalties', 'dry', 'top_n_sigma', 'top_k', 'typ_p', 'top_p', 'min_p', 'xtc', 'temperature'],
       postSamplingProbs: false,
+      speculation: 'off',
+      draftMax: 8,
+      draftMin: 0,
     })
     // Absent options mean exactly the engine's defaults.
     const { seed, stop, ...explicit } = generationDefaults
@@ -496,6 +524,25 @@ describe('bad input', () => {
     const post = await collect(model.stream(CAPITAL, { maxTokens: 3, logprobs: 1, postSamplingProbs: true }))
     assert.ok(post.flatMap((c) => c.logprobs ?? []).every((l) => l.logprob === 0))
     await assert.rejects(model.generate(CAPITAL, { logprobs: 21 }), { code: 'INVALID_PARAMETER', param: 'logprobs' })
+  })
+
+  test('bad speculation options are refused by name', async () => {
+    await assert.rejects(model.generate(CAPITAL, { maxTokens: 2, speculation: 'nonsense' }), (error) => {
+      assert.equal(error.code, 'INVALID_PARAMETER', error.message)
+      assert.equal(error.param, 'speculation')
+      assert.match(error.message, /`speculation`.*nonsense/)
+      return true
+    })
+    throwsWith(() => model.stream(CAPITAL, { speculation: 'nonsense' }), 'INVALID_PARAMETER')
+    // No draft model loaded.
+    await assert.rejects(model.generate(CAPITAL, { maxTokens: 2, speculation: 'draft' }), { code: 'INVALID_PARAMETER', param: 'speculation' })
+    const lookup = { maxTokens: 2, speculation: 'prompt-lookup' }
+    await assert.rejects(model.generate(CAPITAL, { ...lookup, draftMax: 15 }), { code: 'INVALID_PARAMETER', param: 'draftMax' })
+    await assert.rejects(model.generate(CAPITAL, { ...lookup, draftMax: 2.5 }), { code: 'INVALID_PARAMETER', param: 'draftMax' })
+    await assert.rejects(model.generate(CAPITAL, { ...lookup, draftMax: 4, draftMin: 5 }), { code: 'INVALID_PARAMETER', param: 'draftMin' })
+    await rejectsWith(model.generate(CAPITAL, { speculation: 1 }), 'INVALID_ARGUMENT')
+    await rejectsWith(loadModel({ draftModel: 5 }), 'INVALID_ARGUMENT')
+    await rejectsWith(loadModel({ draftModel: '/nonexistent/mlxcel-draft', progress: false }), 'MODEL_LOAD')
   })
 
   test('bad parameters give the engine\'s messages', async () => {

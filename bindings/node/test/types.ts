@@ -1,12 +1,12 @@
 // Compile-only check of index.d.ts (npm run typecheck); never run.
-import { loadModel, Model, Chunk, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason } from '..'
+import { loadModel, Model, Chunk, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason, Speculation, generationDefaults } from '..'
 
 async function main(): Promise<void> {
   const model: Model = await loadModel()
   const other: Model = await loadModel('/path/to/model')
   const quiet: Model = await loadModel({ progress: false })
   const quietToo: Model = await loadModel(undefined, { progress: false })
-  const loadOptions: LoadOptions = { progress: true }
+  const loadOptions: LoadOptions = { progress: true, draftModel: '/path/to/draft' }
   const info: ModelInfo = model.info
   const layers: number = info.numLayers
   const context: number | undefined = info.contextLength
@@ -21,12 +21,14 @@ async function main(): Promise<void> {
   }
   const out: string = await model.generate('Hello', opts)
   const fromIds: string = await model.generate(ids, { stop: '.' })
+  const method: Speculation = generationDefaults.speculation
+  const speculated: string = await model.generate('Hello', { speculation: 'prompt-lookup', draftMax: 6, draftMin: 1 })
   const reply: string = await model.chat(messages, opts)
   for await (const chunk of model.stream('Hello', opts)) {
     const piece: string = chunk.text
     const token: number | null = chunk.token
     const reason: FinishReason | null = chunk.finishReason
-    if (chunk.stats) console.log(chunk.stats.promptTokens, chunk.stats.decodeMs)
+    if (chunk.stats) console.log(chunk.stats.promptTokens, chunk.stats.decodeMs, chunk.stats.draftTokens, chunk.stats.acceptedTokens)
   }
   for await (const chunk of model.chatStream(messages)) {
     const c: Chunk = chunk
@@ -41,8 +43,10 @@ async function main(): Promise<void> {
   await model.generate('x', { maxTokens: '8' })
   // @ts-expect-error: unknown option
   await model.generate('x', { max_tokens: 8 })
+  // @ts-expect-error: not a speculation method
+  await model.generate('x', { speculation: 'lookup' })
   // @ts-expect-error: Model is made by loadModel()
   new Model()
-  void [other, layers, context, text, rendered, out, fromIds, reply]
+  void [other, loadOptions, layers, context, text, rendered, out, fromIds, reply, method, speculated]
 }
 void main

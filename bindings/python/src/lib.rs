@@ -111,12 +111,13 @@ struct Sampling<'a, 'py> {
     repetition_context_size: Option<i64>,
     seed: Option<&'a Bound<'py, PyAny>>,
     stop: Option<&'a Bound<'py, PyAny>>,
-    /// The sampler chain's keyword arguments (`CHAIN_KWARGS`).
+    /// The keyword arguments beyond those (`MORE_KWARGS`).
     chain: Option<&'a Bound<'py, PyDict>>,
 }
 
-/// The sampler chain's keyword arguments (llama-server's names).
-const CHAIN_KWARGS: [&str; 16] = [
+/// The keyword arguments beyond the named ones: the sampler chain's
+/// (llama-server's names), logprobs and speculative decoding.
+const MORE_KWARGS: [&str; 19] = [
     "frequency_penalty",
     "presence_penalty",
     "dry_multiplier",
@@ -133,6 +134,9 @@ const CHAIN_KWARGS: [&str; 16] = [
     "samplers",
     "logprobs",
     "post_sampling_probs",
+    "speculation",
+    "draft_max",
+    "draft_min",
 ];
 
 fn real_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<f64> {
@@ -155,7 +159,7 @@ fn strings_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     obj.try_iter().map_err(|_| bad())?.map(|item| Ok(item?.cast::<PyString>().map_err(|_| bad())?.to_str()?.to_string())).collect()
 }
 
-/// The chain's keyword arguments over `options`.
+/// The keyword arguments of `MORE_KWARGS` over `options`.
 fn chain_args(py: Python<'_>, chain: &Bound<'_, PyDict>, options: &mut GenerationOptions) -> PyResult<()> {
     for (key, value) in chain.iter() {
         let key: String = key.extract()?;
@@ -198,10 +202,18 @@ fn chain_args(py: Python<'_>, chain: &Bound<'_, PyDict>, options: &mut Generatio
                     Err(_) => strings_arg(&key, v)?,
                 })
             }
+            "speculation" => {
+                let name = v.cast::<PyString>().map_err(|_| {
+                    PyTypeError::new_err(format!("`speculation` must be a str (\"off\", \"prompt-lookup\" or \"draft\"), not {}", type_name(v)))
+                })?;
+                options.speculation = Some(name.to_str()?.to_owned());
+            }
+            "draft_max" => options.draft_max = count_arg(py, "draft_max", v)?,
+            "draft_min" => options.draft_min = count_arg(py, "draft_min", v)?,
             other => {
                 return Err(PyTypeError::new_err(format!(
-                    "unexpected keyword argument `{other}` (the sampler chain takes {})",
-                    CHAIN_KWARGS.join(", ")
+                    "unexpected keyword argument `{other}` (besides those named, generation takes {})",
+                    MORE_KWARGS.join(", ")
                 )))
             }
         }
@@ -426,8 +438,9 @@ impl Model {
 impl Model {
     /// Loads a model directory (MLX / Hugging Face layout); `None` loads the
     /// default model (SmolLM2-135M-Instruct, fetched and converted on first use).
+    /// `draft_model`: a checkpoint with the same tokenizer, for `speculation="draft"`.
     #[new]
-    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None, kv_bits=None))]
+    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None, kv_bits=None, draft_model=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -438,6 +451,7 @@ impl Model {
         max_kv_size: Option<i128>,
         kv_keep: Option<i128>,
         kv_bits: Option<i128>,
+        draft_model: Option<PathBuf>,
     ) -> PyResult<Self> {
         // Checked now, so a bad value fails the load rather than the first generation.
         Sampling::default().options(py, prefill_chunk)?;
@@ -446,7 +460,7 @@ impl Model {
             Some(dir) => dir,
             None => default_model_dir(py, progress)?,
         };
-        let engine = py.detach(|| Engine::load_with(&dir, limits)).map_err(|e| engine_error(py, e))?;
+        let engine = py.detach(|| Engine::load_with_draft(&dir, limits, draft_model.as_deref())).map_err(|e| engine_error(py, e))?;
         Ok(Model { engine, prefill_chunk })
     }
 
@@ -803,6 +817,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &GenerationStats) -> PyResult<Bound<'py, 
     d.set_item("kv_cache_bytes", s.kv_cache_bytes)?;
     d.set_item("process_peak_memory_bytes", s.process_peak_memory_bytes)?;
     d.set_item("cached_tokens", s.cached_tokens)?;
+    d.set_item("draft_tokens", s.draft_tokens)?;
+    d.set_item("accepted_tokens", s.accepted_tokens)?;
     Ok(d)
 }
 
@@ -949,6 +965,9 @@ fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     dict.set_item("logit_bias", PyDict::new(py))?;
     let stages: Vec<&str> = mlxcel_engine::sampler_chain::DEFAULT_STAGES.iter().map(|s| s.name()).collect();
     dict.set_item("samplers", stages)?;
+    dict.set_item("speculation", d.speculation.as_deref().unwrap_or(mlxcel_engine::Speculation::default().name()))?;
+    dict.set_item("draft_max", d.draft_max)?;
+    dict.set_item("draft_min", d.draft_min)?;
     Ok(dict)
 }
 

@@ -148,6 +148,9 @@ def test_defaults_are_the_engines(model):
         "min_keep": 0,
         "logit_bias": {},
         "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+        "speculation": "off",
+        "draft_max": 8,
+        "draft_min": 0,
     }
     # Omitted arguments mean exactly the engine's defaults.
     prompt = "Once upon a time"
@@ -190,6 +193,27 @@ def test_logprobs_stream_with_their_chunks(model):
     with pytest.raises(InvalidParameter) as err:
         model.generate("Hi", logprobs=21)
     assert err.value.name == "logprobs"
+
+
+def test_bad_speculation_is_refused_by_name(model, tmp_path):
+    with pytest.raises(InvalidParameter) as err:
+        model.generate("Hi", max_tokens=2, speculation="nonsense")
+    assert err.value.name == "speculation"
+    assert "`speculation`" in str(err.value) and "nonsense" in str(err.value)
+    with pytest.raises(InvalidParameter) as err:
+        model.stream("Hi", max_tokens=2, speculation="nonsense")
+    assert err.value.name == "speculation"
+    with pytest.raises(InvalidParameter) as err:  # no draft model loaded
+        model.generate("Hi", max_tokens=2, speculation="draft")
+    assert err.value.name == "speculation"
+    for kwargs, name in [({"draft_max": 15}, "draft_max"), ({"draft_max": 4, "draft_min": 5}, "draft_min")]:
+        with pytest.raises(InvalidParameter) as err:
+            model.generate("Hi", max_tokens=2, speculation="prompt-lookup", **kwargs)
+        assert err.value.name == name, kwargs
+    with pytest.raises(TypeError, match="speculation"):
+        model.generate("Hi", speculation=1)
+    with pytest.raises(ModelLoadError, match="no such model directory"):
+        mlxcel.load(draft_model=tmp_path / "no-draft")
 
 
 def test_bad_parameters_give_the_engines_messages(model):

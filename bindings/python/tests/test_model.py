@@ -121,6 +121,34 @@ def test_sampling_parameters_are_accepted(model):
     assert isinstance(out, str)
 
 
+# A prompt whose continuation repeats its own text, so prompt lookup drafts.
+LIST = "<ul><li>one</li><li>two</li><li>three</li><li>"
+
+
+def test_greedy_prompt_lookup_gives_the_tokens_of_plain_decoding(model):
+    with model.stream(LIST, max_tokens=32) as plain:
+        list(plain)
+    with model.stream(LIST, max_tokens=32, speculation="prompt-lookup", draft_max=6) as spec:
+        list(spec)
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    assert plain.stats["draft_tokens"] == plain.stats["accepted_tokens"] == 0
+    assert 0 < spec.stats["accepted_tokens"] <= spec.stats["draft_tokens"], spec.stats
+    assert model.generate(LIST, max_tokens=32, speculation="prompt-lookup") == plain.text
+    assert model.generate_batch([LIST, PROMPT], max_tokens=16, speculation="prompt-lookup") == [
+        model.generate(p, max_tokens=16) for p in (LIST, PROMPT)
+    ]
+
+
+def test_a_draft_model_keeps_the_greedy_tokens(model):
+    # The model drafting for itself: it shares the tokenizer (the engine
+    # drafts little or nothing with a draft as large as the model).
+    drafted = mlxcel.load(draft_model=model.path)
+    with drafted.stream(LIST, max_tokens=24, speculation="draft") as s:
+        list(s)
+    assert s.text == model.generate(LIST, max_tokens=24)
+    assert s.stats["accepted_tokens"] <= s.stats["draft_tokens"]
+
+
 def test_chat_with_the_smollm2_template(model):
     rendered = model.apply_chat_template(CHAT)
     assert rendered.startswith("<|im_start|>system\n")

@@ -1,6 +1,6 @@
 /*
  * C tests of the mlxcel ABI, one scenario per command-line argument:
- *   api_test errors | buffers | generate | cancel_prefill | cancel_decode | concurrent | batch
+ *   api_test errors | buffers | generate | cancel_prefill | cancel_decode | concurrent | batch | pool | speculation
  * Every scenario loads the default model (NULL path). Exit status 0 = pass.
  * Run by mlxcel-capi/tests/c_api.rs.
  */
@@ -739,9 +739,94 @@ static void test_pool(void) {
     printf("pool: ok\n");
 }
 
+/* Speculative decoding: greedy tokens with prompt lookup, and with a draft
+ * model (the model itself, which has its tokenizer), are those of plain
+ * decoding; bad methods, lengths and draft model paths are refused. */
+static void test_speculation(void) {
+    mlxcel_generate_params d = mlxcel_generate_default_params();
+    CHECK(d.speculation == NULL && d.draft_max == 8 && d.draft_min == 0);
+    CHECK(mlxcel_model_default_params().draft_model == NULL);
+    mlxcel_model *model = load_default();
+    mlxcel_context *ctx = NULL;
+    CHECK_STATUS(mlxcel_context_new(model, &ctx), MLXCEL_OK);
+    const char *prompt = "<ul><li>one</li><li>two</li><li>three</li><li>";  /* drafts from its own text */
+    char plain[1024], spec[1024];
+    int32_t plain_ids[64], spec_ids[64];
+    size_t n_plain = 0, n_spec = 0;
+    mlxcel_generation_result r;
+    CHECK_STATUS(mlxcel_generate(ctx, prompt, greedy(32), NULL, NULL, plain, sizeof plain, &r), MLXCEL_OK);
+    CHECK(r.draft_tokens == 0 && r.accepted_tokens == 0);
+    CHECK_STATUS(mlxcel_context_tokens(ctx, plain_ids, 64, &n_plain), MLXCEL_OK);
+
+    mlxcel_generate_params p = greedy(32);
+    p.speculation = "prompt-lookup";
+    CHECK_STATUS(mlxcel_generate(ctx, prompt, p, NULL, NULL, spec, sizeof spec, &r), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_context_tokens(ctx, spec_ids, 64, &n_spec), MLXCEL_OK);
+    printf("prompt lookup: %zu of %zu draft tokens accepted: [%s]\n", r.accepted_tokens, r.draft_tokens, spec);
+    CHECK(strcmp(spec, plain) == 0);
+    CHECK(n_spec == n_plain && memcmp(spec_ids, plain_ids, n_plain * sizeof plain_ids[0]) == 0);
+    CHECK(r.draft_tokens > 0 && r.accepted_tokens > 0 && r.accepted_tokens <= r.draft_tokens);
+    p.speculation = "off";
+    CHECK_STATUS(mlxcel_generate(ctx, prompt, p, NULL, NULL, spec, sizeof spec, &r), MLXCEL_OK);
+    CHECK(strcmp(spec, plain) == 0 && r.draft_tokens == 0);
+
+    p.speculation = "nonsense";
+    CHECK_STATUS(mlxcel_generate(ctx, prompt, p, NULL, NULL, spec, sizeof spec, &r), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("`speculation`");
+    CHECK_ERROR_MENTIONS("nonsense");
+    p.speculation = "draft";  /* no draft model loaded */
+    CHECK_STATUS(mlxcel_generate(ctx, prompt, p, NULL, NULL, spec, sizeof spec, &r), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("`speculation`");
+    p.speculation = "prompt-lookup";
+    p.draft_max = 15;
+    CHECK_STATUS(mlxcel_generate(ctx, prompt, p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("draft_max");
+    p.draft_max = 4;
+    p.draft_min = 5;
+    CHECK_STATUS(mlxcel_generate(ctx, prompt, p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("draft_min");
+
+    /* The model's own directory (from its JSON info) as its draft model:
+       it loads and "draft" runs, with the same text (the engine drafts
+       little or nothing with a draft as large as the model). */
+    char json[8192];
+    size_t needed = 0;
+    CHECK_STATUS(mlxcel_model_info_json(model, json, sizeof json, &needed), MLXCEL_OK);
+    const char *key = strstr(json, "\"directory\":\"");
+    CHECK(key != NULL);
+    char dir[4096];
+    const char *start = key + strlen("\"directory\":\"");
+    size_t len = (size_t)(strchr(start, '"') - start);
+    CHECK(len < sizeof dir);
+    memcpy(dir, start, len);
+    dir[len] = '\0';
+    mlxcel_model_params mp = mlxcel_model_default_params();
+    mlxcel_model *drafted = NULL;
+    mp.draft_model = "/nonexistent/mlxcel-draft";
+    CHECK_STATUS(mlxcel_model_load(mp, &drafted), MLXCEL_ERR_MODEL_LOAD);
+    CHECK_ERROR_MENTIONS("/nonexistent/mlxcel-draft");
+    CHECK(drafted == NULL);
+    mp.draft_model = dir;
+    CHECK_STATUS(mlxcel_model_load(mp, &drafted), MLXCEL_OK);
+    mlxcel_context *dctx = NULL;
+    CHECK_STATUS(mlxcel_context_new(drafted, &dctx), MLXCEL_OK);
+    p = greedy(32);
+    p.speculation = "draft";
+    CHECK_STATUS(mlxcel_generate(dctx, prompt, p, NULL, NULL, spec, sizeof spec, &r), MLXCEL_OK);
+    printf("draft model: %zu of %zu draft tokens accepted\n", r.accepted_tokens, r.draft_tokens);
+    CHECK(strcmp(spec, plain) == 0 && r.accepted_tokens <= r.draft_tokens);
+    CHECK_STATUS(mlxcel_context_free(dctx), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(drafted), MLXCEL_OK);
+
+    CHECK_STATUS(mlxcel_context_free(ctx), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("speculation: ok\n");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent|batch|pool\n", argv[0]);
+        fprintf(stderr, "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent|batch|pool|speculation\n",
+                argv[0]);
         return 2;
     }
     const char *t = argv[1];
@@ -752,6 +837,7 @@ int main(int argc, char **argv) {
     else if (strcmp(t, "cancel_decode") == 0) test_cancel_decode();
     else if (strcmp(t, "batch") == 0) test_batch();
     else if (strcmp(t, "pool") == 0) test_pool();
+    else if (strcmp(t, "speculation") == 0) test_speculation();
     else if (strcmp(t, "concurrent") == 0) test_concurrent();
     else {
         fprintf(stderr, "unknown test %s\n", t);

@@ -90,8 +90,10 @@ class Stream(Iterator[Chunk]):
         prompt_tokens_per_second, decode_tokens_per_second, kv_cache_bytes
         (this run's KV cache), process_peak_memory_bytes (process-wide: MLX's
         high-water mark over every run in the process, never reset by a run),
-        cached_tokens (prompt tokens taken from the prefix cache); None until
-        the stream has ended."""
+        cached_tokens (prompt tokens taken from the prefix cache),
+        draft_tokens and accepted_tokens (speculative decoding's draft tokens
+        proposed and accepted; 0 without it); None until the stream has
+        ended."""
 
 class ModelInfo:
     """What a checkpoint is: architecture, size and quantization."""
@@ -141,6 +143,7 @@ class Model:
         max_kv_size: Optional[int] = None,
         kv_keep: Optional[int] = None,
         kv_bits: Optional[int] = None,
+        draft_model: Union[str, os.PathLike[str], None] = None,
     ) -> None:
         """Loads a model directory (MLX / Hugging Face layout).
 
@@ -161,9 +164,12 @@ class Model:
         values in 8 bits (mlx-lm's ``--kv-bits 8``, group 64): 3.6 times more
         positions in the same pool. Both need a quantized checkpoint on the CPU
         (the paged KV pool); 8 bits also a head size that is a multiple of 64.
+        ``draft_model`` loads a second, smaller checkpoint with the same
+        tokenizer that drafts tokens for ``speculation="draft"``.
 
-        Raises ModelLoadError, or InvalidParameter for a bad ``prefill_chunk``,
-        ``kv_pool_bytes``, ``max_kv_size``, ``kv_keep`` or ``kv_bits``.
+        Raises ModelLoadError (also for the draft model), or InvalidParameter
+        for a bad ``prefill_chunk``, ``kv_pool_bytes``, ``max_kv_size``,
+        ``kv_keep`` or ``kv_bits``, or a ``draft_model`` with another tokenizer.
         """
     def generate(
         self,
@@ -194,6 +200,9 @@ class Model:
         samplers: Union[str, Sequence[str], None] = None,
         logprobs: Optional[int] = None,
         post_sampling_probs: Optional[bool] = None,
+        speculation: Optional[str] = None,
+        draft_max: Optional[int] = None,
+        draft_min: Optional[int] = None,
     ) -> str:
         """Generates a continuation of ``prompt``.
 
@@ -221,6 +230,15 @@ class Model:
         most likely alternatives on the stream's chunks and its ``logprobs``
         (``post_sampling_probs=True``: from the distribution the token was
         drawn from instead of the model's).
+
+        ``speculation`` decodes speculatively: ``"prompt-lookup"`` drafts
+        tokens from n-gram matches in the prompt and output, ``"draft"`` from
+        the ``draft_model`` given to ``load``; ``"off"`` (the default) does
+        not. The model checks each draft of up to ``draft_max`` tokens (1-14,
+        default 8; shorter than ``draft_min``, default 0, are not checked) in
+        one forward pass, and the tokens are those of plain decoding, greedy
+        or seeded (with a draft model at a temperature > 0, the same
+        distribution instead). ``Stream.stats`` counts the draft tokens.
 
         Raises InvalidParameter (bad values, empty or too long prompt),
         TypeError (wrong types), GenerationError, KeyboardInterrupt.
@@ -254,6 +272,9 @@ class Model:
         samplers: Union[str, Sequence[str], None] = None,
         logprobs: Optional[int] = None,
         post_sampling_probs: Optional[bool] = None,
+        speculation: Optional[str] = None,
+        draft_max: Optional[int] = None,
+        draft_min: Optional[int] = None,
     ) -> List[str]:
         """Generates a continuation of every prompt as one batch (the model
         decodes all of them in each forward pass); the texts come back in
@@ -289,6 +310,9 @@ class Model:
         samplers: Union[str, Sequence[str], None] = None,
         logprobs: Optional[int] = None,
         post_sampling_probs: Optional[bool] = None,
+        speculation: Optional[str] = None,
+        draft_max: Optional[int] = None,
+        draft_min: Optional[int] = None,
     ) -> Stream:
         """Like ``generate``, yielding Chunks as the text is generated."""
     def chat(
@@ -320,6 +344,9 @@ class Model:
         samplers: Union[str, Sequence[str], None] = None,
         logprobs: Optional[int] = None,
         post_sampling_probs: Optional[bool] = None,
+        speculation: Optional[str] = None,
+        draft_max: Optional[int] = None,
+        draft_min: Optional[int] = None,
     ) -> str:
         """The assistant's reply to ``messages``, rendered with the model's
         chat template (with the generation prompt)."""
@@ -352,6 +379,9 @@ class Model:
         samplers: Union[str, Sequence[str], None] = None,
         logprobs: Optional[int] = None,
         post_sampling_probs: Optional[bool] = None,
+        speculation: Optional[str] = None,
+        draft_max: Optional[int] = None,
+        draft_min: Optional[int] = None,
     ) -> Stream:
         """Like ``chat``, yielding Chunks."""
     def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]: ...
