@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use mlx_sys::{Array, Dtype};
+use mlx_sys::Dtype;
 use mlxcel_engine::{Engine, EngineLimits, GenerationRequest, Prompt, SamplingParams, Speculation};
 use mlxcel_models::Model;
 use mlxcel_tests::{default_model_dir, repo_root};

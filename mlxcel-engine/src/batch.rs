@@ -38,7 +38,7 @@ use crate::generate::{CancelFlag, FinishReason, GenerationOutput, GenerationStat
 use crate::prefix_cache::{self, BLOCK_TOKENS, MIN_PROMPT_TOKENS};
 use crate::sampler_chain::DryBreakers;
 use crate::sampling::{PendingLogprobs, Sampled, Sampler, SamplingParams, TokenLogprobs};
-use crate::speculative::{self, DraftPolicy, Speculation};
+use crate::speculative::{self, DraftPolicy, Speculation, MAX_DRAFT_TOKENS};
 use crate::stop::{StopMatcher, StopOutcome};
 
 /// A row's handle inside one [`BatchEngine`].
@@ -161,6 +161,8 @@ struct Round {
     index: usize,
     inputs: Vec<u32>,
     q: Option<Vec<Vec<f32>>>,
+    /// The drafts are tokens a constraint forces, not a drafter's guesses.
+    forced: bool,
 }
 
 impl Row {
@@ -200,6 +202,7 @@ impl Row {
             accepted_tokens: self.spec.as_ref().map_or(0, |s| s.policy.accepted),
             process_peak_memory_bytes: memory::peak_memory(),
             cached_tokens: self.cached_tokens,
+            mask_time: self.sampler.mask_time(),
         }
     }
 }
@@ -219,6 +222,9 @@ pub struct BatchEngine {
     /// The draft model for `Speculation::Draft`, and its decode cost in
     /// target decode steps (the ratio of their weight bytes).
     draft: Option<(Arc<Model>, f64)>,
+    /// Structured output's compiler over the model's vocabulary, built by
+    /// the first constrained request.
+    grammars: Option<Arc<mlxcel_grammar::GrammarCompiler>>,
 }
 
 impl BatchEngine {
@@ -227,7 +233,18 @@ impl BatchEngine {
     /// `prefix_caching` is on and the pool is paged.
     pub fn new(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool) -> Self {
         let prefix_caching = caches_prefixes(model.network(), &pool, prefix_caching);
-        BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new(), dry_breakers: HashMap::new(), draft: None }
+        BatchEngine { model, pool, prefix_caching, rows: Vec::new(), next_id: 1, pending: Vec::new(), dry_breakers: HashMap::new(), draft: None, grammars: None }
+    }
+
+    /// The structured-output compiler for this model's vocabulary.
+    fn grammars(&mut self) -> Result<Arc<mlxcel_grammar::GrammarCompiler>> {
+        if self.grammars.is_none() {
+            let vocab = self.model.network().shape().vocab_size;
+            let compiler = mlxcel_grammar::GrammarCompiler::new(self.model.tokenizer(), vocab)
+                .map_err(|e| Error::InvalidParameter { name: "json_schema", message: e.to_string() })?;
+            self.grammars = Some(Arc::new(compiler));
+        }
+        Ok(self.grammars.clone().expect("built above"))
     }
 
     /// Lets rows speculate with `draft` (`Speculation::Draft`): a smaller
@@ -311,9 +328,15 @@ impl BatchEngine {
             });
         }
         let (model, cache) = (&self.model, &mut self.dry_breakers);
-        let sampler = Sampler::new(&request.params, |breakers| {
+        let mut sampler = Sampler::new(&request.params, |breakers| {
             cache.entry(breakers.to_vec()).or_insert_with(|| Arc::new(dry_breakers(model, breakers))).clone()
         })?;
+        if let Some(constraint) = request.params.constraint() {
+            sampler.constrain(self.grammars()?.compile(&constraint).map_err(|e| match e {
+                mlxcel_grammar::Error::Invalid { name, message } => Error::InvalidParameter { name, message },
+                other => Error::InvalidParameter { name: constraint.option_name(), message: other.to_string() },
+            })?);
+        }
         validate_prompt(&self.model, &request.prompt, request.prefill_chunk)?;
         let spec = self.spec_row(&request.params)?;
         let needed = self.blocks_needed(&request);
@@ -586,10 +609,22 @@ impl BatchEngine {
     /// speculate this step (plain decode step).
     fn draft_round(&mut self, index: usize, current: &Array) -> Result<Option<Round>> {
         let r = &mut self.rows[index];
-        let Some(spec) = r.spec.as_mut() else { return Ok(None) };
         // The round reads back its input, its accepted drafts and queues
         // one more token: at most max_tokens in all.
         let room = r.params.max_tokens.saturating_sub(r.tokens.len() + 2);
+        if r.sampler.is_constrained() {
+            // Tokens the constraint forces are a draft the target accepts
+            // (its mask leaves nothing else), verified in one pass.
+            let mut forced = r.sampler.forced_tokens();
+            forced.truncate(room.min(MAX_DRAFT_TOKENS));
+            if !forced.is_empty() {
+                let current = current.astype(Dtype::Uint32)?.item::<u32>()?;
+                let mut inputs = vec![current];
+                inputs.extend(forced);
+                return Ok(Some(Round { index, inputs, q: None, forced: true }));
+            }
+        }
+        let Some(spec) = r.spec.as_mut() else { return Ok(None) };
         let length = spec.policy.length(r.params.draft_max).max(r.params.draft_min).min(room);
         if length == 0 || length < r.params.draft_min {
             spec.policy.idle();
@@ -621,7 +656,7 @@ impl BatchEngine {
         }
         let mut inputs = vec![current];
         inputs.extend(drafts);
-        Ok(Some(Round { index, inputs, q }))
+        Ok(Some(Round { index, inputs, q, forced: false }))
     }
 
     /// One forward over the rounds' inputs (all of one length), each row
@@ -677,7 +712,7 @@ impl BatchEngine {
             }
             r.queued = Some(Array::from_slice(&[last], &[1])?);
             r.queued_logprobs = last_logprobs;
-            if let Some(spec) = r.spec.as_mut() {
+            if let Some(spec) = r.spec.as_mut().filter(|_| !round.forced) {
                 spec.policy.record(length - 1, accepted);
                 if let Some(draft) = spec.draft.as_mut() {
                     // The draft caches hold the known tokens and all drafts but the last.
@@ -831,7 +866,8 @@ impl BatchEngine {
         if let Some(pending) = unread.logprobs {
             r.logprobs.push(pending.resolve(token)?);
         }
-        if !r.ignore_eos && tokenizer.is_eos(token) {
+        // A constrained row draws EOS only where its output may end.
+        if (!r.ignore_eos || r.sampler.is_constrained()) && tokenizer.is_eos(token) {
             return Ok(Some(Ending::flushed(FinishReason::Stop)));
         }
         if let Some(piece) = r.decoder.step(tokenizer, token)? {

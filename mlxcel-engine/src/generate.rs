@@ -131,6 +131,8 @@ pub struct GenerationStats {
     /// Speculative decoding: draft tokens proposed and accepted (0 without it).
     pub draft_tokens: usize,
     pub accepted_tokens: usize,
+    /// Structured output: time spent computing this row's token masks.
+    pub mask_time: Duration,
 }
 
 impl GenerationStats {

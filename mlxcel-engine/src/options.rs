@@ -60,6 +60,11 @@ pub struct GenerationOptions {
     pub speculation: Option<String>,
     pub draft_max: i64,
     pub draft_min: i64,
+    /// Structured output (at most one): a JSON schema's text, a regular
+    /// expression, a Lark grammar.
+    pub json_schema: Option<String>,
+    pub regex: Option<String>,
+    pub grammar: Option<String>,
 }
 
 impl Default for GenerationOptions {
@@ -95,6 +100,9 @@ impl Default for GenerationOptions {
             speculation: None,
             draft_max: d.draft_max as i64,
             draft_min: d.draft_min as i64,
+            json_schema: None,
+            regex: None,
+            grammar: None,
         }
     }
 }
@@ -193,6 +201,9 @@ impl GenerationOptions {
             speculation: self.speculation.as_deref().map(Self::speculation).transpose()?.unwrap_or_default(),
             draft_max: Self::integer("draft_max", self.draft_max.into())?,
             draft_min: Self::integer("draft_min", self.draft_min.into())?,
+            json_schema: self.json_schema.clone(),
+            regex: self.regex.clone(),
+            grammar: self.grammar.clone(),
         };
         params.validate()?;
         Ok((params, Self::integer("prefill_chunk", self.prefill_chunk.into())?))

@@ -12,6 +12,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::error::{Error, Result};
 use crate::sampler_chain::{self, Candidates, DryBreakers, SamplerStage, DEFAULT_STAGES};
 use crate::speculative::{self, Speculation, MAX_DRAFT_TOKENS};
+use mlxcel_grammar::{Constraint, TokenMatcher};
 
 /// How to pick each next token and when to stop.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -90,6 +91,14 @@ pub struct SamplingParams {
     /// none where drafting does not pay; a prompt-lookup draft shorter than
     /// this is not verified.
     pub draft_min: usize,
+    /// Structured output: the text of a JSON schema the output follows
+    /// (compact JSON unless its `x-guidance` says otherwise), a regular
+    /// expression it matches, or a Lark grammar (llguidance's dialect)
+    /// it belongs to; at most one. A row's allowed tokens are masked before
+    /// the sampler chain, and forced tokens are verified in one pass.
+    pub json_schema: Option<String>,
+    pub regex: Option<String>,
+    pub grammar: Option<String>,
 }
 
 /// The most alternatives a token's logprobs report.
@@ -135,6 +144,9 @@ impl Default for SamplingParams {
             speculation: Speculation::Off,
             draft_max: 8,
             draft_min: 0,
+            json_schema: None,
+            regex: None,
+            grammar: None,
         }
     }
 }
@@ -201,6 +213,13 @@ impl SamplingParams {
         if self.draft_min > self.draft_max {
             return Err(invalid("draft_min", format!("must be at most draft_max ({}), got {}", self.draft_max, self.draft_min)));
         }
+        let given: Vec<&str> = [("json_schema", &self.json_schema), ("regex", &self.regex), ("grammar", &self.grammar)]
+            .into_iter()
+            .filter_map(|(name, v)| v.is_some().then_some(name))
+            .collect();
+        if given.len() > 1 {
+            return Err(invalid(given[1], format!("at most one of json_schema, regex and grammar (got {})", given.join(" and "))));
+        }
         if let Some(stages) = &self.samplers {
             if let Some(s) = stages.iter().enumerate().find_map(|(i, s)| stages[..i].contains(s).then_some(s)) {
                 return Err(invalid("samplers", format!("lists {} twice", s.name())));
@@ -213,6 +232,9 @@ impl SamplingParams {
     /// temperature alone, with at most a repetition penalty. Anything else
     /// runs the host chain.
     pub fn on_device(&self) -> bool {
+        if self.constraint().is_some() {
+            return false;
+        }
         let filters = self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0;
         let chain_only = self.frequency_penalty != 0.0
             || self.presence_penalty != 0.0
@@ -228,10 +250,56 @@ impl SamplingParams {
     }
 }
 
-/// The host chain of one row: its generator and DRY breakers.
+impl SamplingParams {
+    /// The structured-output constraint these parameters give, if any.
+    pub fn constraint(&self) -> Option<Constraint> {
+        let (schema, regex, grammar) = (self.json_schema.clone(), self.regex.clone(), self.grammar.clone());
+        schema.map(Constraint::JsonSchema).or(regex.map(Constraint::Regex)).or(grammar.map(Constraint::Lark))
+    }
+}
+
+/// The host chain of one row: its generator, DRY breakers and
+/// structured-output matcher.
 struct HostChain {
     rng: ChaCha8Rng,
     dry: Arc<DryBreakers>,
+    matcher: Option<TokenMatcher>,
+    /// Time spent computing masks.
+    mask_time: std::time::Duration,
+}
+
+impl HostChain {
+    /// `values` with the tokens the matcher does not allow at -inf (a
+    /// copy; unconstrained rows borrow them as they are).
+    fn masked<'v>(&mut self, values: &'v [f32]) -> Result<std::borrow::Cow<'v, [f32]>> {
+        let Some(matcher) = self.matcher.as_mut() else { return Ok(values.into()) };
+        let started = std::time::Instant::now();
+        let mask = matcher.allowed().map_err(constraint_error)?;
+        let mut masked = values.to_vec();
+        for (id, v) in masked.iter_mut().enumerate() {
+            if !mask.is_allowed(id as u32) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        self.mask_time += started.elapsed();
+        Ok(masked.into())
+    }
+
+    /// Moves the matcher past a sampled `token` (the end-of-sequence token
+    /// a complete output may still draw leaves it as it is).
+    fn advance(&mut self, token: u32) -> Result<()> {
+        match self.matcher.as_mut() {
+            Some(m) if !m.is_complete() => m.consume(token).map_err(constraint_error),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn constraint_error(e: mlxcel_grammar::Error) -> Error {
+    match e {
+        mlxcel_grammar::Error::Invalid { name, message } => Error::InvalidParameter { name, message },
+        other => Error::InvalidParameter { name: "json_schema", message: other.to_string() },
+    }
 }
 
 /// Samples from [1, vocab] float32 logits; holds the PRNG key (device) or
@@ -253,6 +321,8 @@ impl Sampler {
         let host = (!params.on_device()).then(|| HostChain {
             rng: ChaCha8Rng::seed_from_u64(seed),
             dry: if params.dry_multiplier > 0.0 { dry(&params.dry_sequence_breakers) } else { Arc::default() },
+            matcher: None,
+            mask_time: std::time::Duration::ZERO,
         });
         Ok(Sampler { params: params.clone(), key: random::key(seed)?, host })
     }
@@ -270,7 +340,9 @@ impl Sampler {
             tokens.extend_from_slice(history);
             tokens.push(last);
             let values = logits.astype(Dtype::Float32)?.reshape(&[-1])?.to_vec::<f32>()?;
-            let (token, after) = sampler_chain::sample_with_candidates(&self.params, &values, &tokens, &host.dry, &mut host.rng);
+            let allowed = host.masked(&values)?;
+            let (token, after) = sampler_chain::sample_with_candidates(&self.params, &allowed, &tokens, &host.dry, &mut host.rng);
+            host.advance(token)?;
             let logprobs = self.host_logprobs(&values, &after, token);
             return Ok(Sampled { token: Array::from_slice(&[token], &[1])?, logprobs });
         }
@@ -340,7 +412,9 @@ impl Sampler {
                 known.push(input);
                 let row = &values[i * vocab..(i + 1) * vocab];
                 let host = self.host.as_mut().expect("host chain");
-                let (token, after) = sampler_chain::sample_with_candidates(&self.params, row, &known, &host.dry, &mut host.rng);
+                let allowed = host.masked(row)?;
+                let (token, after) = sampler_chain::sample_with_candidates(&self.params, &allowed, &known, &host.dry, &mut host.rng);
+                host.advance(token)?;
                 let logprobs = self.host_logprobs(row, &after, token);
                 emitted.push((token, logprobs));
                 if inputs.get(i + 1) != Some(&token) {
@@ -385,7 +459,8 @@ impl Sampler {
             known.push(input);
             let row = &values[i * vocab..(i + 1) * vocab];
             let host = self.host.as_mut().ok_or_else(|| invalid("speculation", "rejection sampling runs on the host chain".into()))?;
-            let after = sampler_chain::distribution(&self.params, row, &known, &host.dry, &mut host.rng);
+            let allowed = host.masked(row)?;
+            let after = sampler_chain::distribution(&self.params, &allowed, &known, &host.dry, &mut host.rng);
             let p = speculative::dense_probabilities(&after, vocab);
             let (token, done) = match (inputs.get(i + 1), q.get(i)) {
                 (Some(&draft), Some(q)) => match speculative::accept_or_resample(&p, q, draft, &mut host.rng) {
@@ -394,6 +469,7 @@ impl Sampler {
                 },
                 _ => (speculative::draw_dense(&p, &mut host.rng), true),
             };
+            self.host.as_mut().expect("host chain").advance(token)?;
             let logprobs = self.host_logprobs(row, &after, token);
             emitted.push((token, logprobs));
             if done {
@@ -408,6 +484,31 @@ impl Sampler {
     pub fn draft_distribution(&self, values: &[f32], tokens: &[u32], rng: &mut dyn rand::RngCore) -> Result<Candidates> {
         let host = self.host.as_ref().ok_or_else(|| invalid("speculation", "draft sampling runs on the host chain".into()))?;
         Ok(sampler_chain::distribution(&self.params, values, tokens, &host.dry, rng))
+    }
+
+    /// Constrains this row's output with `matcher` (host chain rows only:
+    /// parameters with a constraint never run on the device).
+    pub fn constrain(&mut self, matcher: TokenMatcher) {
+        if let Some(host) = self.host.as_mut() {
+            host.matcher = Some(matcher);
+        }
+    }
+
+    pub fn is_constrained(&self) -> bool {
+        self.host.as_ref().is_some_and(|h| h.matcher.is_some())
+    }
+
+    /// The tokens the row's constraint forces after those sampled so far.
+    pub fn forced_tokens(&mut self) -> Vec<u32> {
+        match self.host.as_mut().and_then(|h| h.matcher.as_mut()) {
+            Some(m) if !m.is_complete() => m.forced(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Time this row spent computing structured-output masks.
+    pub fn mask_time(&self) -> std::time::Duration {
+        self.host.as_ref().map_or(std::time::Duration::ZERO, |h| h.mask_time)
     }
 
     /// Greedy or temperature sampling on the device from penalized logits.
