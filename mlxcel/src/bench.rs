@@ -69,6 +69,11 @@ pub struct BenchArgs {
     /// acceptance_rate and spec_decode_speedup.
     #[command(flatten)]
     pub spec: crate::SpecArgs,
+    /// With a constraint, the report adds the time its masks take per token
+    /// (mask_ms_per_token) and against a decode step (mask_overhead); EOS
+    /// is honoured (a complete output ends the run), so give a --temp.
+    #[command(flatten)]
+    pub constraint: crate::ConstraintArgs,
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -102,6 +107,9 @@ struct Run {
     accepted_tokens: usize,
     /// The same run without speculation (only with --spec).
     without_spec: Option<Box<Run>>,
+    /// Tokens generated, and the time their structured-output masks took.
+    generated: usize,
+    mask_s: f64,
     /// Prefill up to and including the first sampled token (the engine's `prompt_time`).
     prompt_s: f64,
     prompt_tps: f64,
@@ -133,6 +141,8 @@ impl Run {
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "without_spec": self.without_spec.as_ref().map(|r| r.to_json()),
+            "generated": self.generated,
+            "mask_s": self.mask_s,
         })
     }
 }
@@ -147,6 +157,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let engine = args.spec.load(dir, limits)?;
     let speculation = args.spec.speculation()?;
     let params = args.spec.apply(SamplingParams { temperature: args.temp, seed: Some(0), max_tokens: args.gen_tokens, ..SamplingParams::default() })?;
+    let params = args.constraint.apply(params)?;
+    let constrained = params.constraint().is_some();
     eprintln!("loaded in {:.2} s", loaded.elapsed().as_secs_f64());
     // Peak RSS counts generation only, not the loader's transient buffers.
     let loaded_rss = rss_bytes("VmRSS:");
@@ -232,6 +244,11 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
 
     let prompt_tps = median(runs.iter().map(|r| r.prompt_tps));
     let decode_tps = median(runs.iter().map(|r| r.decode_tps));
+    // Mask time per generated token, and its share of a decode step.
+    let mask = constrained.then(|| {
+        let per_token = median(runs.iter().map(|r| r.mask_s / r.generated.max(1) as f64));
+        (per_token, per_token * decode_tps)
+    });
     let spec = (speculation != mlxcel_engine::Speculation::Off).then(|| {
         let drafted: usize = runs.iter().map(|r| r.draft_tokens).sum();
         let accepted: usize = runs.iter().map(|r| r.accepted_tokens).sum();
@@ -294,6 +311,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "acceptance_rate": spec.map(|s| s.0),
             "decode_tps_without_spec": spec.map(|s| s.1),
             "spec_decode_speedup": spec.map(|s| s.2),
+            "mask_ms_per_token": mask.map(|m| 1e3 * m.0),
+            "mask_overhead": mask.map(|m| m.1),
         });
         println!("{report}");
         return Ok(());
@@ -315,6 +334,13 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("decode tok/s", format!("{decode_tps:.1}{}", if args.batch > 1 { " (median row)" } else { "" })),
         ("batch", format!("{} rows, aggregate decode {aggregate_decode_tps:.1} tok/s", args.batch)),
         ("TTFT", format!("{ttft_s:.3} s")),
+        (
+            "structured",
+            match mask {
+                Some((per_token, share)) => format!("masks {:.3} ms per token, {:.1} % of a decode step", 1e3 * per_token, 100.0 * share),
+                None => "off".to_string(),
+            },
+        ),
         (
             "speculation",
             match spec {
@@ -393,7 +419,8 @@ fn run_once(engine: &Engine, ids: &[u32], params: &SamplingParams, prefill_chunk
     let output = engine.generate(&request, |_| true)?;
     let total = submitted.elapsed();
     let stats = &output.stats;
-    if stats.generated_tokens != gen {
+    let constrained = params.constraint().is_some();
+    if stats.generated_tokens != gen && !constrained {
         return Err(format!(
             "the engine generated {} tokens instead of {gen} (finish: {})",
             stats.generated_tokens,
@@ -403,6 +430,8 @@ fn run_once(engine: &Engine, ids: &[u32], params: &SamplingParams, prefill_chunk
     }
     Ok(Run {
         tokens: output.tokens.clone(),
+        generated: stats.generated_tokens,
+        mask_s: stats.mask_time.as_secs_f64(),
         draft_tokens: stats.draft_tokens,
         accepted_tokens: stats.accepted_tokens,
         without_spec: None,
@@ -561,7 +590,7 @@ fn run_batch(engine: &Engine, rows: &[Vec<u32>], params: &SamplingParams, prefil
         .collect();
     mlx_sys::memory::reset_peak_memory();
     let outputs = engine.generate_batch(&requests).into_iter().collect::<Result<Vec<_>, _>>()?;
-    if let Some(o) = outputs.iter().find(|o| o.stats.generated_tokens != gen) {
+    if let Some(o) = outputs.iter().find(|o| o.stats.generated_tokens != gen && params.constraint().is_none()) {
         return Err(format!("a row generated {} tokens instead of {gen}", o.stats.generated_tokens).into());
     }
     // Every row was submitted at once: its first token came `prompt_time`
@@ -573,6 +602,8 @@ fn run_batch(engine: &Engine, rows: &[Vec<u32>], params: &SamplingParams, prefil
     let prompt_s = outputs.iter().map(|o| o.stats.prompt_time.as_secs_f64()).fold(0.0, f64::max);
     Ok(Run {
         tokens: outputs[0].tokens.clone(),
+        generated: outputs.iter().map(|o| o.stats.generated_tokens).sum(),
+        mask_s: outputs.iter().map(|o| o.stats.mask_time.as_secs_f64()).sum(),
         draft_tokens: outputs.iter().map(|o| o.stats.draft_tokens).sum(),
         accepted_tokens: outputs.iter().map(|o| o.stats.accepted_tokens).sum(),
         without_spec: None,

@@ -84,6 +84,8 @@ struct GenerateArgs {
     kv: KvArgs,
     #[command(flatten)]
     spec: SpecArgs,
+    #[command(flatten)]
+    constraint: ConstraintArgs,
 }
 
 /// The sampler chain's options (llama-server's names and defaults); any of
@@ -215,6 +217,31 @@ impl SpecArgs {
     }
 }
 
+/// Structured output, for `generate` and `bench` (at most one).
+#[derive(Args, Debug, Clone, Default)]
+pub struct ConstraintArgs {
+    /// The output is JSON valid against the schema in FILE (compact, no
+    /// whitespace between tokens).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
+    /// The output belongs to the Lark grammar in FILE (llguidance's dialect).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
+    /// The output matches this regular expression.
+    #[arg(long, value_name = "REGEX")]
+    pub regex: Option<String>,
+}
+
+impl ConstraintArgs {
+    /// These options over `params`, the files read.
+    pub fn apply(&self, params: SamplingParams) -> AnyResult<SamplingParams> {
+        let read = |flag: &str, file: &Option<PathBuf>| -> AnyResult<Option<String>> {
+            file.as_ref().map(|f| std::fs::read_to_string(f).map_err(|e| format!("{flag} {}: {e}", f.display()).into())).transpose()
+        };
+        Ok(SamplingParams { json_schema: read("--json-schema", &self.json_schema)?, grammar: read("--grammar", &self.grammar)?, regex: self.regex.clone(), ..params })
+    }
+}
+
 /// The KV cache options of `generate` and `bench`.
 #[derive(Args, Debug, Clone, Copy)]
 pub struct KvArgs {
@@ -325,6 +352,7 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
     };
     request.params = args.chain.apply(request.params)?;
     request.params = args.spec.apply(request.params)?;
+    request.params = args.constraint.apply(request.params)?;
     request.params.logprobs = args.logprobs;
     request.params.post_sampling_probs = args.post_sampling_probs;
     let mut stdout = std::io::stdout().lock();
@@ -360,6 +388,12 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
             s.accepted_tokens,
             s.draft_tokens,
             100.0 * s.accepted_tokens as f64 / s.draft_tokens.max(1) as f64
+        );
+    }
+    if request.params.constraint().is_some() {
+        eprintln!(
+            "structured output: masks took {:.2} ms per generated token",
+            1e3 * s.mask_time.as_secs_f64() / s.generated_tokens.max(1) as f64
         );
     }
     Ok(())

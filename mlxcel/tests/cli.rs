@@ -174,3 +174,55 @@ fn bench_rejects_bad_numbers() {
         assert!(out.stdout.is_empty(), "{args:?}: {}", text(&out.stdout));
     }
 }
+
+#[test]
+fn bench_spec_reports_acceptance_and_speedup_against_the_same_run_without() {
+    default_model();
+    let rewrite = Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/rewrite.txt");
+    let out = mlxcel(&["bench", "--json", "--prompt-file", rewrite.to_str().unwrap(), "--gen-tokens", "24", "--repeat", "1", "--spec", "prompt-lookup"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["speculation"], "prompt-lookup");
+    let acceptance = report["acceptance_rate"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&acceptance), "{report}");
+    let run = &report["runs"][0];
+    assert!(run["draft_tokens"].as_u64().unwrap() > 0, "{report}");
+    let plain = run["without_spec"]["decode_tps"].as_f64().unwrap();
+    let speedup = report["spec_decode_speedup"].as_f64().unwrap();
+    assert!((speedup - run["decode_tps"].as_f64().unwrap() / plain).abs() < 1e-9, "{report}");
+}
+
+#[test]
+fn generate_follows_a_json_schema_and_a_regex() {
+    default_model();
+    let dir = scratch("schema");
+    let schema = dir.join("colour.json");
+    std::fs::write(&schema, r#"{"type":"object","properties":{"colour":{"enum":["red","green","blue"]}},"required":["colour"],"additionalProperties":false}"#).unwrap();
+    let out = mlxcel(&["generate", "--chat", "--prompt", "Pick a colour.", "--temp", "1", "--seed", "4", "--json-schema", schema.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let value: serde_json::Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert!(["red", "green", "blue"].contains(&value["colour"].as_str().unwrap()), "{value}");
+    assert!(text(&out.stderr).contains("structured output: masks took"), "{}", text(&out.stderr));
+    let out = mlxcel(&["generate", "--prompt", "The year was", "--regex", " (19|20)[0-9]{2}"]);
+    let year = text(&out.stdout);
+    let year = year.trim();
+    assert!(year.len() == 4 && (year.starts_with("19") || year.starts_with("20")), "{year:?}");
+}
+
+#[test]
+fn speculation_and_constraint_errors_name_the_option() {
+    default_model();
+    for (args, wanted) in [
+        (vec!["--spec", "nonsense"], "speculation"),
+        (vec!["--spec", "draft"], "--draft-model"),
+        (vec!["--spec", "prompt-lookup", "--draft-max", "15"], "draft_max"),
+        (vec!["--regex", "(unclosed"], "regex"),
+        (vec!["--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json"),
+    ] {
+        let mut all = vec!["generate", "--prompt", "Hi", "--max-tokens", "2"];
+        all.extend(&args);
+        let out = mlxcel(&all);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(text(&out.stderr).contains(wanted), "{args:?}: {}", text(&out.stderr));
+    }
+}
