@@ -192,18 +192,9 @@ fn a_draft_model_keeps_greedy_tokens() {
 /// when the engine is built, naming draft_model.
 #[test]
 fn a_draft_model_with_another_vocabulary_is_refused() {
-    let tiny = mlxcel_tests::repo_root().join("mlxcel-models/tests/data/tiny/llama");
     let dir = std::env::temp_dir().join(format!("mlxcel-draft-vocab-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for name in ["config.json", "model.safetensors"] {
-        std::fs::copy(tiny.join(name), dir.join(name)).unwrap();
-    }
-    for entry in std::fs::read_dir(mlxcel_tests::default_model_dir()).unwrap() {
-        let path = entry.unwrap().path();
-        if path.file_name().unwrap().to_string_lossy().starts_with("tokenizer") {
-            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
-        }
-    }
+    let tiny = mlxcel_tests::tiny_llama_with_default_tokenizer(&dir);
+    std::fs::copy(tiny.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let err = mlxcel_engine::Engine::load_with_draft(&mlxcel_tests::default_model_dir(), mlxcel_engine::EngineLimits::default(), Some(&dir)).err().unwrap().to_string();
     std::fs::remove_dir_all(&dir).ok();
     assert!(err.contains("draft_model"), "{err}");

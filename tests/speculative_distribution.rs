@@ -12,7 +12,7 @@ use std::sync::Arc;
 use mlx_sys::Dtype;
 use mlxcel_engine::{Engine, EngineLimits, GenerationRequest, Prompt, SamplingParams, Speculation};
 use mlxcel_models::Model;
-use mlxcel_tests::{default_model_dir, repo_root};
+use mlxcel_tests::tiny_llama_with_default_tokenizer;
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
 const SAMPLES: usize = 20_000;
@@ -21,16 +21,7 @@ const SAMPLES: usize = 20_000;
 /// `noise` times its own RMS (none at 0), with the default model's
 /// tokenizer files (its ids 0..512 cover the tiny vocabulary).
 fn tiny_model(out: &Path, noise: f32, seed: u64) -> Arc<Model> {
-    let tiny = repo_root().join("mlxcel-models/tests/data/tiny/llama");
-    std::fs::create_dir_all(out).unwrap();
-    std::fs::copy(tiny.join("config.json"), out.join("config.json")).unwrap();
-    for entry in std::fs::read_dir(default_model_dir()).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with("tokenizer") || name == "special_tokens_map.json" || name == "generation_config.json" {
-            std::fs::copy(&path, out.join(&name)).unwrap();
-        }
-    }
+    let tiny = tiny_llama_with_default_tokenizer(out);
     let weights = mlx_sys::io::load_safetensors(&tiny.join("model.safetensors")).unwrap();
     let mut key = mlx_sys::random::key(seed).unwrap();
     let mut perturbed = BTreeMap::new();

@@ -21,3 +21,21 @@ pub fn default_engine() -> Engine {
 pub fn repo_root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap()
 }
+
+/// A checkpoint directory at `out` with tiny/llama's config (a random
+/// llama, vocabulary 512: mlxcel-models/tests/data/tiny) and the default
+/// model's tokenizer files (its ids 0..512 cover that vocabulary); returns
+/// the tiny model's directory, whose weights the caller copies or changes.
+pub fn tiny_llama_with_default_tokenizer(out: &Path) -> PathBuf {
+    let tiny = repo_root().join("mlxcel-models/tests/data/tiny/llama");
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::copy(tiny.join("config.json"), out.join("config.json")).unwrap();
+    for entry in std::fs::read_dir(default_model_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("tokenizer") || name == "special_tokens_map.json" || name == "generation_config.json" {
+            std::fs::copy(&path, out.join(&name)).unwrap();
+        }
+    }
+    tiny
+}
