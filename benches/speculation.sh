@@ -67,14 +67,19 @@ for entry in "${configs[@]}"; do
     results+=("$(python3 -c 'import json, sys; d = json.loads(sys.argv[2]); d["label"] = sys.argv[1]; print(json.dumps(d))' "$label" "$report")")
 done
 mkdir -p "$(dirname "$out")"
-printf '%s\n' "${results[@]}" | python3 -c '
-import json, sys
-rows = [json.loads(l) for l in sys.stdin if l.strip()]
-json.dump(rows, open(sys.argv[1], "w"), indent=1)
-print(f"cpu: {rows[0][\"cpu\"]}, {rows[0][\"kernel_threads\"]} threads; raw: {sys.argv[1]}")
+printf '%s\n' "${results[@]}" >"$out.lines"
+python3 - "$out" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+rows = [json.loads(line) for line in open(out + ".lines") if line.strip()]
+os.remove(out + ".lines")
+json.dump(rows, open(out, "w"), indent=1)
+print("cpu: %s, %d threads; raw: %s" % (rows[0]["cpu"], rows[0]["kernel_threads"], out))
 for r in rows:
     if r.get("spec_decode_speedup") is not None:
-        print(f"{r[\"label\"]:<48} {r[\"decode_tps\"]:7.1f} tok/s vs {r[\"decode_tps_without_spec\"]:7.1f} without: {r[\"spec_decode_speedup\"]:.2f}x, {100*r[\"acceptance_rate\"]:.0f} % accepted")
+        print("%-48s %7.1f tok/s vs %7.1f without: %.2fx, %.0f %% of drafts accepted"
+              % (r["label"], r["decode_tps"], r["decode_tps_without_spec"], r["spec_decode_speedup"], 100 * r["acceptance_rate"]))
     else:
-        print(f"{r[\"label\"]:<48} {r[\"decode_tps\"]:7.1f} tok/s, masks {r[\"mask_ms_per_token\"]:.3f} ms per token = {100*r[\"mask_overhead\"]:.1f} % of a decode step")
-' "$out"
+        print("%-48s %7.1f tok/s, masks %.3f ms per token = %.1f %% of a decode step"
+              % (r["label"], r["decode_tps"], r["mask_ms_per_token"], 100 * r["mask_overhead"]))
+PY
