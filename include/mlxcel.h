@@ -37,7 +37,7 @@
 // function's signature or a struct's layout changes incompatibly; a program
 // must only run against a library with the same major version. It is also
 // the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
-#define MLXCEL_ABI_VERSION_MAJOR 5
+#define MLXCEL_ABI_VERSION_MAJOR 6
 
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
@@ -300,6 +300,18 @@ typedef struct mlxcel_generate_params {
     int32_t draft_max;
     // Shorter drafts are not checked, in [0, `draft_max`] (default 0).
     int32_t draft_min;
+    // Structured output, at most one of `json_schema`, `regex` and
+    // `grammar` (NUL-terminated UTF-8; NULL = none, the default): every
+    // token is masked to those the constraint allows. One that does not
+    // compile, or two at once, fail the call with
+    // `MLXCEL_ERR_INVALID_ARGUMENT` naming the field. Since ABI 6.0.
+    // `json_schema`: the text of a JSON schema the output follows (as
+    // compact JSON unless its `x-guidance` says otherwise).
+    const char *json_schema;
+    // A regular expression (Rust `regex` syntax) the whole output matches.
+    const char *regex;
+    // A Lark grammar (llguidance's dialect, not GBNF) the output belongs to.
+    const char *grammar;
 } mlxcel_generate_params;
 
 // Called with each piece of generated text as soon as it is complete UTF-8.
@@ -345,6 +357,9 @@ typedef struct mlxcel_generation_result {
     // 0 without it). Since ABI 5.0.
     size_t draft_tokens;
     size_t accepted_tokens;
+    // Structured output: time spent computing token masks (0 without a
+    // constraint). Since ABI 6.0.
+    double mask_seconds;
 } mlxcel_generation_result;
 
 // One generated token's log-probability and its most likely alternatives
@@ -497,7 +512,8 @@ mlxcel_status mlxcel_context_free(struct mlxcel_context *ctx);
 // prefill chunks of 512 tokens, no stop strings, seed from the clock; the
 // chain's options off (DRY base 1.75, allowed length 2, the whole
 // history, the default breakers; XTC threshold 0.1; top-n-sigma -1); no
-// speculation (drafts of at most 8 tokens, at least 0).
+// speculation (drafts of at most 8 tokens, at least 0); no structured
+// output constraint.
 struct mlxcel_generate_params mlxcel_generate_default_params(void);
 
 // Generates a continuation of the NUL-terminated UTF-8 `prompt` (tokenized
@@ -515,7 +531,8 @@ struct mlxcel_generate_params mlxcel_generate_default_params(void);
 // Returns `MLXCEL_OK` (stopped by EOS, a stop string or `max_tokens`), or
 // `MLXCEL_CANCELLED` (by `mlxcel_cancel` or the callback; the partial output
 // is valid), or an error: NULL_POINTER, INVALID_HANDLE, INVALID_UTF8,
-// INVALID_ARGUMENT (a parameter out of range; the message names it), BUSY
+// INVALID_ARGUMENT (a parameter out of range, or a structured-output
+// constraint that does not compile; the message names it), BUSY
 // (the context is running on another thread), EMPTY_PROMPT,
 // PROMPT_TOO_LONG, TOKENIZER, MLX.
 //

@@ -75,6 +75,14 @@ export interface GenerateOptions {
   draftMax?: number
   /** Shorter drafts are not checked, 0 to draftMax (default 0). */
   draftMin?: number
+  // Structured output, at most one of the three: every token is masked to those the constraint
+  // allows. One that does not compile rejects with INVALID_PARAMETER naming it.
+  /** A JSON schema, as its text or an object (JSON.stringify'd); the output is compact JSON that validates against it. */
+  jsonSchema?: string | object
+  /** A regular expression (Rust `regex` syntax) the whole output matches. */
+  regex?: string
+  /** A Lark grammar (llguidance's dialect, not GBNF) the output belongs to. */
+  grammar?: string
 }
 
 export type Speculation = 'off' | 'prompt-lookup' | 'draft'
@@ -98,6 +106,8 @@ export interface GenerationStats {
   draftTokens: number
   /** Draft tokens the model accepted. */
   acceptedTokens: number
+  /** Structured output: time spent computing token masks (0 without a constraint). */
+  maskMs: number
 }
 
 /** A piece of streamed text. */
@@ -238,7 +248,9 @@ export interface LoadOptions {
 
 /** The engine's defaults of the generation options: what an absent option means (the same in C and Python). */
 export declare const generationDefaults: Readonly<
-  Required<Omit<GenerateOptions, 'signal' | 'seed' | 'stop' | 'logitBias' | 'samplers' | 'logprobs'>> & {
+  Required<
+    Omit<GenerateOptions, 'signal' | 'seed' | 'stop' | 'logitBias' | 'samplers' | 'logprobs' | 'jsonSchema' | 'regex' | 'grammar'>
+  > & {
     seed: number | null
     stop: string[]
     logitBias: Record<number, number>

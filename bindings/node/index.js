@@ -106,6 +106,9 @@ const KNOWN_OPTIONS = new Set([
   'samplers',
   'postSamplingProbs',
   'speculation',
+  'jsonSchema',
+  'regex',
+  'grammar',
 ])
 
 function isAbortSignal(value) {
@@ -147,6 +150,14 @@ function parseOptions(model, opts) {
     } else if (key === 'speculation') {
       if (typeof value !== 'string') throw argumentError('option `speculation` must be a string ("off", "prompt-lookup" or "draft")')
       options.speculation = value
+    } else if (key === 'jsonSchema') {
+      // The engine takes a schema's text; it checks the JSON.
+      if (typeof value === 'string') options.jsonSchema = value
+      else if (typeof value === 'object' || typeof value === 'boolean') options.jsonSchema = JSON.stringify(value)
+      else throw argumentError('option `jsonSchema` must be a string or an object')
+    } else if (key === 'regex' || key === 'grammar') {
+      if (typeof value !== 'string') throw argumentError(`option \`${key}\` must be a string`)
+      options[key] = value
     } else if (key === 'postSamplingProbs') {
       if (typeof value !== 'boolean') throw argumentError('option `postSamplingProbs` must be a boolean')
       options.postSamplingProbs = value
@@ -291,6 +302,7 @@ function statsOf(done) {
     cachedTokens: done.cachedTokens,
     draftTokens: done.draftTokens,
     acceptedTokens: done.acceptedTokens,
+    maskMs: done.maskMs,
   }
 }
 

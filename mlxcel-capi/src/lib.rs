@@ -230,6 +230,18 @@ pub struct mlxcel_generate_params {
     pub draft_max: i32,
     /// Shorter drafts are not checked, in [0, `draft_max`] (default 0).
     pub draft_min: i32,
+    /// Structured output, at most one of `json_schema`, `regex` and
+    /// `grammar` (NUL-terminated UTF-8; NULL = none, the default): every
+    /// token is masked to those the constraint allows. One that does not
+    /// compile, or two at once, fail the call with
+    /// `MLXCEL_ERR_INVALID_ARGUMENT` naming the field. Since ABI 6.0.
+    /// `json_schema`: the text of a JSON schema the output follows (as
+    /// compact JSON unless its `x-guidance` says otherwise).
+    pub json_schema: *const c_char,
+    /// A regular expression (Rust `regex` syntax) the whole output matches.
+    pub regex: *const c_char,
+    /// A Lark grammar (llguidance's dialect, not GBNF) the output belongs to.
+    pub grammar: *const c_char,
 }
 
 /// The most alternatives `mlxcel_generate_params.logprobs` may ask for.
@@ -275,6 +287,9 @@ pub struct mlxcel_generation_result {
     /// 0 without it). Since ABI 5.0.
     pub draft_tokens: usize,
     pub accepted_tokens: usize,
+    /// Structured output: time spent computing token masks (0 without a
+    /// constraint). Since ABI 6.0.
+    pub mask_seconds: f64,
 }
 
 /// A summary of a loaded model. Strings are NUL-terminated (truncated if
@@ -343,6 +358,14 @@ unsafe fn c_str<'a>(ptr: *const c_char, name: &str) -> CResult<&'a str> {
             format!("`{name}` is not valid UTF-8 (at byte {})", e.valid_up_to()),
         )
     })
+}
+
+/// A C string that may be NULL (None).
+unsafe fn optional_str(ptr: *const c_char, name: &str) -> CResult<Option<String>> {
+    if ptr.is_null() {
+        return Ok(None);
+    }
+    Ok(Some(c_str(ptr, name)?.to_owned()))
 }
 
 /// `n` C strings from an array that may be NULL only when `n` is 0.
@@ -509,13 +532,12 @@ unsafe fn generation_options(p: &mlxcel_generate_params) -> CResult<GenerationOp
         },
         logprobs: (p.logprobs != -1).then_some(p.logprobs.into()),
         post_sampling_probs: p.post_sampling_probs,
-        speculation: if p.speculation.is_null() {
-            None
-        } else {
-            Some(c_str(p.speculation, "speculation")?.to_owned())
-        },
+        speculation: optional_str(p.speculation, "speculation")?,
         draft_max: p.draft_max.into(),
         draft_min: p.draft_min.into(),
+        json_schema: optional_str(p.json_schema, "json_schema")?,
+        regex: optional_str(p.regex, "regex")?,
+        grammar: optional_str(p.grammar, "grammar")?,
     })
 }
 
@@ -601,6 +623,7 @@ fn fill_stats(res: &mut mlxcel_generation_result, stats: &GenerationStats) {
     res.process_peak_memory_bytes = stats.process_peak_memory_bytes as u64;
     res.draft_tokens = stats.draft_tokens;
     res.accepted_tokens = stats.accepted_tokens;
+    res.mask_seconds = stats.mask_time.as_secs_f64();
 }
 
 fn empty_result() -> mlxcel_generation_result {
@@ -615,6 +638,7 @@ fn empty_result() -> mlxcel_generation_result {
         process_peak_memory_bytes: 0,
         draft_tokens: 0,
         accepted_tokens: 0,
+        mask_seconds: 0.0,
     }
 }
 
@@ -1022,7 +1046,8 @@ pub extern "C" fn mlxcel_context_free(ctx: *mut mlxcel_context) -> mlxcel_status
 /// prefill chunks of 512 tokens, no stop strings, seed from the clock; the
 /// chain's options off (DRY base 1.75, allowed length 2, the whole
 /// history, the default breakers; XTC threshold 0.1; top-n-sigma -1); no
-/// speculation (drafts of at most 8 tokens, at least 0).
+/// speculation (drafts of at most 8 tokens, at least 0); no structured
+/// output constraint.
 #[no_mangle]
 pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
     let d = GenerationOptions::default();
@@ -1062,6 +1087,9 @@ pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
         speculation: std::ptr::null(),
         draft_max: narrow(d.draft_max),
         draft_min: narrow(d.draft_min),
+        json_schema: std::ptr::null(),
+        regex: std::ptr::null(),
+        grammar: std::ptr::null(),
     }
 }
 
@@ -1080,7 +1108,8 @@ pub extern "C" fn mlxcel_generate_default_params() -> mlxcel_generate_params {
 /// Returns `MLXCEL_OK` (stopped by EOS, a stop string or `max_tokens`), or
 /// `MLXCEL_CANCELLED` (by `mlxcel_cancel` or the callback; the partial output
 /// is valid), or an error: NULL_POINTER, INVALID_HANDLE, INVALID_UTF8,
-/// INVALID_ARGUMENT (a parameter out of range; the message names it), BUSY
+/// INVALID_ARGUMENT (a parameter out of range, or a structured-output
+/// constraint that does not compile; the message names it), BUSY
 /// (the context is running on another thread), EMPTY_PROMPT,
 /// PROMPT_TOO_LONG, TOKENIZER, MLX.
 ///

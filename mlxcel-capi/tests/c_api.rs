@@ -346,6 +346,13 @@ fn c_speculation_keeps_the_greedy_tokens() {
     api_test("speculation");
 }
 
+/// Structured output from C: a JSON schema, a regex and a Lark grammar hold;
+/// constraints that do not compile are refused naming the field (see api_test.c).
+#[test]
+fn c_structured_output_follows_its_constraint() {
+    api_test("structured");
+}
+
 /// The C example under valgrind: no definite leaks, no memory errors, and
 /// (as the registry would keep a leaked handle reachable) little left in use
 /// at exit. MLX's and OpenBLAS's caches may be "possibly lost" or "still

@@ -68,6 +68,8 @@ fn default_params_are_the_engines() {
     assert_eq!(c.n_stop, d.stop.len());
     assert_eq!((c.speculation.is_null(), d.speculation), (true, None));
     assert_eq!((c.draft_max as i64, c.draft_min as i64), (d.draft_max, d.draft_min));
+    assert!(c.json_schema.is_null() && c.regex.is_null() && c.grammar.is_null());
+    assert_eq!((&d.json_schema, &d.regex, &d.grammar), (&None, &None, &None));
 }
 
 #[test]

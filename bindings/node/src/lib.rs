@@ -218,6 +218,10 @@ pub struct NativeOptions {
     pub speculation: Option<String>,
     pub draft_max: Option<f64>,
     pub draft_min: Option<f64>,
+    // Structured output (a JSON schema as text: index.js serializes objects).
+    pub json_schema: Option<String>,
+    pub regex: Option<String>,
+    pub grammar: Option<String>,
 }
 
 /// A generated token's log-probability and its most likely alternatives.
@@ -250,6 +254,8 @@ pub struct NativeEvent {
     /// done: speculative decoding's draft tokens proposed and accepted.
     pub draft_tokens: Option<u32>,
     pub accepted_tokens: Option<u32>,
+    /// done: structured output's time computing token masks.
+    pub mask_ms: Option<f64>,
     /// error: the public error code and message.
     pub code: Option<String>,
     pub message: Option<String>,
@@ -273,6 +279,7 @@ impl NativeEvent {
             cached_tokens: None,
             draft_tokens: None,
             accepted_tokens: None,
+            mask_ms: None,
             code: None,
             message: None,
             logprobs: None,
@@ -310,6 +317,7 @@ impl NativeEvent {
                 event.cached_tokens = Some(stats.cached_tokens as u32);
                 event.draft_tokens = Some(stats.draft_tokens as u32);
                 event.accepted_tokens = Some(stats.accepted_tokens as u32);
+                event.mask_ms = Some(ms(stats.mask_time));
                 event.process_peak_memory_bytes = Some(stats.process_peak_memory_bytes as f64);
                 event
             }
@@ -389,6 +397,9 @@ fn generation_options(o: &NativeOptions) -> Result<GenerationOptions, Code> {
         speculation: o.speculation.clone(),
         draft_max: count("draft_max", o.draft_max, d.draft_max)?,
         draft_min: count("draft_min", o.draft_min, d.draft_min)?,
+        json_schema: o.json_schema.clone(),
+        regex: o.regex.clone(),
+        grammar: o.grammar.clone(),
     };
     options.validate().map_err(coded)?;
     Ok(options)
@@ -428,6 +439,9 @@ pub fn generation_defaults() -> NativeOptions {
         speculation: Some(d.speculation.unwrap_or_else(|| mlxcel_engine::Speculation::default().name().to_string())),
         draft_max: Some(d.draft_max as f64),
         draft_min: Some(d.draft_min as f64),
+        json_schema: d.json_schema,
+        regex: d.regex,
+        grammar: d.grammar,
     }
 }
 

@@ -135,6 +135,31 @@ describe('generate', () => {
     assert.ok(stats.acceptedTokens <= stats.draftTokens)
   })
 
+  test('a JSON schema, a regex and a grammar constrain the output', async () => {
+    const schema = {
+      type: 'object',
+      properties: { colour: { enum: ['red', 'green', 'blue'] } },
+      required: ['colour'],
+      additionalProperties: false,
+    }
+    const colours = ['red', 'green', 'blue']
+    const sky = [{ role: 'user', content: 'What colour is the sky? Answer in JSON.' }]
+    const text = await model.chat(sky, { maxTokens: 32, jsonSchema: JSON.stringify(schema) })
+    assert.ok(colours.includes(JSON.parse(text).colour), text)
+    assert.deepEqual(Object.keys(JSON.parse(text)), ['colour'])
+    assert.equal(await model.chat(sky, { maxTokens: 32, jsonSchema: schema }), text)
+    const chunks = await collect(model.chatStream(sky, { maxTokens: 32, jsonSchema: schema, temperature: 1, seed: 3 }))
+    const sampled = JSON.parse(chunks.map((c) => c.text).join(''))
+    assert.ok(colours.includes(sampled.colour) && Object.keys(sampled).length === 1, JSON.stringify(sampled))
+    assert.equal(chunks.at(-1).finishReason, 'stop')
+    assert.ok(chunks.at(-1).stats.maskMs > 0)
+    const plain = await collect(model.stream(CAPITAL, { maxTokens: 2 }))
+    assert.equal(plain.at(-1).stats.maskMs, 0)
+    assert.ok(['yes', 'no'].includes(await model.chat(sky, { maxTokens: 16, regex: '(yes|no)' })))
+    const grammar = 'start: "The sky is " colour "."\ncolour: "red" | "green" | "blue"'
+    assert.ok(colours.map((c) => `The sky is ${c}.`).includes(await model.generate(CAPITAL, { maxTokens: 16, grammar })))
+  })
+
   test('seeded sampling is reproducible', async () => {
     const opts = { maxTokens: 8, temperature: 1.0, topP: 0.95, seed: 42 }
     const a = await model.generate('Once upon a time', opts)
@@ -543,6 +568,23 @@ describe('bad input', () => {
     await rejectsWith(model.generate(CAPITAL, { speculation: 1 }), 'INVALID_ARGUMENT')
     await rejectsWith(loadModel({ draftModel: 5 }), 'INVALID_ARGUMENT')
     await rejectsWith(loadModel({ draftModel: '/nonexistent/mlxcel-draft', progress: false }), 'MODEL_LOAD')
+  })
+
+  test('bad constraints are refused by name', async () => {
+    await assert.rejects(model.generate(CAPITAL, { maxTokens: 2, jsonSchema: '{"type": ' }), (error) => {
+      assert.equal(error.code, 'INVALID_PARAMETER', error.message)
+      assert.equal(error.param, 'jsonSchema')
+      assert.match(error.message, /`json_schema`/)
+      return true
+    })
+    // An object is serialized, then refused by the engine; a stream rejects on its first chunk.
+    await assert.rejects(model.generate(CAPITAL, { maxTokens: 2, jsonSchema: { type: 'nope' } }), { code: 'INVALID_PARAMETER', param: 'jsonSchema' })
+    await assert.rejects(collect(model.stream(CAPITAL, { jsonSchema: '{"type": ' })), { code: 'INVALID_PARAMETER', param: 'jsonSchema' })
+    await assert.rejects(model.generate(CAPITAL, { maxTokens: 2, regex: '(unclosed' }), { code: 'INVALID_PARAMETER', param: 'regex' })
+    await assert.rejects(model.generate(CAPITAL, { maxTokens: 2, grammar: 'start: undefined_rule' }), { code: 'INVALID_PARAMETER', param: 'grammar' })
+    await assert.rejects(model.generate(CAPITAL, { maxTokens: 2, regex: 'a', grammar: 'start: "a"' }), { code: 'INVALID_PARAMETER', param: 'grammar' })
+    await rejectsWith(model.generate(CAPITAL, { jsonSchema: 1 }), 'INVALID_ARGUMENT')
+    await rejectsWith(model.generate(CAPITAL, { regex: /a/ }), 'INVALID_ARGUMENT')
   })
 
   test('bad parameters give the engine\'s messages', async () => {

@@ -23,12 +23,14 @@ async function main(): Promise<void> {
   const fromIds: string = await model.generate(ids, { stop: '.' })
   const method: Speculation = generationDefaults.speculation
   const speculated: string = await model.generate('Hello', { speculation: 'prompt-lookup', draftMax: 6, draftMin: 1 })
+  const constrained: string = await model.generate('Hello', { jsonSchema: { type: 'object' } })
+  const matched: string = await model.chat(messages, { jsonSchema: '{"type":"string"}', regex: undefined }) + (await model.generate('Hi', { grammar: 'start: "a"' }))
   const reply: string = await model.chat(messages, opts)
   for await (const chunk of model.stream('Hello', opts)) {
     const piece: string = chunk.text
     const token: number | null = chunk.token
     const reason: FinishReason | null = chunk.finishReason
-    if (chunk.stats) console.log(chunk.stats.promptTokens, chunk.stats.decodeMs, chunk.stats.draftTokens, chunk.stats.acceptedTokens)
+    if (chunk.stats) console.log(chunk.stats.promptTokens, chunk.stats.decodeMs, chunk.stats.draftTokens, chunk.stats.acceptedTokens, chunk.stats.maskMs)
   }
   for await (const chunk of model.chatStream(messages)) {
     const c: Chunk = chunk
@@ -45,8 +47,10 @@ async function main(): Promise<void> {
   await model.generate('x', { max_tokens: 8 })
   // @ts-expect-error: not a speculation method
   await model.generate('x', { speculation: 'lookup' })
+  // @ts-expect-error: a regex is a string
+  await model.generate('x', { regex: /a/ })
   // @ts-expect-error: Model is made by loadModel()
   new Model()
-  void [other, loadOptions, layers, context, text, rendered, out, fromIds, reply, method, speculated]
+  void [other, loadOptions, layers, context, text, rendered, out, fromIds, reply, method, speculated, constrained, matched]
 }
 void main

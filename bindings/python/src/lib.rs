@@ -116,8 +116,8 @@ struct Sampling<'a, 'py> {
 }
 
 /// The keyword arguments beyond the named ones: the sampler chain's
-/// (llama-server's names), logprobs and speculative decoding.
-const MORE_KWARGS: [&str; 19] = [
+/// (llama-server's names), logprobs, speculative decoding and structured output.
+const MORE_KWARGS: [&str; 22] = [
     "frequency_penalty",
     "presence_penalty",
     "dry_multiplier",
@@ -137,6 +137,9 @@ const MORE_KWARGS: [&str; 19] = [
     "speculation",
     "draft_max",
     "draft_min",
+    "json_schema",
+    "regex",
+    "grammar",
 ];
 
 fn real_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<f64> {
@@ -157,6 +160,22 @@ fn strings_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         return Err(bad());
     }
     obj.try_iter().map_err(|_| bad())?.map(|item| Ok(item?.cast::<PyString>().map_err(|_| bad())?.to_str()?.to_string())).collect()
+}
+
+fn str_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    let s = obj.cast::<PyString>().map_err(|_| PyTypeError::new_err(format!("`{name}` must be a str, not {}", type_name(obj))))?;
+    Ok(s.to_str()?.to_owned())
+}
+
+/// A JSON schema's text: a str as it is, a dict (or list, bool) through `json.dumps`.
+fn json_schema_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(s.to_str()?.to_owned());
+    }
+    if !(obj.is_instance_of::<PyDict>() || obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyBool>()) {
+        return Err(PyTypeError::new_err(format!("`json_schema` must be a str or a dict, not {}", type_name(obj))));
+    }
+    py.import("json")?.call_method1("dumps", (obj,))?.extract()
 }
 
 /// The keyword arguments of `MORE_KWARGS` over `options`.
@@ -210,6 +229,9 @@ fn chain_args(py: Python<'_>, chain: &Bound<'_, PyDict>, options: &mut Generatio
             }
             "draft_max" => options.draft_max = count_arg(py, "draft_max", v)?,
             "draft_min" => options.draft_min = count_arg(py, "draft_min", v)?,
+            "json_schema" => options.json_schema = Some(json_schema_arg(py, v)?),
+            "regex" => options.regex = Some(str_arg(&key, v)?),
+            "grammar" => options.grammar = Some(str_arg(&key, v)?),
             other => {
                 return Err(PyTypeError::new_err(format!(
                     "unexpected keyword argument `{other}` (besides those named, generation takes {})",
@@ -819,6 +841,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &GenerationStats) -> PyResult<Bound<'py, 
     d.set_item("cached_tokens", s.cached_tokens)?;
     d.set_item("draft_tokens", s.draft_tokens)?;
     d.set_item("accepted_tokens", s.accepted_tokens)?;
+    d.set_item("mask_time", s.mask_time.as_secs_f64())?;
     Ok(d)
 }
 

@@ -216,6 +216,28 @@ def test_bad_speculation_is_refused_by_name(model, tmp_path):
         mlxcel.load(draft_model=tmp_path / "no-draft")
 
 
+def test_bad_constraints_are_refused_by_name(model):
+    with pytest.raises(InvalidParameter) as err:
+        model.generate("Hi", max_tokens=2, json_schema='{"type": ')
+    assert err.value.name == "json_schema"
+    assert "`json_schema`" in str(err.value)
+    with pytest.raises(InvalidParameter) as err:  # a dict serialized, then refused by the engine
+        model.generate("Hi", max_tokens=2, json_schema={"type": "nope"})
+    assert err.value.name == "json_schema"
+    for kwargs, name in [({"regex": "(unclosed"}, "regex"), ({"grammar": "start: undefined_rule"}, "grammar"),
+                         ({"regex": "a", "grammar": 'start: "a"'}, "grammar")]:
+        with pytest.raises(InvalidParameter) as err:
+            model.generate("Hi", max_tokens=2, **kwargs)
+        assert err.value.name == name, kwargs
+    with pytest.raises(InvalidParameter) as err:  # compiled when the row opens: raised by the first chunk
+        list(model.stream("Hi", json_schema='{"type": '))
+    assert err.value.name == "json_schema"
+    with pytest.raises(TypeError, match="json_schema"):
+        model.generate("Hi", json_schema=1)
+    with pytest.raises(TypeError, match="regex"):
+        model.generate("Hi", regex=b"a")
+
+
 def test_bad_parameters_give_the_engines_messages(model):
     with pytest.raises(InvalidParameter) as err:
         model.generate("Hi", top_k=-1)

@@ -149,6 +149,39 @@ def test_a_draft_model_keeps_the_greedy_tokens(model):
     assert s.stats["accepted_tokens"] <= s.stats["draft_tokens"]
 
 
+COLOUR_SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["colour"],
+    "additionalProperties": False,
+}
+COLOURS = [{"colour": c} for c in ("red", "green", "blue")]
+SKY = [{"role": "user", "content": "What colour is the sky? Answer in JSON."}]
+
+
+def test_json_schema_constrains_the_output(model):
+    import json
+
+    as_text = model.chat(SKY, max_tokens=32, json_schema=json.dumps(COLOUR_SCHEMA))
+    assert json.loads(as_text) in COLOURS, as_text
+    assert model.chat(SKY, max_tokens=32, json_schema=COLOUR_SCHEMA) == as_text
+    with model.chat_stream(SKY, max_tokens=32, json_schema=COLOUR_SCHEMA, temperature=1.0, seed=3) as s:
+        list(s)
+    assert json.loads(s.text) in COLOURS and s.finish_reason == "stop", s.text
+    assert s.stats["mask_time"] > 0
+    sampled = model.generate_batch(["Pick a colour:", "Name one:"], max_tokens=32, json_schema=COLOUR_SCHEMA, temperature=1.0, seed=1)
+    assert all(json.loads(t) in COLOURS for t in sampled), sampled
+    with model.stream(PROMPT, max_tokens=2) as plain:
+        list(plain)
+    assert plain.stats["mask_time"] == 0
+
+
+def test_regex_and_grammar_constrain_the_output(model):
+    assert model.chat(SKY, max_tokens=16, regex="(yes|no)") in ("yes", "no")
+    lark = 'start: "The sky is " colour "."\ncolour: "red" | "green" | "blue"'
+    assert model.generate(PROMPT, max_tokens=16, grammar=lark) in [f"The sky is {c}." for c in ("red", "green", "blue")]
+
+
 def test_chat_with_the_smollm2_template(model):
     rendered = model.apply_chat_template(CHAT)
     assert rendered.startswith("<|im_start|>system\n")

@@ -1,6 +1,7 @@
 /*
  * C tests of the mlxcel ABI, one scenario per command-line argument:
  *   api_test errors | buffers | generate | cancel_prefill | cancel_decode | concurrent | batch | pool | speculation
+ *            | structured
  * Every scenario loads the default model (NULL path). Exit status 0 = pass.
  * Run by mlxcel-capi/tests/c_api.rs.
  */
@@ -823,9 +824,82 @@ static void test_speculation(void) {
     printf("speculation: ok\n");
 }
 
+static bool is_colour_object(const char *text) {
+    return strcmp(text, "{\"colour\":\"red\"}") == 0 || strcmp(text, "{\"colour\":\"green\"}") == 0 ||
+           strcmp(text, "{\"colour\":\"blue\"}") == 0;
+}
+
+/* Structured output: a JSON schema, a regex and a Lark grammar hold, greedy
+ * and sampled; a constraint that does not compile, two constraints at once
+ * and invalid UTF-8 are refused naming the field. */
+static void test_structured(void) {
+    mlxcel_generate_params d = mlxcel_generate_default_params();
+    CHECK(d.json_schema == NULL && d.regex == NULL && d.grammar == NULL);
+    mlxcel_model *model = load_default();
+    mlxcel_context *ctx = NULL;
+    CHECK_STATUS(mlxcel_context_new(model, &ctx), MLXCEL_OK);
+    const char *roles[] = {"user"};
+    const char *contents[] = {"What colour is the sky? Answer in JSON."};
+    char out[256];
+    mlxcel_generation_result r;
+
+    mlxcel_generate_params p = greedy(32);
+    p.json_schema = "{\"type\":\"object\",\"properties\":{\"colour\":{\"enum\":[\"red\",\"green\",\"blue\"]}},"
+                    "\"required\":[\"colour\"],\"additionalProperties\":false}";
+    CHECK_STATUS(mlxcel_generate_chat(ctx, roles, contents, 1, p, NULL, NULL, out, sizeof out, &r), MLXCEL_OK);
+    printf("json schema, greedy: [%s] (masks %.3f ms)\n", out, r.mask_seconds * 1e3);
+    CHECK(is_colour_object(out) && r.finish_reason == MLXCEL_FINISH_STOP && r.mask_seconds > 0);
+    p.temperature = 1.0f;
+    p.has_seed = true;
+    for (uint64_t seed = 0; seed < 4; seed++) {
+        p.seed = seed;
+        CHECK_STATUS(mlxcel_generate(ctx, "Pick a colour:", p, NULL, NULL, out, sizeof out, &r), MLXCEL_OK);
+        CHECK(is_colour_object(out));
+    }
+    CHECK_STATUS(mlxcel_generate(ctx, "Pick a colour:", greedy(4), NULL, NULL, out, sizeof out, &r), MLXCEL_OK);
+    CHECK(r.mask_seconds == 0);
+
+    p = greedy(16);
+    p.regex = "(yes|no)";
+    CHECK_STATUS(mlxcel_generate_chat(ctx, roles, contents, 1, p, NULL, NULL, out, sizeof out, &r), MLXCEL_OK);
+    CHECK(strcmp(out, "yes") == 0 || strcmp(out, "no") == 0);
+    p = greedy(16);
+    p.grammar = "start: \"The sky is \" colour \".\"\ncolour: \"red\" | \"green\" | \"blue\"";
+    CHECK_STATUS(mlxcel_generate_chat(ctx, roles, contents, 1, p, NULL, NULL, out, sizeof out, &r), MLXCEL_OK);
+    printf("grammar: [%s]\n", out);
+    CHECK(strcmp(out, "The sky is red.") == 0 || strcmp(out, "The sky is green.") == 0 ||
+          strcmp(out, "The sky is blue.") == 0);
+
+    p = greedy(16);
+    p.json_schema = "{\"type\": ";
+    CHECK_STATUS(mlxcel_generate(ctx, "Hi", p, NULL, NULL, out, sizeof out, &r), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("`json_schema`");
+    CHECK(r.finish_reason == MLXCEL_FINISH_ERROR && out[0] == '\0');
+    p = greedy(16);
+    p.regex = "(unclosed";
+    CHECK_STATUS(mlxcel_generate(ctx, "Hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("`regex`");
+    p = greedy(16);
+    p.grammar = "start: undefined_rule";
+    CHECK_STATUS(mlxcel_generate(ctx, "Hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("`grammar`");
+    p.regex = "a";
+    CHECK_STATUS(mlxcel_generate(ctx, "Hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR_MENTIONS("at most one");
+    p = greedy(16);
+    p.json_schema = "{\"type\": \"\xff\"}";
+    CHECK_STATUS(mlxcel_generate(ctx, "Hi", p, NULL, NULL, NULL, 0, NULL), MLXCEL_ERR_INVALID_UTF8);
+    CHECK_ERROR_MENTIONS("`json_schema`");
+
+    CHECK_STATUS(mlxcel_context_free(ctx), MLXCEL_OK);
+    CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
+    printf("structured: ok\n");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent|batch|pool|speculation\n",
+        fprintf(stderr,
+                "usage: %s errors|buffers|generate|cancel_prefill|cancel_decode|concurrent|batch|pool|speculation|structured\n",
                 argv[0]);
         return 2;
     }
@@ -838,6 +912,7 @@ int main(int argc, char **argv) {
     else if (strcmp(t, "batch") == 0) test_batch();
     else if (strcmp(t, "pool") == 0) test_pool();
     else if (strcmp(t, "speculation") == 0) test_speculation();
+    else if (strcmp(t, "structured") == 0) test_structured();
     else if (strcmp(t, "concurrent") == 0) test_concurrent();
     else {
         fprintf(stderr, "unknown test %s\n", t);

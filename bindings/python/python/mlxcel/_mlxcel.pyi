@@ -92,8 +92,9 @@ class Stream(Iterator[Chunk]):
         high-water mark over every run in the process, never reset by a run),
         cached_tokens (prompt tokens taken from the prefix cache),
         draft_tokens and accepted_tokens (speculative decoding's draft tokens
-        proposed and accepted; 0 without it); None until the stream has
-        ended."""
+        proposed and accepted; 0 without it), mask_time (s; structured
+        output's time computing token masks, 0 without a constraint); None
+        until the stream has ended."""
 
 class ModelInfo:
     """What a checkpoint is: architecture, size and quantization."""
@@ -203,6 +204,9 @@ class Model:
         speculation: Optional[str] = None,
         draft_max: Optional[int] = None,
         draft_min: Optional[int] = None,
+        json_schema: Union[str, dict[str, Any], None] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> str:
         """Generates a continuation of ``prompt``.
 
@@ -240,6 +244,13 @@ class Model:
         or seeded (with a draft model at a temperature > 0, the same
         distribution instead). ``Stream.stats`` counts the draft tokens.
 
+        Structured output, at most one of: ``json_schema`` (a JSON schema, as
+        its text or a dict; the output is compact JSON that validates against
+        it), ``regex`` (a regular expression the whole output matches) or
+        ``grammar`` (a Lark grammar, llguidance's dialect). Every token is
+        masked to those the constraint allows; one that does not compile
+        raises InvalidParameter naming it.
+
         Raises InvalidParameter (bad values, empty or too long prompt),
         TypeError (wrong types), GenerationError, KeyboardInterrupt.
         """
@@ -275,6 +286,9 @@ class Model:
         speculation: Optional[str] = None,
         draft_max: Optional[int] = None,
         draft_min: Optional[int] = None,
+        json_schema: Union[str, dict[str, Any], None] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> List[str]:
         """Generates a continuation of every prompt as one batch (the model
         decodes all of them in each forward pass); the texts come back in
@@ -313,6 +327,9 @@ class Model:
         speculation: Optional[str] = None,
         draft_max: Optional[int] = None,
         draft_min: Optional[int] = None,
+        json_schema: Union[str, dict[str, Any], None] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> Stream:
         """Like ``generate``, yielding Chunks as the text is generated."""
     def chat(
@@ -347,6 +364,9 @@ class Model:
         speculation: Optional[str] = None,
         draft_max: Optional[int] = None,
         draft_min: Optional[int] = None,
+        json_schema: Union[str, dict[str, Any], None] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> str:
         """The assistant's reply to ``messages``, rendered with the model's
         chat template (with the generation prompt)."""
@@ -382,6 +402,9 @@ class Model:
         speculation: Optional[str] = None,
         draft_max: Optional[int] = None,
         draft_min: Optional[int] = None,
+        json_schema: Union[str, dict[str, Any], None] = None,
+        regex: Optional[str] = None,
+        grammar: Optional[str] = None,
     ) -> Stream:
         """Like ``chat``, yielding Chunks."""
     def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]: ...
