@@ -792,6 +792,7 @@ pub unsafe extern "C" fn mlxcel_model_load(
             max_kv_size: (params.max_kv_size != 0).then_some(params.max_kv_size.into()),
             kv_keep: (params.max_kv_size != 0).then_some(params.kv_keep.into()),
             kv_bits: (params.kv_bits != 0).then_some(params.kv_bits.into()),
+            max_rows: None,
         }
         .resolve()?;
         let draft = (!params.draft_model.is_null()).then(|| path_from_c(params.draft_model));

@@ -202,6 +202,9 @@ pub struct EngineLimits {
     /// mlx-lm's `--kv-bits 8` (group 64), 3.6 times fewer bytes per
     /// position. Needs the paged pool and head_dim a multiple of 64.
     pub kv_format: KvFormat,
+    /// Most rows decoding at once (llama-server's `--parallel` slots; default
+    /// and largest [`MAX_ROWS`](crate::scheduler::MAX_ROWS)); later requests wait.
+    pub max_rows: usize,
 }
 
 /// mlx-lm's `RotatingKVCache` keep.
@@ -215,6 +218,7 @@ impl Default for EngineLimits {
             max_kv_size: None,
             kv_keep: DEFAULT_KV_KEEP,
             kv_format: KvFormat::F32,
+            max_rows: crate::scheduler::MAX_ROWS,
         }
     }
 }
@@ -231,6 +235,8 @@ pub struct LimitOptions {
     pub kv_keep: Option<i128>,
     /// 8 for an 8-bit KV cache; None keeps f32.
     pub kv_bits: Option<i128>,
+    /// In [1, 32].
+    pub max_rows: Option<i128>,
 }
 
 impl LimitOptions {
@@ -249,6 +255,9 @@ impl LimitOptions {
         if let Some(bits) = self.kv_bits {
             Options::integer::<u32>("kv_bits", bits)?;
             limits.kv_format = KvFormat::Q8;
+        }
+        if let Some(rows) = self.max_rows {
+            limits.max_rows = Options::integer("max_rows", rows)?;
         }
         limits.window()?;
         Ok(limits)
@@ -294,7 +303,7 @@ impl Engine {
             crate::batch::check_draft_model(&model, draft)?;
         }
         let pool = BatchEngine::pool_for(&model, limits.kv_pool_bytes, limits.window()?, limits.kv_format)?;
-        let scheduler = Arc::new(Scheduler::start(model.clone(), pool.clone(), limits.prefix_caching, draft.clone()));
+        let scheduler = Arc::new(Scheduler::start(model.clone(), pool.clone(), limits.prefix_caching, limits.max_rows, draft.clone()));
         Ok(Engine { scheduler, model, limits, pool, draft })
     }
 

@@ -113,7 +113,7 @@ fn shortest(x: f32) -> f64 {
 }
 
 /// The integer options: name, smallest and largest value, and the range as the message states it.
-const INTEGER_RANGES: [(&str, i128, i128, &str); 16] = [
+const INTEGER_RANGES: [(&str, i128, i128, &str); 17] = [
     ("max_tokens", 1, i64::MAX as i128, "an integer >= 1"),
     ("top_k", 0, u32::MAX as i128, "an integer in [0, 2**32) (0 = off)"),
     ("repetition_context_size", 0, i64::MAX as i128, "an integer >= 0"),
@@ -130,6 +130,7 @@ const INTEGER_RANGES: [(&str, i128, i128, &str); 16] = [
     ("kv_pool_bytes", 1 << 20, u64::MAX as i128, "an integer >= 1048576 (1 MiB)"),
     ("max_kv_size", 1, i32::MAX as i128, "an integer in [1, 2**31)"),
     ("kv_keep", 0, i32::MAX as i128 - 1, "an integer in [0, 2**31 - 1)"),
+    ("max_rows", 1, crate::scheduler::MAX_ROWS as i128, "an integer in [1, 32]"),
     ("kv_bits", 8, 8, "8 (8-bit keys and values, group 64, as mlx-lm's kv_bits), or unset for f32"),
 ];
 

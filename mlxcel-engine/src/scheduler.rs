@@ -82,7 +82,7 @@ impl Drop for Scheduler {
 impl Scheduler {
     /// `draft`: the draft model rows may speculate with (checked against
     /// `model` by the caller, [`crate::batch::check_draft_model`]).
-    pub fn start(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, draft: Option<Arc<Model>>) -> Scheduler {
+    pub fn start(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, max_rows: usize, draft: Option<Arc<Model>>) -> Scheduler {
         let (sender, receiver) = unbounded();
         let shared = Arc::new(Shared { busy: Mutex::new(false), idle: Condvar::new() });
         {
@@ -91,7 +91,7 @@ impl Scheduler {
             all.push(Arc::downgrade(&shared));
         }
         let (done, stopped) = crossbeam_channel::bounded::<()>(0);
-        spawn_reusing(Job { work: Box::new(move || run(model, pool, prefix_caching, draft, receiver, shared)), finished: done });
+        spawn_reusing(Job { work: Box::new(move || run(model, pool, prefix_caching, max_rows, draft, receiver, shared)), finished: done });
         Scheduler { sender: Some(sender), stopped }
     }
 
@@ -176,7 +176,7 @@ fn spawn_reusing(job: Job) {
         .expect("spawning a scheduler thread");
 }
 
-fn run(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, draft: Option<Arc<Model>>, receiver: Receiver<Submission>, shared: Arc<Shared>) {
+fn run(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, max_rows: usize, draft: Option<Arc<Model>>, receiver: Receiver<Submission>, shared: Arc<Shared>) {
     let mut engine = BatchEngine::new(model, pool, prefix_caching);
     if let Some(draft) = draft {
         // Checked by the engine before it started this thread.
@@ -215,7 +215,7 @@ fn run(model: Arc<Model>, pool: Arc<KvPool>, prefix_caching: bool, draft: Option
             }
             !cancelled
         });
-        while engine.len() < MAX_ROWS {
+        while engine.len() < max_rows.min(MAX_ROWS) {
             let Some(next) = waiting.front() else { break };
             match engine.fits(&next.request) {
                 Ok(true) => {}

@@ -34,6 +34,13 @@ enum Command {
     },
     /// Measure prefill and decode speed, time to first token and peak memory.
     Bench(bench::BenchArgs),
+    /// An OpenAI- and llama-server-compatible HTTP server (llama-server's
+    /// flags; `mlxcel serve --help` lists them).
+    #[command(disable_help_flag = true)]
+    Serve {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -267,6 +274,7 @@ impl KvArgs {
             max_kv_size: self.max_kv_size.map(i128::from),
             kv_keep: Some(self.kv_keep.into()),
             kv_bits: self.kv_bits.map(i128::from),
+            max_rows: None,
         }
         .resolve()
     }
@@ -315,7 +323,30 @@ fn run(cli: Cli) -> AnyResult<()> {
             let dir = model_dir(args.model.clone())?;
             bench::run(&args, &dir)
         }
+        Command::Serve { args } => serve(args),
     }
+}
+
+/// Models for the server: the default model and GGUF conversion, with this binary's progress bars.
+struct ServeModels;
+
+impl mlxcel_server::ModelSource for ServeModels {
+    fn default_model(&self, offline: bool) -> Result<PathBuf, String> {
+        let dir = mlxcel_hub::cache_dir().join("models").join(mlxcel_hub::DEFAULT_MODEL.name);
+        if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
+            return Err(format!("--offline: the default model is not in the cache ({}); run once without --offline or pass -m DIR", dir.display()));
+        }
+        progress::default_model_dir().map_err(|e| e.to_string())
+    }
+
+    fn convert_gguf(&self, gguf: &Path, out: &Path) -> Result<(), String> {
+        progress::convert(gguf, out, &ConvertOptions::default()).map(|_| ()).map_err(|e| e.to_string())
+    }
+}
+
+fn serve(args: Vec<String>) -> AnyResult<()> {
+    let args = mlxcel_server::cli::parse(args)?;
+    Ok(mlxcel_server::run(args, Box::new(ServeModels))?)
 }
 
 fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {

@@ -129,6 +129,7 @@ pub fn load_model(
         max_kv_size: whole("max_kv_size", max_kv_size)?,
         kv_keep: whole("kv_keep", kv_keep)?,
         kv_bits: whole("kv_bits", kv_bits)?,
+        max_rows: None,
     }
     .resolve()
     .map_err(coded)?;

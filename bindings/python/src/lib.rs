@@ -477,7 +477,7 @@ impl Model {
     ) -> PyResult<Self> {
         // Checked now, so a bad value fails the load rather than the first generation.
         Sampling::default().options(py, prefill_chunk)?;
-        let limits = LimitOptions { kv_pool_bytes, max_kv_size, kv_keep, kv_bits }.resolve().map_err(|e| engine_error(py, e))?;
+        let limits = LimitOptions { kv_pool_bytes, max_kv_size, kv_keep, kv_bits, max_rows: None }.resolve().map_err(|e| engine_error(py, e))?;
         let dir = match path {
             Some(dir) => dir,
             None => default_model_dir(py, progress)?,

@@ -1,0 +1,281 @@
+//! OpenAI's routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use mlxcel_engine::StreamEvent;
+use serde_json::{json, Value};
+
+use crate::api_error::{ApiError, ApiResult};
+use crate::completion::{self, chat_logprobs, completion_logprobs, finish_reason, response_id, timings, unix_time, usage};
+use crate::fields::{parse_body, type_name, Fields};
+use crate::params::{self, Dialect, Parsed};
+use crate::state::{AppState, Loaded};
+
+pub async fn models(State(state): State<Arc<AppState>>) -> ApiResult<Json<Value>> {
+    let loaded = state.loaded()?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.config.alias,
+            "object": "model",
+            "created": unix_time(),
+            "owned_by": "mlxcel",
+            "meta": {
+                "n_ctx_train": loaded.summary.context_length,
+                "n_params": loaded.summary.parameters,
+                "n_vocab": loaded.summary.vocab_size,
+                "size": loaded.summary.weight_bytes,
+            },
+        }],
+    })))
+}
+
+/// The OpenAI-only fields: `n`, `logprobs`/`top_logprobs`, `stream_options`.
+struct OpenAiExtras {
+    include_usage: bool,
+}
+
+fn openai_fields(fields: &Fields, parsed: &mut Parsed, chat: bool) -> ApiResult<OpenAiExtras> {
+    if let Some(n) = fields.int("n")? {
+        if n != 1 {
+            return Err(ApiError::field("n", format!("only n = 1 is supported, got {n}")));
+        }
+    }
+    if chat {
+        let wanted = fields.bool("logprobs")?.unwrap_or(false);
+        let top = fields.int("top_logprobs")?;
+        if top.is_some() && !wanted {
+            return Err(ApiError::field("top_logprobs", "needs `logprobs: true`"));
+        }
+        if wanted {
+            parsed.options.logprobs = Some(top.unwrap_or(0).clamp(i64::MIN as i128, i64::MAX as i128) as i64);
+        }
+    } else if let Some(n) = fields.int("logprobs")? {
+        parsed.options.logprobs = Some(n.clamp(i64::MIN as i128, i64::MAX as i128) as i64);
+    }
+    if fields.bool("echo")?.unwrap_or(false) {
+        return Err(ApiError::field("echo", "echo is not supported"));
+    }
+    if let Some(tools) = fields.array("tools")? {
+        if !tools.is_empty() {
+            return Err(ApiError::field("tools", "tool calling is not supported yet"));
+        }
+    }
+    let include_usage = match fields.object("stream_options")? {
+        Some(options) => match options.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => return Err(ApiError::field("stream_options.include_usage", format!("must be a boolean, got {}", type_name(other)))),
+        },
+        None => false,
+    };
+    Ok(OpenAiExtras { include_usage })
+}
+
+/// `messages` with each `content` made text (parts of type `text` joined).
+fn chat_messages(fields: &Fields) -> ApiResult<Vec<Value>> {
+    let messages = fields.array("messages")?.ok_or_else(|| ApiError::field("messages", "is required"))?;
+    if messages.is_empty() {
+        return Err(ApiError::field("messages", "must not be empty"));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, message)| {
+            let name = format!("messages[{i}]");
+            let mut message = message.as_object().cloned().ok_or_else(|| ApiError::field(&name, format!("must be an object, got {}", type_name(message))))?;
+            if !message.get("role").is_some_and(Value::is_string) {
+                return Err(ApiError::field(&format!("{name}.role"), "must be a string"));
+            }
+            let content = match message.get("content") {
+                None | Some(Value::Null) => Value::String(String::new()),
+                Some(Value::String(s)) => Value::String(s.clone()),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for (j, part) in parts.iter().enumerate() {
+                        let part_name = format!("{name}.content[{j}]");
+                        match part.get("type").and_then(Value::as_str) {
+                            Some("text") => text.push_str(part.get("text").and_then(Value::as_str).ok_or_else(|| ApiError::field(&part_name, "a text part needs `text`"))?),
+                            Some(other) => return Err(ApiError::field(&part_name, format!("content parts of type {other:?} are not supported (this model reads text)"))),
+                            None => return Err(ApiError::field(&part_name, "needs a `type`")),
+                        }
+                    }
+                    Value::String(text)
+                }
+                Some(other) => return Err(ApiError::field(&format!("{name}.content"), format!("must be a string or an array of parts, got {}", type_name(other)))),
+            };
+            message.insert("content".into(), content);
+            Ok(Value::Object(message))
+        })
+        .collect()
+}
+
+pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    chat(state, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
+    let loaded = state.loaded()?;
+    let fields = parse_body(&body)?;
+    let messages = chat_messages(&fields)?;
+    let mut parsed = params::parse(&fields, &loaded, Dialect::OpenAi)?;
+    let extras = openai_fields(&fields, &mut parsed, true)?;
+    let text = loaded.render_chat(&messages, true)?;
+    let prompt = loaded.engine.tokenize(&text, false).map_err(|e| ApiError::field("messages", e))?;
+    let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAi)?;
+    let (generation, first) = completion::start(&state, &loaded, prepared).await?;
+    let id = response_id("chatcmpl");
+    let created = unix_time();
+    let model = state.config.alias.clone();
+    let want_logprobs = parsed.options.logprobs.is_some();
+
+    if !parsed.stream {
+        let output = completion::collect(generation, first, Dialect::OpenAi).await?;
+        return Ok(Json(json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": crate::SYSTEM_FINGERPRINT,
+            "choices": [{
+                "index": 0,
+                "message": { "role": "assistant", "content": output.text },
+                "logprobs": if want_logprobs { chat_logprobs(&loaded, &output.logprobs) } else { Value::Null },
+                "finish_reason": finish_reason(&output),
+            }],
+            "usage": usage(&output.stats),
+            "timings": timings(&output.stats),
+        }))
+        .into_response());
+    }
+
+    let chunk = move |choices: Value| json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": crate::SYSTEM_FINGERPRINT, "choices": choices });
+    let mut first_piece = true;
+    let to_json = move |event: StreamEvent| -> Vec<Value> {
+        match event {
+            StreamEvent::Piece { text, logprobs, .. } => {
+                let mut delta = json!({ "content": text });
+                if std::mem::take(&mut first_piece) {
+                    delta["role"] = json!("assistant");
+                }
+                let logprobs = if want_logprobs { chat_logprobs(&loaded, &logprobs) } else { Value::Null };
+                vec![chunk(json!([{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": Value::Null }]))]
+            }
+            StreamEvent::Done(output) => {
+                let mut last = chunk(json!([{ "index": 0, "delta": {}, "logprobs": Value::Null, "finish_reason": finish_reason(&output) }]));
+                last["timings"] = timings(&output.stats);
+                let mut out = vec![last];
+                if extras.include_usage {
+                    let mut usage_chunk = chunk(json!([]));
+                    usage_chunk["usage"] = usage(&output.stats);
+                    usage_chunk["timings"] = timings(&output.stats);
+                    out.push(usage_chunk);
+                }
+                out
+            }
+            StreamEvent::Failed(_) => Vec::new(),
+        }
+    };
+    Ok(completion::sse(generation, first, to_json, true, Dialect::OpenAi))
+}
+
+pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    text_completion(state, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// OpenAI's `prompt`: a string, one string in an array, or token ids.
+pub fn prompt_tokens(loaded: &Loaded, fields: &Fields, name: &str) -> ApiResult<(Vec<u32>, String)> {
+    let value = fields.get(name).ok_or_else(|| ApiError::field(name, "is required"))?;
+    let from_ids = |items: &[Value]| -> ApiResult<Vec<u32>> {
+        items
+            .iter()
+            .map(|v| {
+                let id = crate::fields::as_integer(name, v)?;
+                u32::try_from(id).map_err(|_| ApiError::field(name, format!("token id {id} is out of range")))
+            })
+            .collect()
+    };
+    let tokenize = |text: &str| loaded.engine.tokenize(text, true).map_err(|e| ApiError::field(name, e));
+    match value {
+        Value::String(text) => Ok((tokenize(text)?, text.clone())),
+        Value::Array(items) => match items.as_slice() {
+            [Value::String(text)] => Ok((tokenize(text)?, text.clone())),
+            [Value::Array(ids)] => {
+                let ids = from_ids(ids)?;
+                let text = loaded.engine.detokenize(&ids, false).unwrap_or_default();
+                Ok((ids, text))
+            }
+            items if !items.is_empty() && items.iter().all(Value::is_number) => {
+                let ids = from_ids(items)?;
+                let text = loaded.engine.detokenize(&ids, false).unwrap_or_default();
+                Ok((ids, text))
+            }
+            [] => Err(ApiError::field(name, "must not be empty")),
+            _ => Err(ApiError::field(name, "give one prompt (a string or token ids); batches of prompts are not supported, send them as concurrent requests")),
+        },
+        other => Err(ApiError::field(name, format!("must be a string or token ids, got {}", type_name(other)))),
+    }
+}
+
+async fn text_completion(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
+    let loaded = state.loaded()?;
+    let fields = parse_body(&body)?;
+    let (prompt, _) = prompt_tokens(&loaded, &fields, "prompt")?;
+    let mut parsed = params::parse(&fields, &loaded, Dialect::OpenAi)?;
+    let extras = openai_fields(&fields, &mut parsed, false)?;
+    let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAi)?;
+    let (generation, first) = completion::start(&state, &loaded, prepared).await?;
+    let id = response_id("cmpl");
+    let created = unix_time();
+    let model = state.config.alias.clone();
+    let want_logprobs = parsed.options.logprobs.is_some();
+
+    if !parsed.stream {
+        let output = completion::collect(generation, first, Dialect::OpenAi).await?;
+        return Ok(Json(json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": crate::SYSTEM_FINGERPRINT,
+            "choices": [{
+                "index": 0,
+                "text": output.text,
+                "logprobs": if want_logprobs { completion_logprobs(&loaded, &output.logprobs, 0) } else { Value::Null },
+                "finish_reason": finish_reason(&output),
+            }],
+            "usage": usage(&output.stats),
+            "timings": timings(&output.stats),
+        }))
+        .into_response());
+    }
+
+    let chunk = move |choices: Value| json!({ "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": crate::SYSTEM_FINGERPRINT, "choices": choices });
+    let mut offset = 0;
+    let to_json = move |event: StreamEvent| -> Vec<Value> {
+        match event {
+            StreamEvent::Piece { text, logprobs, .. } => {
+                let logprobs = if want_logprobs { completion_logprobs(&loaded, &logprobs, offset) } else { Value::Null };
+                offset += text.len();
+                vec![chunk(json!([{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": Value::Null }]))]
+            }
+            StreamEvent::Done(output) => {
+                let mut last = chunk(json!([{ "index": 0, "text": "", "logprobs": Value::Null, "finish_reason": finish_reason(&output) }]));
+                last["timings"] = timings(&output.stats);
+                let mut out = vec![last];
+                if extras.include_usage {
+                    let mut usage_chunk = chunk(json!([]));
+                    usage_chunk["usage"] = usage(&output.stats);
+                    out.push(usage_chunk);
+                }
+                out
+            }
+            StreamEvent::Failed(_) => Vec::new(),
+        }
+    };
+    Ok(completion::sse(generation, first, to_json, true, Dialect::OpenAi))
+}
