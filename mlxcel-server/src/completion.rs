@@ -69,7 +69,11 @@ pub async fn start(state: &Arc<AppState>, loaded: &Loaded, prepared: Prepared) -
 pub async fn collect(mut generation: Generation, first: StreamEvent, dialect: Dialect) -> ApiResult<GenerationOutput> {
     let mut event = Some(first);
     loop {
-        match event.take().or(generation.next().await) {
+        let next = match event.take() {
+            Some(e) => Some(e),
+            None => generation.next().await,
+        };
+        match next {
             Some(StreamEvent::Done(output)) => return Ok(output),
             Some(StreamEvent::Failed(error)) => return Err(ApiError::from_engine(&error, rename(dialect))),
             Some(StreamEvent::Piece { .. }) => {}

@@ -75,7 +75,10 @@ pub fn run(args: ServeArgs, source: Box<dyn ModelSource>) -> Result<(), String> 
         body_limit: args.max_body_bytes,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    runtime.block_on(serve(args, config, api_keys, source))
+    let result = runtime.block_on(serve(args, config, api_keys, source));
+    // A model still loading (stopped during a download) is not waited for.
+    runtime.shutdown_timeout(Duration::from_secs(5));
+    result
 }
 
 async fn serve(args: ServeArgs, mut config: Config, api_keys: Vec<String>, source: Box<dyn ModelSource>) -> Result<(), String> {
