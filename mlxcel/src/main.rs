@@ -327,26 +327,9 @@ fn run(cli: Cli) -> AnyResult<()> {
     }
 }
 
-/// Models for the server: the default model and GGUF conversion, with this binary's progress bars.
-struct ServeModels;
-
-impl mlxcel_server::ModelSource for ServeModels {
-    fn default_model(&self, offline: bool) -> Result<PathBuf, String> {
-        let dir = mlxcel_hub::cache_dir().join("models").join(mlxcel_hub::DEFAULT_MODEL.name);
-        if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
-            return Err(format!("--offline: the default model is not in the cache ({}); run once without --offline or pass -m DIR", dir.display()));
-        }
-        progress::default_model_dir().map_err(|e| e.to_string())
-    }
-
-    fn convert_gguf(&self, gguf: &Path, out: &Path) -> Result<(), String> {
-        progress::convert(gguf, out, &ConvertOptions::default()).map(|_| ()).map_err(|e| e.to_string())
-    }
-}
-
 fn serve(args: Vec<String>) -> AnyResult<()> {
     let args = mlxcel_server::cli::parse(args)?;
-    Ok(mlxcel_server::run(args, Box::new(ServeModels))?)
+    Ok(mlxcel_server::run(args, Box::new(progress::ServeModels))?)
 }
 
 fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {

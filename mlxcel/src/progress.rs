@@ -70,3 +70,20 @@ pub fn default_model_dir() -> mlxcel_hub::Result<PathBuf> {
     bar.finish();
     dir
 }
+
+/// Models for the server: the default model and GGUF conversion, with this binary's progress bars.
+pub struct ServeModels;
+
+impl mlxcel_server::ModelSource for ServeModels {
+    fn default_model(&self, offline: bool) -> Result<PathBuf, String> {
+        let dir = mlxcel_hub::cache_dir().join("models").join(mlxcel_hub::DEFAULT_MODEL.name);
+        if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
+            return Err(format!("--offline: the default model is not in the cache ({}); run once without --offline or pass -m DIR", dir.display()));
+        }
+        default_model_dir().map_err(|e| e.to_string())
+    }
+
+    fn convert_gguf(&self, gguf: &Path, out: &Path) -> Result<(), String> {
+        convert(gguf, out, &ConvertOptions::default()).map(|_| ()).map_err(|e| e.to_string())
+    }
+}

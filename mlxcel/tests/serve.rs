@@ -36,7 +36,12 @@ impl Server {
     /// Starts it and returns once it listens (the model may still be loading).
     fn spawn(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut command = Command::new(env!("CARGO_BIN_EXE_mlxcel"));
-        command.args(["serve", "--port", "0", "--host", "127.0.0.1"]).args(args).stdout(Stdio::null()).stderr(Stdio::piped());
+        command.arg("serve");
+        Self::spawn_command(command, args, env)
+    }
+
+    fn spawn_command(mut command: Command, args: &[&str], env: &[(&str, &str)]) -> Server {
+        command.args(["--port", "0", "--host", "127.0.0.1"]).args(args).stdout(Stdio::null()).stderr(Stdio::piped());
         for (k, v) in env {
             command.env(k, v);
         }
@@ -662,4 +667,14 @@ fn bad_flags_fail_before_serving() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
+}
+
+#[test]
+fn mlxcel_server_is_the_same_server_under_llama_servers_shape() {
+    let out = Command::new(env!("CARGO_BIN_EXE_mlxcel-server")).args(["--mmproj", "x.gguf"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--mmproj"));
+    let server = Server::spawn_command(Command::new(env!("CARGO_BIN_EXE_mlxcel-server")), &["-np", "1", "-c", "512"], &[]);
+    server.wait_healthy();
+    assert_eq!(server.get("/props").json()["total_slots"], json!(1));
 }
