@@ -164,45 +164,34 @@ pub fn token_text(loaded: &Loaded, id: u32) -> (String, Vec<u8>) {
     (text, bytes)
 }
 
+/// Each token's `{token, bytes, logprob, top_logprobs}` (with `id`s for llama-server).
+fn logprob_entries(loaded: &Loaded, logprobs: &[TokenLogprobs], with_id: bool) -> Vec<Value> {
+    let entry = |id: u32, logprob: f32| {
+        let (token, bytes) = token_text(loaded, id);
+        let mut entry = json!({ "token": token, "bytes": bytes, "logprob": logprob });
+        if with_id {
+            entry["id"] = json!(id);
+        }
+        entry
+    };
+    logprobs
+        .iter()
+        .map(|l| {
+            let mut e = entry(l.token, l.logprob);
+            e["top_logprobs"] = l.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+            e
+        })
+        .collect()
+}
+
 /// llama-server's `completion_probabilities` entries.
 pub fn llama_probabilities(loaded: &Loaded, logprobs: &[TokenLogprobs]) -> Value {
-    Value::Array(
-        logprobs
-            .iter()
-            .map(|l| {
-                let (token, bytes) = token_text(loaded, l.token);
-                let top: Vec<Value> = l
-                    .top
-                    .iter()
-                    .map(|&(id, lp)| {
-                        let (token, bytes) = token_text(loaded, id);
-                        json!({ "id": id, "token": token, "bytes": bytes, "logprob": lp })
-                    })
-                    .collect();
-                json!({ "id": l.token, "token": token, "bytes": bytes, "logprob": l.logprob, "top_logprobs": top })
-            })
-            .collect(),
-    )
+    Value::Array(logprob_entries(loaded, logprobs, true))
 }
 
 /// OpenAI chat's `logprobs.content` entries.
 pub fn chat_logprobs(loaded: &Loaded, logprobs: &[TokenLogprobs]) -> Value {
-    let content: Vec<Value> = logprobs
-        .iter()
-        .map(|l| {
-            let (token, bytes) = token_text(loaded, l.token);
-            let top: Vec<Value> = l
-                .top
-                .iter()
-                .map(|&(id, lp)| {
-                    let (token, bytes) = token_text(loaded, id);
-                    json!({ "token": token, "logprob": lp, "bytes": bytes })
-                })
-                .collect();
-            json!({ "token": token, "logprob": l.logprob, "bytes": bytes, "top_logprobs": top })
-        })
-        .collect();
-    json!({ "content": content })
+    json!({ "content": logprob_entries(loaded, logprobs, false) })
 }
 
 /// OpenAI legacy completions' `logprobs` (parallel arrays).

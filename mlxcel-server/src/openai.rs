@@ -6,7 +6,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxcel_engine::StreamEvent;
+use mlxcel_engine::{GenerationOutput, StreamEvent};
 use serde_json::{json, Value};
 
 use crate::api_error::{ApiError, ApiResult};
@@ -128,32 +128,20 @@ async fn chat(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
     let prompt = loaded.engine.tokenize(&text, false).map_err(|e| ApiError::field("messages", e))?;
     let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAi)?;
     let (generation, first) = completion::start(&state, &loaded, prepared).await?;
-    let id = response_id("chatcmpl");
-    let created = unix_time();
-    let model = state.config.alias.clone();
+    let envelope = Envelope::new(&state, "chatcmpl");
     let want_logprobs = parsed.options.logprobs.is_some();
 
     if !parsed.stream {
         let output = completion::collect(generation, first, Dialect::OpenAi).await?;
-        return Ok(Json(json!({
-            "id": id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "system_fingerprint": crate::SYSTEM_FINGERPRINT,
-            "choices": [{
-                "index": 0,
-                "message": { "role": "assistant", "content": output.text },
-                "logprobs": if want_logprobs { chat_logprobs(&loaded, &output.logprobs) } else { Value::Null },
-                "finish_reason": finish_reason(&output),
-            }],
-            "usage": usage(&output.stats),
-            "timings": timings(&output.stats),
-        }))
-        .into_response());
+        let choice = json!({
+            "index": 0,
+            "message": { "role": "assistant", "content": output.text },
+            "logprobs": if want_logprobs { chat_logprobs(&loaded, &output.logprobs) } else { Value::Null },
+            "finish_reason": finish_reason(&output),
+        });
+        return Ok(Json(envelope.response("chat.completion", choice, &output)).into_response());
     }
 
-    let chunk = move |choices: Value| json!({ "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": crate::SYSTEM_FINGERPRINT, "choices": choices });
     let mut first_piece = true;
     let to_json = move |event: StreamEvent| -> Vec<Value> {
         match event {
@@ -163,24 +151,55 @@ async fn chat(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
                     delta["role"] = json!("assistant");
                 }
                 let logprobs = if want_logprobs { chat_logprobs(&loaded, &logprobs) } else { Value::Null };
-                vec![chunk(json!([{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": Value::Null }]))]
+                vec![envelope.wrap("chat.completion.chunk", json!([{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": Value::Null }]))]
             }
             StreamEvent::Done(output) => {
-                let mut last = chunk(json!([{ "index": 0, "delta": {}, "logprobs": Value::Null, "finish_reason": finish_reason(&output) }]));
-                last["timings"] = timings(&output.stats);
-                let mut out = vec![last];
-                if extras.include_usage {
-                    let mut usage_chunk = chunk(json!([]));
-                    usage_chunk["usage"] = usage(&output.stats);
-                    usage_chunk["timings"] = timings(&output.stats);
-                    out.push(usage_chunk);
-                }
-                out
+                let last = json!({ "index": 0, "delta": {}, "logprobs": Value::Null, "finish_reason": finish_reason(&output) });
+                envelope.last_chunks("chat.completion.chunk", last, &output, extras.include_usage)
             }
             StreamEvent::Failed(_) => Vec::new(),
         }
     };
     Ok(completion::sse(generation, first, to_json, true, Dialect::OpenAi))
+}
+
+/// What every OpenAI response and chunk of one request shares.
+struct Envelope {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Envelope {
+    fn new(state: &AppState, prefix: &str) -> Self {
+        Envelope { id: response_id(prefix), created: unix_time(), model: state.config.alias.clone() }
+    }
+
+    fn wrap(&self, object: &str, choices: Value) -> Value {
+        json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "system_fingerprint": crate::SYSTEM_FINGERPRINT, "choices": choices })
+    }
+
+    /// A whole (unstreamed) response.
+    fn response(&self, object: &str, choice: Value, output: &GenerationOutput) -> Value {
+        let mut body = self.wrap(object, json!([choice]));
+        body["usage"] = usage(&output.stats);
+        body["timings"] = timings(&output.stats);
+        body
+    }
+
+    /// The chunk with the finish reason (and llama-server's `timings`), then the usage chunk if asked for.
+    fn last_chunks(&self, object: &str, last_choice: Value, output: &GenerationOutput, include_usage: bool) -> Vec<Value> {
+        let mut last = self.wrap(object, json!([last_choice]));
+        last["timings"] = timings(&output.stats);
+        let mut chunks = vec![last];
+        if include_usage {
+            let mut usage_chunk = self.wrap(object, json!([]));
+            usage_chunk["usage"] = usage(&output.stats);
+            usage_chunk["timings"] = timings(&output.stats);
+            chunks.push(usage_chunk);
+        }
+        chunks
+    }
 }
 
 pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -229,50 +248,31 @@ async fn text_completion(state: Arc<AppState>, body: Bytes) -> ApiResult<Respons
     let extras = openai_fields(&fields, &mut parsed, false)?;
     let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAi)?;
     let (generation, first) = completion::start(&state, &loaded, prepared).await?;
-    let id = response_id("cmpl");
-    let created = unix_time();
-    let model = state.config.alias.clone();
+    let envelope = Envelope::new(&state, "cmpl");
     let want_logprobs = parsed.options.logprobs.is_some();
 
     if !parsed.stream {
         let output = completion::collect(generation, first, Dialect::OpenAi).await?;
-        return Ok(Json(json!({
-            "id": id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "system_fingerprint": crate::SYSTEM_FINGERPRINT,
-            "choices": [{
-                "index": 0,
-                "text": output.text,
-                "logprobs": if want_logprobs { completion_logprobs(&loaded, &output.logprobs, 0) } else { Value::Null },
-                "finish_reason": finish_reason(&output),
-            }],
-            "usage": usage(&output.stats),
-            "timings": timings(&output.stats),
-        }))
-        .into_response());
+        let choice = json!({
+            "index": 0,
+            "text": output.text,
+            "logprobs": if want_logprobs { completion_logprobs(&loaded, &output.logprobs, 0) } else { Value::Null },
+            "finish_reason": finish_reason(&output),
+        });
+        return Ok(Json(envelope.response("text_completion", choice, &output)).into_response());
     }
 
-    let chunk = move |choices: Value| json!({ "id": id, "object": "text_completion", "created": created, "model": model, "system_fingerprint": crate::SYSTEM_FINGERPRINT, "choices": choices });
     let mut offset = 0;
     let to_json = move |event: StreamEvent| -> Vec<Value> {
         match event {
             StreamEvent::Piece { text, logprobs, .. } => {
                 let logprobs = if want_logprobs { completion_logprobs(&loaded, &logprobs, offset) } else { Value::Null };
                 offset += text.len();
-                vec![chunk(json!([{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": Value::Null }]))]
+                vec![envelope.wrap("text_completion", json!([{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": Value::Null }]))]
             }
             StreamEvent::Done(output) => {
-                let mut last = chunk(json!([{ "index": 0, "text": "", "logprobs": Value::Null, "finish_reason": finish_reason(&output) }]));
-                last["timings"] = timings(&output.stats);
-                let mut out = vec![last];
-                if extras.include_usage {
-                    let mut usage_chunk = chunk(json!([]));
-                    usage_chunk["usage"] = usage(&output.stats);
-                    out.push(usage_chunk);
-                }
-                out
+                let last = json!({ "index": 0, "text": "", "logprobs": Value::Null, "finish_reason": finish_reason(&output) });
+                envelope.last_chunks("text_completion", last, &output, extras.include_usage)
             }
             StreamEvent::Failed(_) => Vec::new(),
         }
