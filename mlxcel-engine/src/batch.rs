@@ -332,10 +332,8 @@ impl BatchEngine {
             cache.entry(breakers.to_vec()).or_insert_with(|| Arc::new(dry_breakers(model, breakers))).clone()
         })?;
         if let Some(constraint) = request.params.constraint() {
-            sampler.constrain(self.grammars()?.compile(&constraint).map_err(|e| match e {
-                mlxcel_grammar::Error::Invalid { name, message } => Error::InvalidParameter { name, message },
-                other => Error::InvalidParameter { name: constraint.option_name(), message: other.to_string() },
-            })?);
+            let option = constraint.option_name();
+            sampler.constrain(self.grammars()?.compile(&constraint).map_err(|e| Error::constraint(option, e))?, option);
         }
         validate_prompt(&self.model, &request.prompt, request.prefill_chunk)?;
         let spec = self.spec_row(&request.params)?;

@@ -71,6 +71,16 @@ impl ErrorKind {
 }
 
 impl Error {
+    /// A structured-output error, filed under the request option that set
+    /// the constraint (`json_schema`, `regex` or `grammar`) unless the
+    /// grammar crate names one itself.
+    pub(crate) fn constraint(option: &'static str, error: mlxcel_grammar::Error) -> Error {
+        match error {
+            mlxcel_grammar::Error::Invalid { name, message } => Error::InvalidParameter { name, message },
+            other => Error::InvalidParameter { name: option, message: other.to_string() },
+        }
+    }
+
     /// What kind of error this is, for front ends that map errors to codes.
     pub fn code(&self) -> ErrorKind {
         use mlxcel_models::Error as M;

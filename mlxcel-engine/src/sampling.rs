@@ -264,6 +264,8 @@ struct HostChain {
     rng: ChaCha8Rng,
     dry: Arc<DryBreakers>,
     matcher: Option<TokenMatcher>,
+    /// The request option the matcher's constraint came from, for its errors.
+    constraint_option: &'static str,
     /// Time spent computing masks.
     mask_time: std::time::Duration,
 }
@@ -272,9 +274,10 @@ impl HostChain {
     /// `values` with the tokens the matcher does not allow at -inf (a
     /// copy; unconstrained rows borrow them as they are).
     fn masked<'v>(&mut self, values: &'v [f32]) -> Result<std::borrow::Cow<'v, [f32]>> {
+        let option = self.constraint_option;
         let Some(matcher) = self.matcher.as_mut() else { return Ok(values.into()) };
         let started = std::time::Instant::now();
-        let mask = matcher.allowed().map_err(constraint_error)?;
+        let mask = matcher.allowed().map_err(|e| Error::constraint(option, e))?;
         let mut masked = values.to_vec();
         for (id, v) in masked.iter_mut().enumerate() {
             if !mask.is_allowed(id as u32) {
@@ -288,17 +291,11 @@ impl HostChain {
     /// Moves the matcher past a sampled `token` (the end-of-sequence token
     /// a complete output may still draw leaves it as it is).
     fn advance(&mut self, token: u32) -> Result<()> {
+        let option = self.constraint_option;
         match self.matcher.as_mut() {
-            Some(m) if !m.is_complete() => m.consume(token).map_err(constraint_error),
+            Some(m) if !m.is_complete() => m.consume(token).map_err(|e| Error::constraint(option, e)),
             _ => Ok(()),
         }
-    }
-}
-
-fn constraint_error(e: mlxcel_grammar::Error) -> Error {
-    match e {
-        mlxcel_grammar::Error::Invalid { name, message } => Error::InvalidParameter { name, message },
-        other => Error::InvalidParameter { name: "json_schema", message: other.to_string() },
     }
 }
 
@@ -322,6 +319,7 @@ impl Sampler {
             rng: ChaCha8Rng::seed_from_u64(seed),
             dry: if params.dry_multiplier > 0.0 { dry(&params.dry_sequence_breakers) } else { Arc::default() },
             matcher: None,
+            constraint_option: "json_schema",
             mask_time: std::time::Duration::ZERO,
         });
         Ok(Sampler { params: params.clone(), key: random::key(seed)?, host })
@@ -486,11 +484,13 @@ impl Sampler {
         Ok(sampler_chain::distribution(&self.params, values, tokens, &host.dry, rng))
     }
 
-    /// Constrains this row's output with `matcher` (host chain rows only:
-    /// parameters with a constraint never run on the device).
-    pub fn constrain(&mut self, matcher: TokenMatcher) {
+    /// Constrains this row's output with `matcher`, compiled from the
+    /// request option `option` (host chain rows only: parameters with a
+    /// constraint never run on the device).
+    pub fn constrain(&mut self, matcher: TokenMatcher, option: &'static str) {
         if let Some(host) = self.host.as_mut() {
             host.matcher = Some(matcher);
+            host.constraint_option = option;
         }
     }
 
