@@ -154,9 +154,8 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     let baseline_rss = rss_bytes("VmRSS:");
     let loaded = Instant::now();
     let limits = args.kv.limits(args.kv_pool_mib.map(|m| m.saturating_mul(1 << 20)))?;
-    let engine = args.spec.load(dir, limits)?;
-    let speculation = args.spec.speculation()?;
-    let params = args.spec.apply(SamplingParams { temperature: args.temp, seed: Some(0), max_tokens: args.gen_tokens, ..SamplingParams::default() })?;
+    let (engine, speculation) = args.spec.load(dir, limits)?;
+    let params = args.spec.apply(SamplingParams { temperature: args.temp, seed: Some(0), max_tokens: args.gen_tokens, ..SamplingParams::default() }, speculation);
     let params = args.constraint.apply(params)?;
     let constrained = params.constraint().is_some();
     eprintln!("loaded in {:.2} s", loaded.elapsed().as_secs_f64());

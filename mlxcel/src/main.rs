@@ -212,15 +212,16 @@ impl SpecArgs {
         Ok(speculation)
     }
 
-    /// These options over `params`.
-    pub fn apply(&self, params: SamplingParams) -> AnyResult<SamplingParams> {
-        Ok(SamplingParams { speculation: self.speculation()?, draft_max: self.draft_max, draft_min: self.draft_min, ..params })
+    /// These options over `params`, with the `speculation` that [`load`](Self::load) checked.
+    pub fn apply(&self, params: SamplingParams, speculation: Speculation) -> SamplingParams {
+        SamplingParams { speculation, draft_max: self.draft_max, draft_min: self.draft_min, ..params }
     }
 
-    /// The engine over `dir` with `limits`, and the draft model if one was given.
-    pub fn load(&self, dir: &Path, limits: mlxcel_engine::EngineLimits) -> AnyResult<Engine> {
-        self.speculation()?;
-        Ok(Engine::load_with_draft(dir, limits, self.draft_model.as_deref())?)
+    /// The engine over `dir` with `limits` and the draft model if one was
+    /// given, and the speculation method (checked before loading).
+    pub fn load(&self, dir: &Path, limits: mlxcel_engine::EngineLimits) -> AnyResult<(Engine, Speculation)> {
+        let speculation = self.speculation()?;
+        Ok((Engine::load_with_draft(dir, limits, self.draft_model.as_deref())?, speculation))
     }
 }
 
@@ -341,7 +342,7 @@ fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {
 
 fn generate(args: GenerateArgs) -> AnyResult<()> {
     let dir = model_dir(args.model)?;
-    let engine = args.spec.load(&dir, args.kv.limits(None)?)?;
+    let (engine, speculation) = args.spec.load(&dir, args.kv.limits(None)?)?;
     let prompt = if args.chat || args.system.is_some() {
         let mut messages = Vec::new();
         if let Some(system) = args.system {
@@ -365,7 +366,7 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
         ..SamplingParams::default()
     };
     request.params = args.chain.apply(request.params)?;
-    request.params = args.spec.apply(request.params)?;
+    request.params = args.spec.apply(request.params, speculation);
     request.params = args.constraint.apply(request.params)?;
     request.params.logprobs = args.logprobs;
     request.params.post_sampling_probs = args.post_sampling_probs;
