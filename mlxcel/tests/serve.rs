@@ -573,6 +573,21 @@ fn concurrent_streams_match_sequential_runs_and_hung_up_clients_free_their_block
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(server.metric("mlxcel:requests_cancelled_total") >= 4.0);
+
+    // A client of an unstreamed request that hangs up: hyper drops the handler, which cancels the row.
+    let body = json!({ "prompt": "Count:", "n_predict": 4000, "ignore_eos": true }).to_string();
+    let stream = send_request(&server.addr, "POST", "/completion", Some(&body), &[]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.metric("llamacpp:requests_processing") < 1.0 {
+        assert!(Instant::now() < deadline, "the unstreamed request never took a slot");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.metric("mlxcel:requests_cancelled_total") < 5.0 || server.metric("mlxcel:kv_pool_blocks_in_use") > 0.0 {
+        assert!(Instant::now() < deadline, "the unstreamed row outlived its client:\n{}", server.get("/metrics").text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert!(server.metric("llamacpp:tokens_predicted_total") >= 32.0 * 12.0);
 }
 
