@@ -275,6 +275,34 @@ fn json_of(data: &str) -> Value {
 
 const PROMPT: &str = "The three primary colors are";
 
+/// llama.cpp's grammars/json.gbnf, as it ships.
+const LLAMA_CPP_JSON_GBNF: &str = r#"root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+"#;
+
 /// `mlxcel generate`'s greedy tokens for `prompt`, the reference for the server's.
 fn generate_tokens(prompt: &str, max_tokens: usize) -> Vec<u32> {
     let out = Command::new(env!("CARGO_BIN_EXE_mlxcel"))
@@ -349,6 +377,13 @@ fn llama_server_routes() {
     assert!(person["name"].is_string() && person["age"].is_i64(), "{person}");
     let reply = server.post("/completion", &json!({ "prompt": "Is the sky blue? Answer:", "n_predict": 8, "grammar": "root ::= \" yes\" | \" no\"" })).json();
     assert!(matches!(reply["content"].as_str(), Some(" yes" | " no")), "{reply}");
+
+    // llama.cpp's own grammars/json.gbnf: multi-line rules, negated classes, escapes, repeats, comments.
+    let reply = server.post("/completion", &json!({ "prompt": "A JSON object describing a dog:", "n_predict": 60, "temperature": 0, "grammar": LLAMA_CPP_JSON_GBNF })).json();
+    let content = reply["content"].as_str().unwrap();
+    assert_eq!(reply["stop_type"], json!("eos"), "{reply}");
+    let dog: Value = serde_json::from_str(content.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {content:?}"));
+    assert!(dog.is_object(), "{dog}");
 
     // ignore_eos runs to n_predict.
     let reply = server.post("/completion", &json!({ "prompt": "Hi", "n_predict": 40, "ignore_eos": true, "temperature": 0 })).json();
