@@ -335,16 +335,19 @@ impl Engine {
     /// [`load_with`](Self::load_with) plus a draft model from `draft_dir`
     /// (see [`with_draft`](Self::with_draft)).
     pub fn load_with_draft(dir: &Path, limits: EngineLimits, draft_dir: Option<&Path>) -> Result<Self> {
-        let load = |dir: &Path| -> Result<Arc<Model>> {
-            if !dir.is_dir() {
-                let what = if dir.exists() { "not a directory" } else { "no such model directory" };
-                return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
-            }
-            Ok(Arc::new(Model::load(dir).map_err(Error::load)?))
-        };
-        let model = load(dir)?;
-        let draft = draft_dir.map(load).transpose()?;
+        let model = Engine::load_model(dir)?;
+        let draft = draft_dir.map(Engine::load_model).transpose()?;
         Engine::with_draft(model, limits, draft)
+    }
+
+    /// The checkpoint in `dir`, for [`with_draft`](Self::with_draft) when the
+    /// limits depend on the model (a KV pool sized in positions).
+    pub fn load_model(dir: &Path) -> Result<Arc<Model>> {
+        if !dir.is_dir() {
+            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
+            return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
+        }
+        Ok(Arc::new(Model::load(dir).map_err(Error::load)?))
     }
 
     pub fn model(&self) -> &Arc<Model> {

@@ -91,6 +91,14 @@ impl KvFormat {
     }
 
     /// Bits per stored feature (mlx-lm's `kv_bits`), 32 for f32.
+    /// Bytes of one block ([`BLOCK_TOKENS`] positions of every layer) of `shape` in this format.
+    pub fn block_bytes(self, shape: &ModelShape) -> usize {
+        match self {
+            KvFormat::F32 => 2 * shape.num_layers * shape.kv_heads * BLOCK_TOKENS * shape.head_dim * std::mem::size_of::<f32>(),
+            KvFormat::Q8 => kernels::kv_q8_block_bytes(shape.num_layers, shape.kv_heads, BLOCK_TOKENS, shape.head_dim),
+        }
+    }
+
     pub fn bits(self) -> u32 {
         match self {
             KvFormat::F32 => 32,
@@ -203,10 +211,7 @@ impl KvPool {
     /// sees `window`, and it keeps keys and values in `format` (both a paged
     /// pool only: contiguous caches keep every position in f32).
     pub fn new(shape: &ModelShape, budget_bytes: usize, paged: bool, window: KvWindow, format: KvFormat) -> crate::Result<Arc<KvPool>> {
-        let block_bytes = match format {
-            KvFormat::F32 => 2 * shape.num_layers * shape.kv_heads * BLOCK_TOKENS * shape.head_dim * std::mem::size_of::<f32>(),
-            KvFormat::Q8 => kernels::kv_q8_block_bytes(shape.num_layers, shape.kv_heads, BLOCK_TOKENS, shape.head_dim),
-        };
+        let block_bytes = format.block_bytes(shape);
         let total = (budget_bytes / block_bytes.max(1)).min(i32::MAX as usize);
         let state = PoolState {
             layers: Vec::new(),

@@ -280,31 +280,27 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
     let dir = resolve_model(args, source)?;
     let kv_bits = args.kv_bits()?;
     let context_shift = args.context_shift && !args.no_context_shift;
-    // A small pool first: it tells the block size in this KV format.
-    let limits = |pool_bytes: usize, window: Option<usize>| {
-        LimitOptions {
-            kv_pool_bytes: Some(pool_bytes as i128),
-            max_kv_size: window.map(|w| w as i128),
-            kv_keep: None,
-            kv_bits,
-            max_rows: Some(args.parallel as i128),
-        }
-        .resolve()
-        .map_err(|e| e.to_string())
-    };
-    let probe = Engine::load_with_draft(&dir, limits(64 << 20, None)?, args.model_draft.as_deref()).map_err(|e| e.to_string())?;
-    let summary: ModelSummary = probe.summary();
+    let model = Engine::load_model(&dir).map_err(|e| e.to_string())?;
+    let draft = args.model_draft.as_deref().map(Engine::load_model).transpose().map_err(|e| e.to_string())?;
+    let summary = ModelSummary::new(&model);
     let n_ctx = match args.ctx_size {
         0 => summary.context_length.unwrap_or(4096),
         n => n,
     };
     let n_ctx_slot = if args.kv_unified { n_ctx } else { (n_ctx / args.parallel).max(16) };
-    let block_tokens = mlxcel_models::paged::BLOCK_TOKENS;
-    let blocks = n_ctx.div_ceil(block_tokens) + 2 * args.parallel;
-    let pool_bytes = (blocks * probe.kv_pool().block_bytes()).max(1 << 20);
-    let window = context_shift.then_some(n_ctx_slot);
-    let engine = Engine::with_draft(probe.model().clone(), limits(pool_bytes, window)?, probe.draft_model().cloned()).map_err(|e| e.to_string())?;
-    drop(probe);
+    let mut limits = LimitOptions {
+        kv_pool_bytes: None,
+        max_kv_size: context_shift.then_some(n_ctx_slot as i128),
+        kv_keep: None,
+        kv_bits,
+        max_rows: Some(args.parallel as i128),
+    }
+    .resolve()
+    .map_err(|e| e.to_string())?;
+    // The pool holds -c positions, plus a partly filled block per slot.
+    let blocks = n_ctx.div_ceil(mlxcel_models::paged::BLOCK_TOKENS) + 2 * args.parallel;
+    limits.kv_pool_bytes = (blocks * limits.kv_format.block_bytes(model.network().shape())).max(1 << 20);
+    let engine = Engine::with_draft(model, limits, draft).map_err(|e| e.to_string())?;
 
     let chat_template = chat_template(args, &engine)?;
     let defaults = GenerationOptions {
