@@ -41,12 +41,8 @@ pub fn prepare(loaded: &Loaded, prompt: Vec<u32>, parsed: &Parsed, dialect: Dial
         (None, true) => loaded.n_ctx_slot.max(1) as i64,
         (None, false) => room as i64,
     };
+    // Token ids outside the vocabulary fail when the engine queues the row (`start`).
     let mut request = options.request(Prompt::Tokens(prompt)).map_err(|e| ApiError::from_engine(&e, rename(dialect)))?;
-    loaded.engine.check_vocabulary(match &request.prompt {
-        Prompt::Tokens(ids) => ids,
-        _ => unreachable!("built from tokens"),
-    }, "prompt")
-    .map_err(|e| ApiError::from_engine(&e, rename(dialect)))?;
     request.ignore_eos = parsed.ignore_eos;
     request.cache_prompt = parsed.cache_prompt;
     let cancel = CancelFlag::new();

@@ -122,17 +122,17 @@ async fn chat(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
     let loaded = state.loaded()?;
     let fields = parse_body(&body)?;
     let messages = chat_messages(&fields)?;
-    let mut parsed = params::parse(&fields, &loaded, Dialect::OpenAi)?;
+    let mut parsed = params::parse(&fields, &loaded, Dialect::OpenAiChat)?;
     let extras = openai_fields(&fields, &mut parsed, true)?;
     let text = loaded.render_chat(&messages, true)?;
     let prompt = loaded.engine.tokenize(&text, false).map_err(|e| ApiError::field("messages", e))?;
-    let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAi)?;
+    let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAiChat)?;
     let (generation, first) = completion::start(&state, &loaded, prepared).await?;
     let envelope = Envelope::new(&state, "chatcmpl");
     let want_logprobs = parsed.options.logprobs.is_some();
 
     if !parsed.stream {
-        let output = completion::collect(generation, first, Dialect::OpenAi).await?;
+        let output = completion::collect(generation, first, Dialect::OpenAiChat).await?;
         let choice = json!({
             "index": 0,
             "message": { "role": "assistant", "content": output.text },
@@ -160,7 +160,7 @@ async fn chat(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
             StreamEvent::Failed(_) => Vec::new(),
         }
     };
-    Ok(completion::sse(generation, first, to_json, true, Dialect::OpenAi))
+    Ok(completion::sse(generation, first, to_json, true, Dialect::OpenAiChat))
 }
 
 /// What every OpenAI response and chunk of one request shares.
@@ -207,7 +207,8 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Res
 }
 
 /// OpenAI's `prompt`: a string, one string in an array, or token ids.
-pub fn prompt_tokens(loaded: &Loaded, fields: &Fields, name: &str) -> ApiResult<(Vec<u32>, String)> {
+fn prompt_tokens(loaded: &Loaded, fields: &Fields) -> ApiResult<Vec<u32>> {
+    let name = "prompt";
     let value = fields.get(name).ok_or_else(|| ApiError::field(name, "is required"))?;
     let from_ids = |items: &[Value]| -> ApiResult<Vec<u32>> {
         items
@@ -220,19 +221,11 @@ pub fn prompt_tokens(loaded: &Loaded, fields: &Fields, name: &str) -> ApiResult<
     };
     let tokenize = |text: &str| loaded.engine.tokenize(text, true).map_err(|e| ApiError::field(name, e));
     match value {
-        Value::String(text) => Ok((tokenize(text)?, text.clone())),
+        Value::String(text) => tokenize(text),
         Value::Array(items) => match items.as_slice() {
-            [Value::String(text)] => Ok((tokenize(text)?, text.clone())),
-            [Value::Array(ids)] => {
-                let ids = from_ids(ids)?;
-                let text = loaded.engine.detokenize(&ids, false).unwrap_or_default();
-                Ok((ids, text))
-            }
-            items if !items.is_empty() && items.iter().all(Value::is_number) => {
-                let ids = from_ids(items)?;
-                let text = loaded.engine.detokenize(&ids, false).unwrap_or_default();
-                Ok((ids, text))
-            }
+            [Value::String(text)] => tokenize(text),
+            [Value::Array(ids)] => from_ids(ids),
+            items if !items.is_empty() && items.iter().all(Value::is_number) => from_ids(items),
             [] => Err(ApiError::field(name, "must not be empty")),
             _ => Err(ApiError::field(name, "give one prompt (a string or token ids); batches of prompts are not supported, send them as concurrent requests")),
         },
@@ -243,16 +236,16 @@ pub fn prompt_tokens(loaded: &Loaded, fields: &Fields, name: &str) -> ApiResult<
 async fn text_completion(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
     let loaded = state.loaded()?;
     let fields = parse_body(&body)?;
-    let (prompt, _) = prompt_tokens(&loaded, &fields, "prompt")?;
-    let mut parsed = params::parse(&fields, &loaded, Dialect::OpenAi)?;
+    let prompt = prompt_tokens(&loaded, &fields)?;
+    let mut parsed = params::parse(&fields, &loaded, Dialect::OpenAiCompletions)?;
     let extras = openai_fields(&fields, &mut parsed, false)?;
-    let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAi)?;
+    let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAiCompletions)?;
     let (generation, first) = completion::start(&state, &loaded, prepared).await?;
     let envelope = Envelope::new(&state, "cmpl");
     let want_logprobs = parsed.options.logprobs.is_some();
 
     if !parsed.stream {
-        let output = completion::collect(generation, first, Dialect::OpenAi).await?;
+        let output = completion::collect(generation, first, Dialect::OpenAiCompletions).await?;
         let choice = json!({
             "index": 0,
             "text": output.text,
@@ -277,5 +270,5 @@ async fn text_completion(state: Arc<AppState>, body: Bytes) -> ApiResult<Respons
             StreamEvent::Failed(_) => Vec::new(),
         }
     };
-    Ok(completion::sse(generation, first, to_json, true, Dialect::OpenAi))
+    Ok(completion::sse(generation, first, to_json, true, Dialect::OpenAiCompletions))
 }

@@ -12,7 +12,10 @@ use crate::state::Loaded;
 /// Which API a request came in on: the names of its fields differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dialect {
-    OpenAi,
+    /// `/v1/chat/completions`: `logprobs` is a switch, `top_logprobs` the count.
+    OpenAiChat,
+    /// `/v1/completions`: `logprobs` is the count.
+    OpenAiCompletions,
     Llama,
 }
 
@@ -33,7 +36,7 @@ pub fn rename(dialect: Dialect) -> impl Fn(&str) -> &str {
         (Dialect::Llama, "repetition_penalty") => "repeat_penalty",
         (Dialect::Llama, "repetition_context_size") => "repeat_last_n",
         (Dialect::Llama, "logprobs") => "n_probs",
-        (Dialect::OpenAi, "logprobs") => "top_logprobs",
+        (Dialect::OpenAiChat, "logprobs") => "top_logprobs",
         (_, other) => other,
     }
 }
@@ -42,60 +45,47 @@ pub fn parse(fields: &Fields, loaded: &Loaded, dialect: Dialect) -> ApiResult<Pa
     let mut o = loaded.defaults.clone();
     let mut max_tokens = loaded.n_predict;
 
-    if let Some(t) = fields.f64("temperature")? {
-        o.temperature = t;
-    }
-    if let Some(p) = fields.f64("top_p")? {
-        o.top_p = p;
-    }
+    // Fields copied as they are (counts clamped into the engine's i64; its checks name the field).
+    let real = |name: &str, slot: &mut f64| -> ApiResult<()> {
+        if let Some(v) = fields.f64(name)? {
+            *slot = v;
+        }
+        Ok(())
+    };
+    let count = |name: &str, slot: &mut i64| -> ApiResult<()> {
+        if let Some(v) = fields.int(name)? {
+            *slot = clamp_i64(v);
+        }
+        Ok(())
+    };
+    real("temperature", &mut o.temperature)?;
+    real("top_p", &mut o.top_p)?;
+    real("min_p", &mut o.min_p)?;
+    real("typical_p", &mut o.typical_p)?;
+    real("repeat_penalty", &mut o.repetition_penalty)?;
+    real("presence_penalty", &mut o.presence_penalty)?;
+    real("frequency_penalty", &mut o.frequency_penalty)?;
+    real("dry_multiplier", &mut o.dry_multiplier)?;
+    real("dry_base", &mut o.dry_base)?;
+    real("xtc_probability", &mut o.xtc_probability)?;
+    real("xtc_threshold", &mut o.xtc_threshold)?;
+    count("dry_allowed_length", &mut o.dry_allowed_length)?;
+    count("dry_penalty_last_n", &mut o.dry_penalty_last_n)?;
+    count("min_keep", &mut o.min_keep)?;
+    count("speculative.n_max", &mut o.draft_max)?;
+    count("speculative.n_min", &mut o.draft_min)?;
     if let Some(k) = fields.int("top_k")? {
         // llama-server: top_k <= 0 keeps every token.
         o.top_k = if k <= 0 && dialect == Dialect::Llama { 0 } else { clamp_i64(k) };
     }
-    if let Some(p) = fields.f64("min_p")? {
-        o.min_p = p;
-    }
-    if let Some(p) = fields.f64("typical_p")? {
-        o.typical_p = p;
-    }
-    if let Some(p) = fields.f64("repeat_penalty")? {
-        o.repetition_penalty = p;
-    }
     if let Some(n) = fields.int("repeat_last_n")? {
         o.repetition_context_size = if n == -1 { loaded.n_ctx_slot as i64 } else { clamp_i64(n) };
-    }
-    if let Some(p) = fields.f64("presence_penalty")? {
-        o.presence_penalty = p;
-    }
-    if let Some(p) = fields.f64("frequency_penalty")? {
-        o.frequency_penalty = p;
-    }
-    if let Some(v) = fields.f64("dry_multiplier")? {
-        o.dry_multiplier = v;
-    }
-    if let Some(v) = fields.f64("dry_base")? {
-        o.dry_base = v;
-    }
-    if let Some(v) = fields.int("dry_allowed_length")? {
-        o.dry_allowed_length = clamp_i64(v);
-    }
-    if let Some(v) = fields.int("dry_penalty_last_n")? {
-        o.dry_penalty_last_n = clamp_i64(v);
-    }
-    if let Some(v) = fields.strings("dry_sequence_breakers")? {
-        o.dry_sequence_breakers = Some(v);
     }
     if let Some(v) = fields.f64("top_n_sigma")? {
         o.top_n_sigma = if v < 0.0 { 0.0 } else { v };
     }
-    if let Some(v) = fields.f64("xtc_probability")? {
-        o.xtc_probability = v;
-    }
-    if let Some(v) = fields.f64("xtc_threshold")? {
-        o.xtc_threshold = v;
-    }
-    if let Some(v) = fields.int("min_keep")? {
-        o.min_keep = clamp_i64(v);
+    if let Some(v) = fields.strings("dry_sequence_breakers")? {
+        o.dry_sequence_breakers = Some(v);
     }
     if let Some(v) = fields.strings("samplers")? {
         o.samplers = Some(v);
@@ -113,18 +103,12 @@ pub fn parse(fields: &Fields, loaded: &Loaded, dialect: Dialect) -> ApiResult<Pa
     if let Some(v) = fields.bool("post_sampling_probs")? {
         o.post_sampling_probs = v;
     }
-    if let Some(n) = fields.int("speculative.n_max")? {
-        o.draft_max = clamp_i64(n);
-    }
-    if let Some(n) = fields.int("speculative.n_min")? {
-        o.draft_min = clamp_i64(n);
-    }
     if let Some(method) = fields.str("speculation")? {
         o.speculation = Some(method.to_string());
     }
 
     let names: &[&str] = match dialect {
-        Dialect::OpenAi => &["max_completion_tokens", "max_tokens", "n_predict"],
+        Dialect::OpenAiChat | Dialect::OpenAiCompletions => &["max_completion_tokens", "max_tokens", "n_predict"],
         Dialect::Llama => &["n_predict", "max_tokens"],
     };
     if let Some(name) = names.iter().copied().find(|n| fields.has(n)) {

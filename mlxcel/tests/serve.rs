@@ -502,6 +502,8 @@ fn bad_input_gets_errors_that_name_the_field() {
         ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url", "image_url": {} }] }] }), "messages[0].content[0]"),
         ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "top_logprobs": 2 }), "top_logprobs"),
         ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "response_format": { "type": "yaml" } }), "response_format"),
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "logprobs": true, "top_logprobs": 500 }), "top_logprobs"),
+        ("/v1/completions", json!({ "prompt": "hi", "logprobs": 500 }), "logprobs"),
         ("/tokenize", json!({ "content": 5 }), "content"),
         ("/detokenize", json!({ "tokens": [-1] }), "tokens"),
     ];
