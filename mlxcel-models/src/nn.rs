@@ -2,7 +2,7 @@
 //! embeddings, RMSNorm, RoPE, the gated MLP and grouped-query attention.
 
 use mlx_sys::fast::{self, AttentionMask};
-use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, PreparedDecoderLayer, QuantizedProjection};
+use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, KvWindow, PreparedDecoderLayer, QuantizedProjection};
 use mlx_sys::{Array, Dtype};
 use mlxcel_gguf::rope::Llama3Scaling;
 
@@ -305,6 +305,16 @@ impl RmsNorm {
         Ok(RmsNorm { weight: scope.get("weight", &[dims])?, eps })
     }
 
+    /// A norm whose gain is `offset + weight` (Gemma stores its gains as
+    /// offsets from 1), added once here in the weight's dtype, as mlx-lm adds
+    /// it on every call.
+    pub fn load_with_offset(scope: &Scope, dims: i32, eps: f32, offset: f32) -> Result<Self> {
+        let stored = scope.get("weight", &[dims])?;
+        let weight = if offset == 0.0 { stored } else { stored.add_scalar(offset as f64)? };
+        weight.eval()?;
+        Ok(RmsNorm { weight, eps })
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
     }
@@ -362,20 +372,51 @@ fn llama3_freqs(dims: i32, base: f32, s: &RopeScaling) -> std::result::Result<Ar
     Ok(freqs)
 }
 
-/// `down(silu(gate(x)) * up(x))`
+/// The gate's activation in a [`GatedMlp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// `x * sigmoid(x)` (llama, qwen).
+    #[default]
+    Silu,
+    /// GELU's tanh approximation, as MLX's `nn.gelu_approx` computes it
+    /// (Hugging Face's `gelu_pytorch_tanh`; Gemma).
+    GeluTanh,
+}
+
+impl Activation {
+    pub fn apply(self, x: &Array) -> Result<Array> {
+        match self {
+            Activation::Silu => Ok(x.silu()?),
+            Activation::GeluTanh => {
+                // 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))
+                let cube = x.power(&Array::scalar(3.0, x.dtype())?)?;
+                let inner = x.add(&cube.mul_scalar(0.044715)?)?.mul_scalar((2.0 / std::f64::consts::PI).sqrt())?;
+                Ok(x.mul_scalar(0.5)?.multiply(&inner.tanh()?.add_scalar(1.0)?)?)
+            }
+        }
+    }
+}
+
+/// `down(act(gate(x)) * up(x))`, `act` SiLU unless loaded otherwise.
 #[derive(Clone)]
 pub struct GatedMlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    activation: Activation,
 }
 
 impl GatedMlp {
     pub fn load(scope: &Scope, hidden: i32, intermediate: i32, bias: bool) -> Result<Self> {
+        Self::load_with(scope, hidden, intermediate, bias, Activation::Silu)
+    }
+
+    pub fn load_with(scope: &Scope, hidden: i32, intermediate: i32, bias: bool, activation: Activation) -> Result<Self> {
         Ok(GatedMlp {
             gate_proj: Linear::load(&scope.pp("gate_proj"), hidden, intermediate, bias)?,
             up_proj: Linear::load(&scope.pp("up_proj"), hidden, intermediate, bias)?,
             down_proj: Linear::load(&scope.pp("down_proj"), intermediate, hidden, bias)?,
+            activation,
         })
     }
 
@@ -387,7 +428,7 @@ impl GatedMlp {
         if let Some(hidden) = self.fused_gate_up(x, kernels.rows(x.size() / x.dim(-1).max(1) as usize))? {
             return self.down_proj.forward_with(&hidden, kernels);
         }
-        let gate = self.gate_proj.forward_with(x, kernels)?.silu()?;
+        let gate = self.activation.apply(&self.gate_proj.forward_with(x, kernels)?)?;
         self.down_proj.forward_with(&gate.multiply(&self.up_proj.forward_with(x, kernels)?)?, kernels)
     }
 
@@ -402,7 +443,7 @@ impl GatedMlp {
         if let Some(hidden) = self.fused_gate_up(x, x.dim(1) as usize)? {
             return self.down_proj.forward_per_sequence(&hidden);
         }
-        let gate = self.gate_proj.forward_per_sequence(x)?.silu()?;
+        let gate = self.activation.apply(&self.gate_proj.forward_per_sequence(x)?)?;
         self.down_proj.forward_per_sequence(&gate.multiply(&self.up_proj.forward_per_sequence(x)?)?)
     }
 
@@ -410,7 +451,12 @@ impl GatedMlp {
     /// both projections are quantized alike and have no bias; `rows` is the
     /// row count the kernel choice sees (one sequence's).
     fn fused_gate_up(&self, x: &Array, rows: usize) -> Result<Option<Array>> {
-        if rows < DENSE_PREFILL_MIN_ROWS || prefill_uses_mlx() || self.gate_proj.bias.is_some() || self.up_proj.bias.is_some() {
+        if self.activation != Activation::Silu
+            || rows < DENSE_PREFILL_MIN_ROWS
+            || prefill_uses_mlx()
+            || self.gate_proj.bias.is_some()
+            || self.up_proj.bias.is_some()
+        {
             return Ok(None);
         }
         let (LinearWeight::Quantized(g), LinearWeight::Quantized(u)) = (&self.gate_proj.weight, &self.up_proj.weight) else {
@@ -442,6 +488,38 @@ pub struct AttentionSpec {
     pub o_bias: bool,
     /// Qwen3-style RMSNorm of q and k per head, with this eps.
     pub qk_norm_eps: Option<f32>,
+    /// Added to the q/k norm weights to make their gains (1 for Gemma, whose
+    /// norms scale by 1 + weight; else 0).
+    pub qk_norm_offset: f32,
+    /// The softmax scale; None is head_dim^-0.5.
+    pub scale: Option<f32>,
+    /// A sliding window of this many positions (the token itself included):
+    /// the token at position p sees p + 1 - window ..= p. None sees every
+    /// position (the pool's own window, if any, still applies).
+    pub window: Option<i32>,
+}
+
+impl AttentionSpec {
+    /// Grouped-query attention of this shape, with no biases, norms or window.
+    pub fn new(hidden: i32, heads: i32, kv_heads: i32, head_dim: i32) -> Self {
+        AttentionSpec {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm_eps: None,
+            qk_norm_offset: 0.0,
+            scale: None,
+            window: None,
+        }
+    }
+
+    /// The window as the kernels take it (keep 0; `KvWindow::ALL` without one).
+    pub fn kv_window(&self) -> KvWindow {
+        self.window.map_or(KvWindow::ALL, |window| KvWindow { window, keep: 0 })
+    }
 }
 
 #[derive(Clone)]
@@ -459,8 +537,10 @@ pub struct Attention {
 
 impl Attention {
     pub fn load(scope: &Scope, spec: AttentionSpec, rope: Rope) -> Result<Self> {
-        let AttentionSpec { hidden, heads, kv_heads, head_dim, qkv_bias, o_bias, qk_norm_eps } = spec;
-        let norm = |name: &str| qk_norm_eps.map(|eps| RmsNorm::load(&scope.pp(name), head_dim, eps)).transpose();
+        let AttentionSpec { hidden, heads, kv_heads, head_dim, qkv_bias, o_bias, qk_norm_eps, qk_norm_offset, scale, .. } = spec;
+        let norm = |name: &str| {
+            qk_norm_eps.map(|eps| RmsNorm::load_with_offset(&scope.pp(name), head_dim, eps, qk_norm_offset)).transpose()
+        };
         Ok(Attention {
             q_proj: Linear::load(&scope.pp("q_proj"), hidden, heads * head_dim, qkv_bias)?,
             k_proj: Linear::load(&scope.pp("k_proj"), hidden, kv_heads * head_dim, qkv_bias)?,
@@ -469,7 +549,7 @@ impl Attention {
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
             rope,
-            scale: (head_dim as f32).powf(-0.5),
+            scale: scale.unwrap_or((head_dim as f32).powf(-0.5)),
             spec,
         })
     }
@@ -525,21 +605,51 @@ impl Attention {
         let offset = cache.offset();
         let q = self.rope.forward(q, offset)?;
         let k = self.rope.forward(k, offset)?;
-        let out = if let Some(out) = cache.attend(&q, &k, v, self.scale)? {
+        let window = self.spec.kv_window();
+        let out = if let Some(out) = cache.attend(&q, &k, v, self.scale, window)? {
             out
-        } else if !prefill_uses_mlx() {
-            let (k, v) = cache.update_and_fetch(&k, v)?;
-            // Our causal attention kernel (MLX's for what it does not handle),
-            // for decode steps too: MLX's CPU attention is a BLAS matmul. Its
-            // result transposes back to [B, L, H, D] without a copy.
-            kernels::causal_attention(&q, &k, &v, self.scale)?
         } else {
             let (k, v) = cache.update_and_fetch(&k, v)?;
-            let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
-            fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask)?
+            let seen = k.dim(2);
+            match self.spec.window.filter(|&w| w < seen) {
+                // Positions outside the window: the last `window + l - 1`
+                // keys hold all a new token sees, and a mask leaves each its
+                // own `window`.
+                Some(w) => {
+                    let first = (seen - l - w + 1).max(0);
+                    let (k, v) = (k.slice_axis(2, first, seen)?, v.slice_axis(2, first, seen)?);
+                    if l == 1 {
+                        fast::scaled_dot_product_attention(&q, &k, &v, self.scale, AttentionMask::None)?
+                    } else {
+                        let mask = window_mask(l, seen, first, w)?;
+                        fast::scaled_dot_product_attention(&q, &k, &v, self.scale, AttentionMask::Array(&mask))?
+                    }
+                }
+                None if !prefill_uses_mlx() => {
+                    // Our causal attention kernel (MLX's for what it does not
+                    // handle), for decode steps too: MLX's CPU attention is a
+                    // BLAS matmul. Its result transposes back to [B, L, H, D]
+                    // without a copy.
+                    kernels::causal_attention(&q, &k, &v, self.scale)?
+                }
+                None => {
+                    let mask = if l > 1 { AttentionMask::Causal } else { AttentionMask::None };
+                    fast::scaled_dot_product_attention(&q, &k, &v, self.scale, mask)?
+                }
+            }
         };
         Ok(out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, heads * head_dim])?)
     }
+}
+
+/// The boolean mask [l, seen - first] of `l` new tokens (the last of `seen`
+/// positions) over the keys from position `first` on, each token seeing the
+/// latest `window` positions up to itself.
+fn window_mask(l: i32, seen: i32, first: i32, window: i32) -> Result<Array> {
+    let queries = Array::arange((seen - l) as f64, seen as f64, 1.0, Dtype::Int32)?.reshape(&[l, 1])?;
+    let keys = Array::arange(first as f64, seen as f64, 1.0, Dtype::Int32)?.reshape(&[1, seen - first])?;
+    let visible = keys.less_equal(&queries)?;
+    Ok(visible.logical_and(&keys.greater(&queries.add_scalar(-(window as f64))?)?)?)
 }
 
 /// Pre-norm decoder block: attention and gated MLP with residuals.
@@ -646,7 +756,9 @@ impl FusedBlock {
         let eps = block.input_layernorm.eps;
         let norms_agree = block.post_attention_layernorm.eps == eps
             && attn.q_norm.iter().chain(attn.k_norm.iter()).all(|n| n.eps == eps);
-        if !norms_agree || attn.rope.dims != attn.spec.head_dim || attn.q_norm.is_some() != attn.k_norm.is_some() {
+        // The kernel's block is llama's: SiLU, head_dim^-0.5, the pool's window.
+        let llama_block = mlp.activation == Activation::Silu && attn.spec.scale.is_none() && attn.spec.window.is_none();
+        if !llama_block || !norms_agree || attn.rope.dims != attn.spec.head_dim || attn.q_norm.is_some() != attn.k_norm.is_some() {
             return None;
         }
         let projection = |linear: &Linear| -> Option<QuantizedProjection> {

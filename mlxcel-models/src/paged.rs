@@ -643,6 +643,20 @@ impl PagedKvCache {
     }
 }
 
+/// The window a layer with its own sliding `layer` window (keep 0) reads
+/// from a pool whose rows keep `pool`: the layer's where it is narrower
+/// (everything it shows, the pool still holds), else the pool's, whose
+/// blocks outside it are handed back for every layer (its `keep` first
+/// positions then stay visible to the layer too).
+fn layer_window(pool: KvWindow, layer: KvWindow) -> KvWindow {
+    match (pool.window, layer.window) {
+        (_, 0) => pool,
+        (0, _) => layer,
+        (p, l) if l <= p => layer,
+        _ => pool,
+    }
+}
+
 impl KvCache for PagedKvCache {
     fn update_and_fetch(&mut self, _keys: &Array, _values: &Array) -> mlx_sys::Result<(Array, Array)> {
         Err(mlx_sys::Error::new("a paged KV cache is read by the CPU kernels in place; use KvCache::attend"))
@@ -669,11 +683,12 @@ impl KvCache for PagedKvCache {
         blocks * self.pool.block_bytes / self.pool.shape.layers.max(1)
     }
 
-    fn attend(&mut self, q: &Array, k: &Array, v: &Array, scale: f32) -> mlx_sys::Result<Option<Array>> {
+    fn attend(&mut self, q: &Array, k: &Array, v: &Array, scale: f32, window: KvWindow) -> mlx_sys::Result<Option<Array>> {
         let length = k.dim(2) as usize;
         let table = self.table_for(length).map_err(|e| mlx_sys::Error::new(e.to_string()))?;
         let (pool_k, pool_v) = self.layer_pools().map_err(|e| mlx_sys::Error::new(e.to_string()))?;
-        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale, self.pool.window, self.layer as i32)?;
+        let window = layer_window(self.pool.window, window);
+        let (out, pool_k, pool_v) = kernels::paged_causal_attention(q, k, v, &pool_k, &pool_v, &table, self.offset as i32, scale, window, self.layer as i32)?;
         self.set_layer_pools(pool_k, pool_v);
         self.offset += length;
         Ok(Some(out))

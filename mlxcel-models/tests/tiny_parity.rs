@@ -106,6 +106,17 @@ fn qwen2() {
 fn qwen3() {
     check("qwen3", 1e-4);
 }
+// Gemma 3: sliding-window (5 positions) and global layers, local and global
+// RoPE bases, pre- and post-norms with 1 + weight gains, q/k norms, the query
+// scale, GELU (tanh), the embedding scale; tied and 4-bit in the second.
+#[test]
+fn gemma3_text() {
+    check("gemma3_text", 1e-4);
+}
+#[test]
+fn gemma3_text_tied_q4_g32() {
+    check("gemma3_text_tied_q4_g32", 1e-4);
+}
 #[test]
 fn llama_bf16_weights() {
     check("llama_bf16", 1e-4);
@@ -152,13 +163,13 @@ fn quantized_models_on_the_other_kernel_paths() {
             continue;
         }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--test-threads=1", "--nocapture", "llama_q4", "qwen3_q8", "llama_q3"])
+            .args(["--test-threads=1", "--nocapture", "llama_q4", "qwen3_q8", "llama_q3", "gemma3_text_tied_q4"])
             .env("MLXCEL_KERNELS", path)
             .env("MLXCEL_TINY_PARITY_CHILD", "1")
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert!(stdout.contains("5 passed"), "MLXCEL_KERNELS={path}: expected the 5 quantized models to run:\n{stdout}");
+        assert!(stdout.contains("6 passed"), "MLXCEL_KERNELS={path}: expected the 6 quantized models to run:\n{stdout}");
     }
 }

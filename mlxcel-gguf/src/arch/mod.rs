@@ -5,6 +5,7 @@
 //! table, and `mlxcel-models` loads exactly [`Architecture::ALL`] (its constructor table is an
 //! exhaustive `match` on [`Architecture`]), so every convertible architecture loads.
 
+mod gemma3;
 mod llama;
 mod qwen2;
 mod qwen3;
@@ -24,6 +25,7 @@ pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma3,
 }
 
 /// What one architecture module declares.
@@ -43,6 +45,8 @@ pub(crate) struct ArchSpec {
     /// GGUF block modules whose `.bias` the loader reads; any other bias is refused, since
     /// the loader would drop it.
     bias_modules: &'static [&'static str],
+    /// What llama.cpp added to every norm gain (Gemma's `1 +`); the converter subtracts it.
+    norm_shift: f32,
     /// Adds the architecture's own `config.json` keys.
     config: fn(&GgufFile, &HParams, &mut Map<String, Json>),
 }
@@ -55,13 +59,15 @@ pub const SUPPORTED_ROPE_SCALING: &[&str] = &["linear"];
 pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
 impl Architecture {
-    pub const ALL: [Architecture; 3] = [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3];
+    pub const ALL: [Architecture; 4] =
+        [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3, Architecture::Gemma3];
 
     fn spec(self) -> &'static ArchSpec {
         match self {
             Architecture::Llama => &llama::SPEC,
             Architecture::Qwen2 => &qwen2::SPEC,
             Architecture::Qwen3 => &qwen3::SPEC,
+            Architecture::Gemma3 => &gemma3::SPEC,
         }
     }
 
@@ -122,6 +128,11 @@ impl Architecture {
         })
     }
 
+    /// What llama.cpp added to this architecture's norm gains, subtracted on conversion.
+    pub fn norm_shift(self) -> f32 {
+        self.spec().norm_shift
+    }
+
     /// llama.cpp permutes the rows of Q and K of this architecture.
     pub fn permuted_qk(self) -> bool {
         self.spec().permuted_qk
@@ -170,7 +181,8 @@ impl Architecture {
         let (layer, rest) = rest.split_once('.')?;
         layer.parse::<u32>().ok()?;
         let (module, param) = rest.rsplit_once('.')?;
-        let hf_module = common_block_module(module).or_else(|| (self.spec().block_module)(module))?;
+        // The architecture's own names first: Gemma's `ffn_norm` is not llama's.
+        let hf_module = (self.spec().block_module)(module).or_else(|| common_block_module(module))?;
         Some(format!("model.layers.{layer}.{hf_module}.{param}"))
     }
 }

@@ -13,6 +13,7 @@ pub(super) const SPEC: ArchSpec = ArchSpec {
     permuted_qk: false,
     block_module: |_| None,
     bias_modules: &["attn_q", "attn_k", "attn_v"],
+    norm_shift: 0.0,
     config,
 };
 

@@ -14,6 +14,7 @@ pub(super) const SPEC: ArchSpec = ArchSpec {
     block_module,
     // Qwen3 has no attention biases (mlx-lm's qwen3 and llama.cpp's read none).
     bias_modules: &[],
+    norm_shift: 0.0,
     config,
 };
 

@@ -458,7 +458,18 @@ pub fn tiny_model(rng: &mut Rng, arch: &str) -> GgufBuilder {
             .flat_map(|i| (i as f32).to_le_bytes())
             .collect(),
     );
-    if arch == "qwen3" {
+    if arch == "gemma3" {
+        // Gemma's two extra norms per block (its `ffn_norm` is the pre-MLP norm), and
+        // llama.cpp's Gemma metadata: the sliding window; tied embeddings.
+        for name in ["post_attention_norm", "post_ffw_norm"] {
+            g.tensor(&format!("blk.0.{name}.weight"), &[h], t(GgmlType::F32), norm(rng, HIDDEN));
+        }
+        g.meta("gemma3.attention.sliding_window", Value::U32(4))
+            .meta("gemma3.attention.key_length", Value::U32(HEAD_DIM as u32))
+            .meta("gemma3.attention.value_length", Value::U32(HEAD_DIM as u32));
+        g.tensors.retain(|t| t.0 != "output.weight");
+    }
+    if arch == "qwen3" || arch == "gemma3" {
         let hd = HEAD_DIM as u64;
         g.tensor(
             "blk.0.attn_q_norm.weight",

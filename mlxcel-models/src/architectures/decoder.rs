@@ -92,13 +92,10 @@ impl DecoderModel {
             .map_err(|message| Error::Unsupported { path: config_path.into(), message })?;
         let model = root.pp("model");
         let spec = AttentionSpec {
-            hidden: args.hidden_size,
-            heads: args.num_attention_heads,
-            kv_heads: args.kv_heads(),
-            head_dim: args.head_dim(),
             qkv_bias: options.qkv_bias,
             o_bias: options.o_bias,
             qk_norm_eps: options.qk_norm.then_some(args.rms_norm_eps),
+            ..AttentionSpec::new(args.hidden_size, args.num_attention_heads, args.kv_heads(), args.head_dim())
         };
         let layers = (0..args.num_hidden_layers)
             .map(|i| {

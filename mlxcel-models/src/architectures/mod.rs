@@ -2,6 +2,7 @@
 //! shares; [`constructor`] maps a `model_type` (or alias) to its module.
 
 pub mod decoder;
+pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
@@ -31,6 +32,7 @@ fn constructor_of(arch: Architecture) -> Constructor {
         Architecture::Llama => llama::load,
         Architecture::Qwen2 => qwen2::load,
         Architecture::Qwen3 => qwen3::load,
+        Architecture::Gemma3 => gemma3::load,
     }
 }
 

@@ -1,0 +1,343 @@
+//! Gemma 3 (text), as mlx-lm's `gemma3_text`: local layers attend over a
+//! sliding window with their own RoPE base and every `sliding_window_pattern`-th
+//! layer is global; each block norms its attention and MLP outputs as well as
+//! their inputs; the norms scale by `1 + weight`; q and k are normed per head;
+//! the scores are scaled by `query_pre_attn_scalar ^ -0.5`; the MLP gate is
+//! GELU (tanh); the embeddings are scaled by `sqrt(hidden)` rounded to bfloat16.
+//!
+//! `model_type: gemma3` (the multimodal checkpoints) loads the language model
+//! from `text_config` and the `language_model.` weights; the vision tower and
+//! projector are a stated skip ([`SKIPPED_MULTIMODAL`]).
+
+use mlx_sys::{Array, Dtype};
+use serde::Deserialize;
+
+use super::decoder::parse_args;
+use super::LoadContext;
+use crate::cache::{KvCache, StandardKvCache};
+use crate::error::{Error, Result};
+use crate::model::{LanguageModel, ModelShape};
+use crate::nn::{Activation, Attention, AttentionSpec, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
+
+/// Weight prefixes of a multimodal `gemma3` checkpoint that the text model
+/// does not read (as mlx-lm's `gemma3.Model.sanitize` drops them).
+pub const SKIPPED_MULTIMODAL: &[&str] = &["vision_tower.", "multi_modal_projector."];
+
+/// `config.json` of `gemma3_text` (mlx-lm's defaults).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Gemma3Args {
+    #[serde(default = "defaults::hidden_size")]
+    pub hidden_size: i32,
+    #[serde(default = "defaults::num_hidden_layers")]
+    pub num_hidden_layers: i32,
+    #[serde(default = "defaults::intermediate_size")]
+    pub intermediate_size: i32,
+    #[serde(default = "defaults::num_attention_heads")]
+    pub num_attention_heads: i32,
+    #[serde(default = "defaults::head_dim")]
+    pub head_dim: i32,
+    #[serde(default = "defaults::rms_norm_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "defaults::vocab_size")]
+    pub vocab_size: i32,
+    #[serde(default = "defaults::num_key_value_heads")]
+    pub num_key_value_heads: i32,
+    #[serde(default = "defaults::rope_theta")]
+    pub rope_theta: f32,
+    #[serde(default = "defaults::rope_local_base_freq")]
+    pub rope_local_base_freq: f32,
+    #[serde(default = "defaults::query_pre_attn_scalar")]
+    pub query_pre_attn_scalar: f32,
+    #[serde(default = "defaults::sliding_window")]
+    pub sliding_window: i32,
+    #[serde(default = "defaults::sliding_window_pattern")]
+    pub sliding_window_pattern: i32,
+    pub max_position_embeddings: Option<i32>,
+    pub rope_scaling: Option<RopeScaling>,
+    /// Hugging Face's name for the MLP activation (`hidden_act` in older configs).
+    #[serde(alias = "hidden_act")]
+    pub hidden_activation: Option<String>,
+    pub final_logit_softcapping: Option<f32>,
+    pub attn_logit_softcapping: Option<f32>,
+    pub tie_word_embeddings: Option<bool>,
+}
+
+mod defaults {
+    pub fn hidden_size() -> i32 { 1152 }
+    pub fn num_hidden_layers() -> i32 { 26 }
+    pub fn intermediate_size() -> i32 { 6912 }
+    pub fn num_attention_heads() -> i32 { 4 }
+    pub fn head_dim() -> i32 { 256 }
+    pub fn rms_norm_eps() -> f32 { 1e-6 }
+    pub fn vocab_size() -> i32 { 262_144 }
+    pub fn num_key_value_heads() -> i32 { 1 }
+    pub fn rope_theta() -> f32 { 1_000_000.0 }
+    pub fn rope_local_base_freq() -> f32 { 10_000.0 }
+    pub fn query_pre_attn_scalar() -> f32 { 256.0 }
+    pub fn sliding_window() -> i32 { 512 }
+    pub fn sliding_window_pattern() -> i32 { 6 }
+}
+
+impl Gemma3Args {
+    fn validate(&self) -> std::result::Result<(), String> {
+        let positive = [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("sliding_window", self.sliding_window),
+            ("sliding_window_pattern", self.sliding_window_pattern),
+        ];
+        if let Some((name, value)) = positive.iter().find(|(_, v)| *v <= 0) {
+            return Err(format!("`{name}` must be positive, got {value}"));
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(format!(
+                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.query_pre_attn_scalar <= 0.0 {
+            return Err(format!("`query_pre_attn_scalar` must be positive, got {}", self.query_pre_attn_scalar));
+        }
+        Ok(())
+    }
+
+    /// What mlx-lm's gemma3_text does not compute: refused, not ignored.
+    fn unsupported(&self) -> Option<String> {
+        if let Some(act) = self.hidden_activation.as_deref().filter(|a| *a != "gelu_pytorch_tanh") {
+            return Some(format!("hidden_activation `{act}` (gemma3 computes gelu_pytorch_tanh)"));
+        }
+        if let Some(cap) = self.final_logit_softcapping {
+            return Some(format!("final_logit_softcapping {cap} (supported: null)"));
+        }
+        if let Some(cap) = self.attn_logit_softcapping {
+            return Some(format!("attn_logit_softcapping {cap} (supported: null)"));
+        }
+        None
+    }
+
+    /// Layer `i` is global (full attention, the global RoPE base).
+    pub fn is_global(&self, i: i32) -> bool {
+        i % self.sliding_window_pattern == self.sliding_window_pattern - 1
+    }
+}
+
+/// One Gemma 3 block: pre- and post-norms around attention and the MLP.
+struct Gemma3Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    mlp: GatedMlp,
+    post_feedforward_layernorm: RmsNorm,
+}
+
+/// `x + y`, kept within float16's range when the activations are float16
+/// (mlx-lm's `clip_residual`).
+fn residual(x: &Array, y: &Array) -> Result<Array> {
+    if x.dtype() != Dtype::Float16 {
+        return Ok(x.add(y)?);
+    }
+    let bound = 65504.0;
+    let sum = x.astype(Dtype::Float32)?.add(&y.astype(Dtype::Float32)?)?;
+    let clipped = sum.minimum(&Array::scalar(bound, Dtype::Float32)?)?.maximum(&Array::scalar(-bound, Dtype::Float32)?)?;
+    Ok(clipped.astype(Dtype::Float16)?)
+}
+
+impl Gemma3Block {
+    fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        let r = self.self_attn.forward(&self.input_layernorm.forward(x)?, cache, Default::default())?;
+        let h = residual(x, &self.post_attention_layernorm.forward(&r)?)?;
+        let r = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
+        residual(&h, &self.post_feedforward_layernorm.forward(&r)?)
+    }
+
+    /// B sequences, each exactly as alone: norms and projections over all
+    /// rows, RoPE and attention per sequence.
+    fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array> {
+        if let [cache] = caches {
+            return self.forward(x, cache.as_mut());
+        }
+        let r = self.self_attn.forward_batch(&self.input_layernorm.forward(x)?, caches)?;
+        let h = residual(x, &self.post_attention_layernorm.forward(&r)?)?;
+        let r = self.mlp.forward_per_sequence(&self.pre_feedforward_layernorm.forward(&h)?)?;
+        residual(&h, &self.post_feedforward_layernorm.forward(&r)?)
+    }
+}
+
+pub struct Gemma3Model {
+    shape: ModelShape,
+    embed_tokens: Embedding,
+    /// sqrt(hidden) rounded to bfloat16, as mlx-lm scales the embeddings.
+    embed_scale: f64,
+    layers: Vec<Gemma3Block>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+}
+
+pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
+    let multimodal = ctx.config.get("model_type").and_then(|t| t.as_str()) == Some("gemma3");
+    let (config, root) = if multimodal {
+        let text = ctx.config.get("text_config").ok_or_else(|| Error::InvalidConfig {
+            path: ctx.config_path.into(),
+            message: "model_type `gemma3` needs a `text_config`".into(),
+        })?;
+        let mut text = text.clone();
+        // mlx-lm's gemma3.ModelArgs: the top-level vocabulary, and its own head defaults.
+        if let Some(map) = text.as_object_mut() {
+            let vocab = ctx.config.get("vocab_size").cloned().unwrap_or(262_208.into());
+            map.insert("vocab_size".into(), vocab);
+            map.entry("num_attention_heads").or_insert(8.into());
+            map.entry("num_key_value_heads").or_insert(4.into());
+        }
+        (text, ctx.scope.pp("language_model"))
+    } else {
+        (ctx.config.clone(), ctx.scope.clone())
+    };
+    let args: Gemma3Args = parse_args(&config, ctx.config_path)?;
+    Ok(Box::new(Gemma3Model::load(&root, ctx.config_path, &args)?))
+}
+
+impl Gemma3Model {
+    fn load(root: &crate::weights::Scope, config_path: &std::path::Path, args: &Gemma3Args) -> Result<Self> {
+        args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
+        if let Some(message) = args.unsupported() {
+            return Err(Error::Unsupported { path: config_path.into(), message });
+        }
+        let unsupported = |message: String| Error::Unsupported { path: config_path.into(), message };
+        let local_rope = Rope::new(args.head_dim, args.rope_local_base_freq, false, None).map_err(unsupported)?;
+        let global_rope =
+            Rope::new(args.head_dim, args.rope_theta, false, args.rope_scaling.as_ref()).map_err(unsupported)?;
+        let (hidden, eps) = (args.hidden_size, args.rms_norm_eps);
+        let norm = |scope: &crate::weights::Scope, dims: i32| RmsNorm::load_with_offset(scope, dims, eps, 1.0);
+        let model = root.pp("model");
+        let layers = (0..args.num_hidden_layers)
+            .map(|i| {
+                let layer = model.pp("layers").pp(i);
+                let global = args.is_global(i);
+                let spec = AttentionSpec {
+                    qk_norm_eps: Some(eps),
+                    qk_norm_offset: 1.0,
+                    scale: Some(args.query_pre_attn_scalar.powf(-0.5)),
+                    window: (!global).then_some(args.sliding_window),
+                    ..AttentionSpec::new(hidden, args.num_attention_heads, args.num_key_value_heads, args.head_dim)
+                };
+                let rope = if global { global_rope.clone() } else { local_rope.clone() };
+                Ok(Gemma3Block {
+                    input_layernorm: norm(&layer.pp("input_layernorm"), hidden)?,
+                    self_attn: Attention::load(&layer.pp("self_attn"), spec, rope)?,
+                    post_attention_layernorm: norm(&layer.pp("post_attention_layernorm"), hidden)?,
+                    pre_feedforward_layernorm: norm(&layer.pp("pre_feedforward_layernorm"), hidden)?,
+                    mlp: GatedMlp::load_with(&layer.pp("mlp"), hidden, args.intermediate_size, false, Activation::GeluTanh)?,
+                    post_feedforward_layernorm: norm(&layer.pp("post_feedforward_layernorm"), hidden)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // mlx-lm's sanitize: tied exactly when the checkpoint has no lm_head.
+        let lm_head = if root.contains("lm_head.weight") {
+            Some(Linear::load(&root.pp("lm_head"), hidden, args.vocab_size, false)?)
+        } else {
+            None
+        };
+        Ok(Gemma3Model {
+            shape: ModelShape {
+                num_layers: args.num_hidden_layers as usize,
+                hidden_size: hidden as usize,
+                kv_heads: args.num_key_value_heads as usize,
+                head_dim: args.head_dim as usize,
+                vocab_size: args.vocab_size as usize,
+                dtype: root.dtype,
+                max_position_embeddings: args.max_position_embeddings.map(|n| n as usize),
+            },
+            embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, hidden)?,
+            embed_scale: half::bf16::from_f32((hidden as f32).sqrt()).to_f32() as f64,
+            layers,
+            norm: norm(&model.pp("norm"), hidden)?,
+            lm_head,
+        })
+    }
+
+    fn embed(&self, tokens: &Array) -> Result<Array> {
+        Ok(self.embed_tokens.forward(tokens, self.shape.dtype)?.mul_scalar(self.embed_scale)?)
+    }
+
+    fn check_caches(&self, caches: usize) -> Result<()> {
+        if caches != self.layers.len() {
+            return Err(Error::Mlx(format!("{caches} caches given for {} layers", self.layers.len())));
+        }
+        Ok(())
+    }
+
+    fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        self.check_caches(caches.len())?;
+        let mut h = self.embed(tokens)?;
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            h = layer.forward(&h, cache.as_mut())?;
+        }
+        Ok(h)
+    }
+
+    fn hidden_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        if caches.len() != tokens.dim(0) as usize {
+            return Err(Error::Mlx(format!("{} cache sets given for a batch of {}", caches.len(), tokens.dim(0))));
+        }
+        for c in caches.iter() {
+            self.check_caches(c.len())?;
+        }
+        let mut h = self.embed(tokens)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut layer_caches: Vec<&mut Box<dyn KvCache>> = caches.iter_mut().map(|c| &mut c[i]).collect();
+            h = layer.forward_batch(&h, &mut layer_caches)?;
+        }
+        Ok(h)
+    }
+
+    fn logits(&self, h: &Array, per_sequence: bool) -> Result<Array> {
+        let h = self.norm.forward(h)?;
+        Ok(match (&self.lm_head, per_sequence) {
+            (Some(head), false) => head.forward(&h)?,
+            (Some(head), true) => head.forward_per_sequence(&h)?,
+            (None, false) => self.embed_tokens.as_linear(&h)?,
+            (None, true) => self.embed_tokens.as_linear_per_sequence(&h)?,
+        })
+    }
+}
+
+impl LanguageModel for Gemma3Model {
+    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let h = self.hidden(tokens, caches)?;
+        self.logits(&h, false)
+    }
+
+    fn forward_last(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let h = self.hidden(tokens, caches)?;
+        let length = h.dim(1);
+        self.logits(&h.slice_axis(1, length - 1, length)?, false)
+    }
+
+    fn forward_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        let h = self.hidden_batch(tokens, caches)?;
+        let length = h.dim(1);
+        Ok(self.logits(&h.slice_axis(1, length - 1, length)?, true)?.squeeze(1)?)
+    }
+
+    fn forward_batch_all(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        let h = self.hidden_batch(tokens, caches)?;
+        let (batch, length) = (h.dim(0), h.dim(1));
+        // Each position through the lm_head as a sequence of one, as at decode.
+        let logits = self.logits(&h.reshape(&[batch * length, 1, -1])?, true)?;
+        Ok(logits.reshape(&[batch, length, -1])?)
+    }
+
+    fn new_caches(&self) -> Vec<Box<dyn KvCache>> {
+        (0..self.layers.len()).map(|_| Box::new(StandardKvCache::new()) as Box<dyn KvCache>).collect()
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+}
