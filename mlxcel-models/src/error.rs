@@ -24,6 +24,8 @@ pub enum Error {
     InvalidFile { path: PathBuf, message: String },
     #[error("{path}: missing tensor `{tensor}`")]
     MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: {} tensor(s) that the `{model_type}` model does not read: {}", tensors.len(), list_some(tensors))]
+    UnusedTensors { path: PathBuf, model_type: String, tensors: Vec<String> },
     #[error("{path}: tensor `{tensor}` has shape {actual:?}, expected {expected:?}")]
     ShapeMismatch {
         path: PathBuf,
@@ -86,4 +88,14 @@ impl From<mlx_sys::Error> for Error {
     fn from(e: mlx_sys::Error) -> Self {
         Error::Mlx(e.message().to_string())
     }
+}
+
+/// The first few names, and how many more.
+fn list_some(names: &[String]) -> String {
+    const SHOWN: usize = 8;
+    let mut text = names.iter().take(SHOWN).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
+    if names.len() > SHOWN {
+        text += &format!(" and {} more", names.len() - SHOWN);
+    }
+    text
 }

@@ -207,6 +207,10 @@ pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
         config_path: &config_path,
         scope: Scope::root(&weights, &quantization, dtype),
     })?;
+    let unread = weights.unread();
+    if !unread.is_empty() {
+        return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
+    }
     let info = summarize(&model_type, &weights, &quantization, network.shape().clone());
     Ok((network, info))
 }

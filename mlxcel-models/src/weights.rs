@@ -1,10 +1,10 @@
 //! Reading the tensors of a checkpoint directory: `model.safetensors`, or the
 //! shards listed in `model.safetensors.index.json`.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use mlx_sys::{Array, Dtype};
 use safetensors::SafeTensors;
@@ -17,11 +17,15 @@ struct Entry {
     file: Arc<PathBuf>,
 }
 
-/// Every tensor of a checkpoint, by name, with the file it came from.
+/// Every tensor of a checkpoint, by name, with the file it came from, and
+/// which of them the model has read (a tensor no layer reads is an error,
+/// [`Weights::unread`], unless its architecture skips it on purpose).
 pub struct Weights {
     tensors: HashMap<String, Entry>,
     /// What a missing tensor is reported against: the index or the one file.
     origin: PathBuf,
+    read: Mutex<HashSet<String>>,
+    skipped: Mutex<HashSet<String>>,
 }
 
 /// The safetensors files of a checkpoint directory.
@@ -97,23 +101,56 @@ impl Weights {
                 tensors.insert(name, Entry { array, file: shared.clone() });
             }
         }
-        Ok(Weights { tensors, origin })
+        Ok(Weights { tensors, origin, read: Mutex::new(HashSet::new()), skipped: Mutex::new(HashSet::new()) })
+    }
+
+    fn mark_read(&self, name: &str) {
+        self.read.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string());
+    }
+
+    /// Drops every tensor whose name contains `part` from the checkpoint as
+    /// the model sees it (not read, not counted): tensors that an architecture
+    /// leaves out on purpose, as mlx-lm's `sanitize` does, stated where it
+    /// calls this.
+    pub fn skip(&self, part: &str) {
+        let mut skipped = self.skipped.lock().unwrap_or_else(|e| e.into_inner());
+        skipped.extend(self.tensors.keys().filter(|n| n.contains(part)).cloned());
+    }
+
+    /// The tensors neither read nor skipped, sorted: after a model is built,
+    /// weights it would otherwise silently ignore.
+    pub fn unread(&self) -> Vec<String> {
+        let read = self.read.lock().unwrap_or_else(|e| e.into_inner());
+        let skipped = self.skipped.lock().unwrap_or_else(|e| e.into_inner());
+        let mut names: Vec<String> =
+            self.tensors.keys().filter(|n| !read.contains(*n) && !skipped.contains(*n)).cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// What errors about this checkpoint's tensors name.
+    pub fn origin(&self) -> &Path {
+        &self.origin
     }
 
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }
 
+    /// Every tensor but the skipped ones.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Array)> {
-        self.tensors.iter().map(|(k, e)| (k.as_str(), &e.array))
+        let skipped = self.skipped.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.tensors.iter().filter(move |(k, _)| !skipped.contains(*k)).map(|(k, e)| (k.as_str(), &e.array))
     }
 
     /// The tensor `name`, or an error naming the checkpoint file and tensor.
     pub fn get(&self, name: &str) -> Result<Array> {
-        self.tensors
+        let entry = self
+            .tensors
             .get(name)
-            .map(|e| e.array.clone())
-            .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), tensor: name.into() })
+            .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), tensor: name.into() })?;
+        self.mark_read(name);
+        Ok(entry.array.clone())
     }
 
     /// [`get`](Self::get), checking the shape.

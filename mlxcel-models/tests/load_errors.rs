@@ -174,3 +174,34 @@ fn missing_directory_and_files_are_named() {
     let msg = s.load_error().to_string();
     assert!(msg.contains("no model.safetensors"), "{msg}");
 }
+
+#[test]
+fn tensors_no_layer_reads_are_an_error_that_names_them() {
+    let s = Scratch::of("llama");
+    let bytes = std::fs::read(s.weights()).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: HashMap<String, TensorView> = st.tensors().into_iter().collect();
+    let norm = tensors["model.norm.weight"].clone();
+    tensors.insert("model.layers.0.mlp.extra_norm.weight".into(), norm.clone());
+    tensors.insert("model.layers.1.self_attn.rotary_emb.inv_freq".into(), norm);
+    safetensors::serialize_to_file(&tensors, None, &s.weights()).unwrap();
+    let e = s.load_error();
+    let msg = e.to_string();
+    match e {
+        // Precomputed RoPE frequencies are a stated skip (mlx-lm's sanitize drops them).
+        Error::UnusedTensors { tensors, model_type, .. } => {
+            assert_eq!((tensors, model_type.as_str()), (vec!["model.layers.0.mlp.extra_norm.weight".to_string()], "llama"));
+            assert!(msg.contains("model.safetensors") && msg.contains("does not read"), "{msg}");
+        }
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn a_tied_config_skips_the_checkpoints_lm_head() {
+    // As mlx-lm's llama sanitize: tie_word_embeddings drops lm_head.weight.
+    let s = Scratch::of("llama");
+    s.edit_config(|c| c["tie_word_embeddings"] = true.into());
+    let (_, info) = load_network(&s.0).unwrap();
+    assert!(info.groups.iter().all(|g| g.name != "lm_head"), "{:?}", info.groups);
+}

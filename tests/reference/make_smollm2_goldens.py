@@ -1,8 +1,16 @@
-"""Golden outputs of a real checkpoint (SmolLM2-135M-Instruct, MLX format), in float32.
+"""Golden outputs of a real checkpoint (MLX format), in float32.
 
     tests/reference/run.sh tests/reference/make_smollm2_goldens.py \
         --model ~/.cache/mlxcel/models/SmolLM2-135M-Instruct \
         --out tests/reference/goldens/smollm2.json
+
+Other real models take their own prompts (`--raw-prompt` / `--chat-prompt`,
+repeatable, replacing the defaults; `--no-chat` for base models without a
+chat template), e.g. Gemma 3:
+
+    tests/reference/run.sh tests/reference/make_smollm2_goldens.py \
+        --model ~/.cache/mlxcel/models/gemma-3-270m --no-chat \
+        --out tests/reference/goldens/gemma3_270m.json
 
 The checkpoint (4-bit affine, group 32, float16 scales/biases) is loaded with
 mlx_lm.load and every quantized layer is DEQUANTIZED to float32: scales and
@@ -100,6 +108,9 @@ def main():
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--max-new", type=int, default=48)
     ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--raw-prompt", action="append", help="a raw prompt (repeatable; replaces the defaults)")
+    ap.add_argument("--chat-prompt", action="append", help="a chat prompt (repeatable; replaces the defaults)")
+    ap.add_argument("--no-chat", action="store_true", help="no chat prompts (a base model without a template)")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
 
@@ -110,7 +121,9 @@ def main():
     t_load = time.perf_counter() - t_start
     eos_ids = sorted(int(i) for i in tokenizer.eos_token_ids)
 
-    prompts = [(p, False) for p in RAW_PROMPTS] + [(p, True) for p in CHAT_PROMPTS]
+    raw = args.raw_prompt or RAW_PROMPTS
+    chat_prompts = [] if args.no_chat else (args.chat_prompt or CHAT_PROMPTS)
+    prompts = [(p, False) for p in raw] + [(p, True) for p in chat_prompts]
     records = []
     n_gen = 0
     t_gen = 0.0

@@ -47,7 +47,9 @@ fn config(gguf: &GgufFile, hp: &HParams, c: &mut Map<String, Json>) {
         Some(scale) if scale > 0.0 => 1.0 / (scale * scale),
         _ => hp.head_dim as f64,
     };
-    c.insert("query_pre_attn_scalar".into(), super::f32_json(scalar));
+    // An integer in Hugging Face's config class (transformers refuses 256.0).
+    let scalar = if scalar.fract() == 0.0 { Json::from(scalar as u64) } else { super::f32_json(scalar) };
+    c.insert("query_pre_attn_scalar".into(), scalar);
     if let Some(window) = gguf.get_u64(&key("attention.sliding_window")) {
         c.insert("sliding_window".into(), window.into());
     }

@@ -111,6 +111,12 @@ impl DecoderModel {
         // Tied exactly when the config says so, or, when it is silent, when
         // the checkpoint has no lm_head.
         let tied = args.tie_word_embeddings.unwrap_or(!root.contains("lm_head.weight"));
+        // What mlx-lm's llama, qwen2 and qwen3 `sanitize` drop: precomputed RoPE
+        // frequencies, and an lm_head the config ties to the embeddings.
+        root.weights.skip("self_attn.rotary_emb.inv_freq");
+        if tied {
+            root.weights.skip("lm_head.");
+        }
         let lm_head = if tied {
             None
         } else {

@@ -194,6 +194,9 @@ pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
             map.entry("num_attention_heads").or_insert(8.into());
             map.entry("num_key_value_heads").or_insert(4.into());
         }
+        for prefix in SKIPPED_MULTIMODAL {
+            ctx.scope.weights.skip(prefix);
+        }
         (text, ctx.scope.pp("language_model"))
     } else {
         (ctx.config.clone(), ctx.scope.clone())
