@@ -42,7 +42,7 @@ struct ProjectionSlots {
 
 struct Slots {
   int x = -1, input_norm = -1, post_norm = -1, keys = -1, values = -1;
-  int q_norm = -1, k_norm = -1, freqs = -1;
+  int q_norm = -1, k_norm = -1, freqs = -1, attn_out_norm = -1, mlp_out_norm = -1;
   ProjectionSlots q, k, v, o, gate, up, down;
   bool operator==(const Slots&) const = default;
 };
@@ -91,6 +91,8 @@ std::vector<mx::array> pack(const DecoderLayerInputs& in, mx::Stream stream, Slo
   put_optional(in.q_norm, slots.q_norm);
   put_optional(in.k_norm, slots.k_norm);
   put_optional(in.rope_freqs, slots.freqs);
+  put_optional(in.attn_out_norm, slots.attn_out_norm);
+  put_optional(in.mlp_out_norm, slots.mlp_out_norm);
   return list;
 }
 
@@ -286,7 +288,7 @@ struct Pointers {
   int B = 1, L = 0;
   const float* x = nullptr;
   int64_t x_strides[3] = {0, 0, 0};
-  VectorRef input_norm, post_norm, q_norm, k_norm, freqs;
+  VectorRef input_norm, post_norm, q_norm, k_norm, freqs, attn_out_norm, mlp_out_norm;
   Projection q, k, v, o, gate, up, down;
   std::vector<CacheRef> caches;
   // A paged layer's pool, when it is copied rather than written in place
@@ -995,16 +997,33 @@ void run_layer(const Pointers& p) {
     detail::parallel_for(p.B * s.heads, attention_task, &job);
   }
   project(p.o, sc.att.data(), L, sc.o.data());
+  if (p.attn_out_norm) {
+    for (int l = 0; l < L; ++l) rms_norm(&sc.o[(size_t)l * H], p.attn_out_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
+    std::copy(sc.n.begin(), sc.n.begin() + (size_t)L * H, sc.o.begin());
+  }
   for (size_t i = 0; i < (size_t)L * H; ++i) sc.h[i] = sc.x[i] + sc.o[i];
 
   // MLP.
   for (int l = 0; l < L; ++l) rms_norm(&sc.h[(size_t)l * H], p.post_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
   project_many<2>({&p.gate, &p.up}, sc.n.data(), L, {sc.g.data(), sc.u.data()});
-  for (size_t i = 0; i < (size_t)L * I; ++i) {
-    const float a = sc.g[i];
-    sc.g[i] = a * (1.0f / (1.0f + std::exp(-a))) * sc.u[i];
+  if (s.activation == 1) {
+    // MLX's gelu_approx: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))).
+    const float c = std::sqrt(2.0f / 3.14159265358979323846f);
+    for (size_t i = 0; i < (size_t)L * I; ++i) {
+      const float a = sc.g[i];
+      sc.g[i] = 0.5f * a * (1.0f + std::tanh(c * (a + 0.044715f * (a * a * a)))) * sc.u[i];
+    }
+  } else {
+    for (size_t i = 0; i < (size_t)L * I; ++i) {
+      const float a = sc.g[i];
+      sc.g[i] = a * (1.0f / (1.0f + std::exp(-a))) * sc.u[i];
+    }
   }
   project(p.down, sc.g.data(), L, sc.o.data());
+  if (p.mlp_out_norm) {
+    for (int l = 0; l < L; ++l) rms_norm(&sc.o[(size_t)l * H], p.mlp_out_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
+    std::copy(sc.n.begin(), sc.n.begin() + (size_t)L * H, sc.o.begin());
+  }
   for (size_t i = 0; i < (size_t)L * H; ++i) p.out[i] = sc.h[i] + sc.o[i];
 }
 
@@ -1024,6 +1043,8 @@ void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots
   p.q_norm = vec(at.q_norm);
   p.k_norm = vec(at.k_norm);
   p.freqs = vec(at.freqs);
+  p.attn_out_norm = vec(at.attn_out_norm);
+  p.mlp_out_norm = vec(at.mlp_out_norm);
   const int H = spec.hidden, D = spec.head_dim;
   auto proj = [&](const ProjectionSlots& ps, int n, int k) {
     Projection pr;
@@ -1237,6 +1258,11 @@ void check_weights(const DecoderLayerInputs& in, const DecoderLayerSpec& spec) {
     check_vector(*in.k_norm, D, "k_norm weight");
   }
   if (in.rope_freqs) check_vector(*in.rope_freqs, spec.rope_dims / 2, "rope freqs");
+  if (in.attn_out_norm.has_value() != in.mlp_out_norm.has_value()) fail("attn_out_norm and mlp_out_norm weights come together");
+  if (in.attn_out_norm) {
+    check_vector(*in.attn_out_norm, H, "attn_out_norm weight");
+    check_vector(*in.mlp_out_norm, H, "mlp_out_norm weight");
+  }
 }
 
 void check_activations(const mx::array& x, const std::vector<mx::array>& keys, const std::vector<mx::array>& values,

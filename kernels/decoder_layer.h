@@ -3,7 +3,10 @@
 //
 //   h   = x + o_proj(attention(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1), cache))
 //   out = h + down_proj(silu(gate_proj(n2)) * up_proj(n2)),
-//   n1  = rms_norm(x, input_norm), n2 = rms_norm(h, post_attention_norm).
+//   n1  = rms_norm(x, input_norm), n2 = rms_norm(h, post_attention_norm),
+//
+// and Gemma's variant: GELU (tanh) for SiLU, and the attention and MLP
+// outputs normed before their residual adds (DecoderLayerInputs::attn_out_norm).
 //
 // MLX builds the same block out of ~25 nodes per layer; at decode time their
 // dispatch costs more than the arithmetic. Here the whole block is one node:
@@ -55,6 +58,9 @@ struct DecoderLayerSpec {
   // The layer's index in an 8-bit paged pool (kv_pool_buffer_q8), which
   // holds every layer; unused otherwise.
   int kv_layer = 0;
+  // The MLP gate's activation: 0 SiLU (llama, qwen), 1 GELU's tanh
+  // approximation as MLX's nn.gelu_approx computes it (Gemma).
+  int activation = 0;
   // The caller owns the cache buffers: nothing reads them at positions
   // >= offset except nodes evaluated after this one, so the new rows can be
   // written into the input buffers even while other references exist (the
@@ -87,6 +93,11 @@ struct DecoderLayerInputs {
   std::optional<mlx::core::array> q_norm, k_norm;  // [head_dim]
   // Per-frequency periods (llama3 scaling) in place of rope_base.
   std::optional<mlx::core::array> rope_freqs;  // [rope_dims / 2]
+  // Gemma's norms of the attention and MLP outputs before their residual
+  // adds (both or neither): h = x + rms_norm(o_proj(..), attn_out_norm),
+  // out = h + rms_norm(down_proj(..), mlp_out_norm); post_attention_norm is
+  // then the MLP's input norm.
+  std::optional<mlx::core::array> attn_out_norm, mlp_out_norm;  // [hidden]
 };
 
 // Returns {out [1, L, hidden], keys, values}: the caches with positions

@@ -53,6 +53,14 @@ const QWEN25: Case = Case {
     llama_cpp: Some("qwen25_coder_05b.llama_cpp.json"),
     tolerance: 2e-3,
 };
+// Gemma re-quantized to 4 bits: decode and short prompts run the fused block.
+const GEMMA3_Q4: Case = Case {
+    model: &mlxcel_hub::GEMMA3_270M,
+    q_bits: Some(4),
+    goldens: "gemma3_270m_q4.json",
+    llama_cpp: None,
+    tolerance: 2e-3,
+};
 // Re-quantized on conversion (`--q-bits 4|8`, group 64): mlx-lm runs the same
 // affine weights dequantized to float32.
 const QWEN25_Q4: Case = Case {
@@ -207,6 +215,7 @@ fn check(case: &Case) {
 
         let mut sequence = ids.clone();
         sequence.extend(&want);
+        short_pass(case, &name, network, &sequence, golden);
         let tf = &golden["teacher_forced"];
         assert_eq!(tf["n_positions"].as_u64().unwrap() as usize, sequence.len());
         let input: Vec<i32> = sequence.iter().map(|&t| t as i32).collect();
@@ -241,9 +250,38 @@ fn check(case: &Case) {
     }
 }
 
+/// The first 32 positions as one pass: the fused decoder block (quantized
+/// projections) on the matvec loops, as decode steps and short prompts run. The
+/// integer loops (the default on x86-64) quantize activations to 16 bits per group of
+/// 32 (see smollm2_parity.rs), so they are held to 2.5e-2, as SmolLM2's are.
+fn short_pass(case: &Case, name: &str, network: &dyn mlxcel_models::LanguageModel, sequence: &[u32], golden: &Value) {
+    const TOLERANCE: f32 = 2.5e-2;
+    let n = sequence.len().min(32);
+    let input: Vec<i32> = sequence[..n].iter().map(|&t| t as i32).collect();
+    let tokens = Array::from_slice(&input, &[1, n as i32]).unwrap();
+    let logits = network.forward(&tokens, &mut network.new_caches()).unwrap().astype(Dtype::Float32).unwrap();
+    let logits = logits.to_vec::<f32>().unwrap();
+    let vocab = logits.len() / n;
+    let tf = &golden["teacher_forced"];
+    let mut worst = 0f32;
+    for pos in 0..n {
+        for (k, id) in u32s(&tf["topk_ids"][pos]).iter().enumerate() {
+            let want = tf["topk_logits"][pos][k].as_f64().unwrap() as f32;
+            worst = worst.max((logits[pos * vocab + *id as usize] - want).abs());
+        }
+    }
+    eprintln!("{}: {name:?}: short pass of {n}: max |Δlogit| {worst:.5}", case.model.name);
+    assert!(worst <= TOLERANCE, "{}: {name}: short pass differs by {worst} (tolerance {TOLERANCE})", case.model.name);
+}
+
 #[test]
 fn gemma3_270m_matches_mlx_lm_and_llama_cpp() {
     check(&GEMMA3);
+}
+
+#[test]
+fn gemma3_270m_4_bit_matches_mlx_lm() {
+    check(&GEMMA3_Q4);
 }
 
 #[test]

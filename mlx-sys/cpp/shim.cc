@@ -460,6 +460,7 @@ kernels::DecoderLayerSpec to_kernel_spec(const DecoderLayerSpec& s) {
   k.kv_window = s.kv_window;
   k.kv_keep = s.kv_keep;
   k.kv_layer = s.kv_layer;
+  k.activation = s.activation;
   k.cache_in_place = s.cache_in_place;
   return k;
 }
@@ -489,6 +490,8 @@ kernels::DecoderLayerInputs to_kernel_inputs(const DecoderLayerArrays& a) {
       .q_norm = optional_array(a.q_norm),
       .k_norm = optional_array(a.k_norm),
       .rope_freqs = optional_array(a.rope_freqs),
+      .attn_out_norm = optional_array(a.attn_out_norm),
+      .mlp_out_norm = optional_array(a.mlp_out_norm),
   };
 }
 }  // namespace

@@ -42,6 +42,8 @@ fn main() -> mlx_sys::Result<()> {
         q_norm: None,
         k_norm: None,
         rope_freqs: None,
+        attn_out_norm: None,
+        mlp_out_norm: None,
     };
     let spec = DecoderLayerSpec {
         hidden,
@@ -60,6 +62,7 @@ fn main() -> mlx_sys::Result<()> {
         kv_window: 0,
         kv_keep: 0,
         kv_layer: 0,
+        activation: 0,
     };
     let layer = PreparedDecoderLayer::new(&weights, &spec)?;
     let key = random::key(9)?;

@@ -28,6 +28,8 @@ mod bridge {
         kv_window: i32,
         kv_keep: i32,
         kv_layer: i32,
+        /// The MLP gate's activation: 0 SiLU, 1 GELU (tanh approximation).
+        activation: i32,
     }
 
     /// One quantized projection of a fused decoder block; `bias` may be null.
@@ -56,6 +58,8 @@ mod bridge {
         q_norm: *const MlxArray,
         k_norm: *const MlxArray,
         rope_freqs: *const MlxArray,
+        attn_out_norm: *const MlxArray,
+        mlp_out_norm: *const MlxArray,
     }
 
     #[namespace = "mlx::core"]

@@ -151,6 +151,11 @@ pub struct DecoderLayerWeights {
     /// Per-frequency periods `[rope_dims / 2]` (llama3 scaling) in place of
     /// `spec.rope_base`.
     pub rope_freqs: Option<Array>,
+    /// Gemma's norms of the attention and MLP outputs before their residual
+    /// adds (`[hidden]`, both or neither); `post_attention_norm` is then the
+    /// MLP's input norm.
+    pub attn_out_norm: Option<Array>,
+    pub mlp_out_norm: Option<Array>,
 }
 
 /// One pre-norm decoder block (the llama / mistral / qwen2 / qwen3 layout)
@@ -419,6 +424,8 @@ fn layer_arrays<'a>(x: &'a Array, weights: &'a DecoderLayerWeights, keys: &'a Ar
         q_norm: optional(&w.q_norm),
         k_norm: optional(&w.k_norm),
         rope_freqs: optional(&w.rope_freqs),
+        attn_out_norm: optional(&w.attn_out_norm),
+        mlp_out_norm: optional(&w.mlp_out_norm),
     }
 }
 

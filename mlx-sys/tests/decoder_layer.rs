@@ -253,6 +253,7 @@ impl Layer {
                 kv_window: 0,
                 kv_keep: 0,
                 kv_layer: 0,
+                activation: 0,
             },
             input_norm: norm(1, h),
             post_norm: norm(2, h),
@@ -300,6 +301,8 @@ impl Layer {
             q_norm: self.q_norm.clone(),
             k_norm: self.k_norm.clone(),
             rope_freqs: self.freqs.clone(),
+            attn_out_norm: None,
+            mlp_out_norm: None,
         }
     }
 

@@ -362,6 +362,21 @@ pub fn packaged_model(name: &str) -> Option<&'static PackagedModel> {
     CATALOG.iter().copied().find(|m| m.name.eq_ignore_ascii_case(name))
 }
 
+/// A packaged model and its conversion from a name as [`packaged_model_dir`] spells it:
+/// `NAME`, or `NAME-q<bits>` / `NAME-q<bits>g<group>` for a re-quantized one.
+pub fn packaged_model_spec(name: &str) -> Option<(&'static PackagedModel, ConvertOptions)> {
+    if let Some(model) = packaged_model(name) {
+        return Some((model, ConvertOptions::default()));
+    }
+    let (base, suffix) = name.rsplit_once("-q")?;
+    let model = packaged_model(base)?;
+    let (bits, group) = match suffix.split_once('g') {
+        Some((bits, group)) => (bits.parse().ok()?, Some(group.parse().ok()?)),
+        None => (suffix.parse().ok()?, None),
+    };
+    Some((model, ConvertOptions { q_bits: Some(bits), q_group_size: group }))
+}
+
 /// Written last into a converted model directory: its presence means the directory is complete.
 pub const COMPLETE_MARKER: &str = ".mlxcel-complete";
 
@@ -687,6 +702,30 @@ mod tests {
         assert_eq!(tty.text(&convert(8)).as_deref(), Some("\rmlxcel: converting to MLX: 100% (8/8 tensors)\n"));
         let dir = Path::new("/m");
         assert_eq!(log.text(&Progress::Ready { dir }).as_deref(), Some("mlxcel: model ready in /m\n"));
+    }
+
+    #[test]
+    fn packaged_names_carry_their_conversion() {
+        let (model, convert) = packaged_model_spec("gemma-3-270m").unwrap();
+        assert_eq!((model.name, convert.q_bits), ("gemma-3-270m", None));
+        let (model, convert) = packaged_model_spec("qwen2.5-coder-0.5b-instruct-q4").unwrap();
+        assert_eq!((model.name, convert.q_bits, convert.q_group_size), ("Qwen2.5-Coder-0.5B-Instruct", Some(4), None));
+        let (_, convert) = packaged_model_spec("SmolLM2-135M-Instruct-q8g32").unwrap();
+        assert_eq!((convert.q_bits, convert.q_group_size), (Some(8), Some(32)));
+        assert!(packaged_model_spec("gemma-3-270m-qx").is_none());
+        assert!(packaged_model_spec("no-such-model-q4").is_none());
+        // The directory names round-trip.
+        for (model, convert) in [(&GEMMA3_270M, ConvertOptions { q_bits: Some(4), q_group_size: None }), (&DEFAULT_MODEL, ConvertOptions { q_bits: Some(8), q_group_size: Some(32) })] {
+            let dir = packaged_model_dir(model, &convert);
+            let (back, again) = packaged_model_spec(dir.file_name().unwrap().to_str().unwrap()).unwrap();
+            assert_eq!((back.name, again.q_bits, again.q_group_size), (model.name, convert.q_bits, convert.q_group_size));
+        }
+        // Every model names whole sha256 digests, and no two share a name.
+        for (i, model) in CATALOG.iter().enumerate() {
+            assert!(CATALOG[..i].iter().all(|m| !m.name.eq_ignore_ascii_case(model.name)), "{}", model.name);
+            assert_eq!(model.gguf_sha256.len(), 64, "{}", model.name);
+            assert!(model.parts.iter().all(|p| p.wheel_sha256.len() == 64), "{}", model.name);
+        }
     }
 
     #[test]

@@ -77,6 +77,11 @@ pub trait LanguageModel: Send + Sync {
         false
     }
     fn shape(&self) -> &ModelShape;
+    /// Each layer's sliding attention window in positions (None: it attends
+    /// to every position), for descriptions such as `mlxcel inspect`.
+    fn attention_windows(&self) -> Vec<Option<usize>> {
+        vec![None; self.shape().num_layers]
+    }
 }
 
 /// Sizes that callers need without knowing the architecture.

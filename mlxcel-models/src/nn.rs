@@ -668,12 +668,18 @@ pub struct DecoderBlock {
 /// dominates a short prefill: 16 tokens 1.25x, 32 tokens 1.17x faster on AMD
 /// EPYC Zen 5, even with 64). Longer prompts run as MLX ops around our
 /// GEMMs, which amortize their dispatch.
-const FUSED_MAX_ROWS: i32 = 32;
+pub(crate) const FUSED_MAX_ROWS: i32 = 32;
 
 impl DecoderBlock {
     pub fn new(input_layernorm: RmsNorm, self_attn: Attention, post_attention_layernorm: RmsNorm, mlp: GatedMlp) -> Self {
         let mut block = DecoderBlock { input_layernorm, self_attn, post_attention_layernorm, mlp, fused: None };
-        block.fused = FusedBlock::new(&block);
+        block.fused = FusedBlock::new(FusedParts {
+            input_norm: &block.input_layernorm,
+            attn: &block.self_attn,
+            mlp_norm: &block.post_attention_layernorm,
+            mlp: &block.mlp,
+            output_norms: None,
+        });
         block
     }
 
@@ -741,24 +747,36 @@ impl DecoderBlock {
 /// kernels support. `RuntimeConfig::fused_decode` (`MLXCEL_FUSED=0`) turns
 /// it off (for comparisons).
 #[derive(Clone)]
-struct FusedBlock {
+pub(crate) struct FusedBlock {
     spec: DecoderLayerSpec,
     weights: PreparedDecoderLayer,
 }
 
+/// What a fused block is made of: llama's pre-norm block, or Gemma's, whose
+/// attention and MLP outputs are normed before their residual adds
+/// (`output_norms`: after attention, after the MLP).
+pub(crate) struct FusedParts<'a> {
+    pub input_norm: &'a RmsNorm,
+    pub attn: &'a Attention,
+    /// The MLP's input norm.
+    pub mlp_norm: &'a RmsNorm,
+    pub mlp: &'a GatedMlp,
+    pub output_norms: Option<(&'a RmsNorm, &'a RmsNorm)>,
+}
+
 impl FusedBlock {
-    fn new(block: &DecoderBlock) -> Option<Self> {
+    /// The block as one kernel node, or None when the kernel cannot run it
+    /// (a dense projection, norms with different eps, partial RoPE).
+    pub(crate) fn new(parts: FusedParts) -> Option<Self> {
         if !crate::runtime::current().fused_decode_active() {
             return None;
         }
-        let attn = &block.self_attn;
-        let mlp = &block.mlp;
-        let eps = block.input_layernorm.eps;
-        let norms_agree = block.post_attention_layernorm.eps == eps
-            && attn.q_norm.iter().chain(attn.k_norm.iter()).all(|n| n.eps == eps);
-        // The kernel's block is llama's: SiLU, head_dim^-0.5, the pool's window.
-        let llama_block = mlp.activation == Activation::Silu && attn.spec.scale.is_none() && attn.spec.window.is_none();
-        if !llama_block || !norms_agree || attn.rope.dims != attn.spec.head_dim || attn.q_norm.is_some() != attn.k_norm.is_some() {
+        let FusedParts { input_norm, attn, mlp_norm, mlp, output_norms } = parts;
+        let eps = input_norm.eps;
+        let output_norm_list = output_norms.iter().flat_map(|(a, b)| [*a, *b]);
+        let norms_agree = mlp_norm.eps == eps
+            && attn.q_norm.iter().chain(attn.k_norm.iter()).chain(output_norm_list).all(|n| n.eps == eps);
+        if !norms_agree || attn.rope.dims != attn.spec.head_dim || attn.q_norm.is_some() != attn.k_norm.is_some() {
             return None;
         }
         let projection = |linear: &Linear| -> Option<QuantizedProjection> {
@@ -771,19 +789,22 @@ impl FusedBlock {
             })
         };
         let weights = DecoderLayerWeights {
-            input_norm: block.input_layernorm.weight.clone(),
+            input_norm: input_norm.weight.clone(),
             q_proj: projection(&attn.q_proj)?,
             k_proj: projection(&attn.k_proj)?,
             v_proj: projection(&attn.v_proj)?,
             o_proj: projection(&attn.o_proj)?,
-            post_attention_norm: block.post_attention_layernorm.weight.clone(),
+            post_attention_norm: mlp_norm.weight.clone(),
             gate_proj: projection(&mlp.gate_proj)?,
             up_proj: projection(&mlp.up_proj)?,
             down_proj: projection(&mlp.down_proj)?,
             q_norm: attn.q_norm.as_ref().map(|n| n.weight.clone()),
             k_norm: attn.k_norm.as_ref().map(|n| n.weight.clone()),
             rope_freqs: attn.rope.freqs.clone(),
+            attn_out_norm: output_norms.map(|(a, _)| a.weight.clone()),
+            mlp_out_norm: output_norms.map(|(_, m)| m.weight.clone()),
         };
+        let window = attn.spec.kv_window();
         let spec = DecoderLayerSpec {
             hidden: attn.spec.hidden,
             heads: attn.spec.heads,
@@ -799,9 +820,13 @@ impl FusedBlock {
             attn_scale: attn.scale,
             // KvCache::append_with hands over buffers it owns exclusively.
             cache_in_place: true,
-            kv_window: 0,
-            kv_keep: 0,
+            kv_window: window.window,
+            kv_keep: window.keep,
             kv_layer: 0,
+            activation: match mlp.activation {
+                Activation::Silu => 0,
+                Activation::GeluTanh => 1,
+            },
         };
         // Prepared once: each step's node then has x and the caches as its
         // only graph inputs. A layout the kernel rejects stays on MLX's ops.
@@ -811,7 +836,7 @@ impl FusedBlock {
 
     /// The block for `x` ([1, L, hidden]), or None when the cache cannot be
     /// written in place.
-    fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Option<Array>> {
+    pub(crate) fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Option<Array>> {
         if let Some(paged) = cache.as_paged() {
             return self.forward_paged(x, &mut [paged]).map(Some);
         }
@@ -828,7 +853,7 @@ impl FusedBlock {
 
     /// The block for `x` ([B, L, hidden]) over B caches in one node, or None
     /// (every cache unchanged) when one of them cannot be written in place.
-    fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Option<Array>> {
+    pub(crate) fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Option<Array>> {
         let rows = caches.len();
         let mut paged: Vec<&mut PagedKvCache> = caches.iter_mut().filter_map(|c| c.as_paged()).collect();
         if paged.len() == rows && paged.iter().all(|p| Arc::ptr_eq(p.pool(), paged[0].pool())) {
@@ -870,7 +895,8 @@ impl FusedBlock {
             .map(|(table, c)| kernels::PagedSequence { table, offset: c.offset() as i32 })
             .collect();
         let (pool_keys, pool_values) = caches[0].layer_pools()?;
-        let window = caches[0].pool().window();
+        let layer = KvWindow { window: self.spec.kv_window, keep: self.spec.kv_keep };
+        let window = crate::paged::layer_window(caches[0].pool().window(), layer);
         let spec = DecoderLayerSpec { kv_window: window.window, kv_keep: window.keep, kv_layer: caches[0].layer() as i32, ..self.spec };
         let (out, keys, values) = self.weights.forward_paged(x, &pool_keys, &pool_values, &sequences, &spec)?;
         caches[0].set_layer_pools(keys, values);

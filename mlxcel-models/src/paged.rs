@@ -648,7 +648,7 @@ impl PagedKvCache {
 /// (everything it shows, the pool still holds), else the pool's, whose
 /// blocks outside it are handed back for every layer (its `keep` first
 /// positions then stay visible to the layer too).
-fn layer_window(pool: KvWindow, layer: KvWindow) -> KvWindow {
+pub(crate) fn layer_window(pool: KvWindow, layer: KvWindow) -> KvWindow {
     match (pool.window, layer.window) {
         (_, 0) => pool,
         (0, _) => layer,

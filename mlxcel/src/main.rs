@@ -451,8 +451,36 @@ fn inspect(dir: &Path) -> AnyResult<()> {
     let (config, _) = read_config(dir)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     print_info(dir, &info, &config, &tokenizer);
+    print_layers(network.as_ref());
     print_engine(network.as_ref())?;
     Ok(())
+}
+
+/// The attention layout, when some layers slide: which, over how many
+/// positions, and what each kind costs per cached token.
+fn print_layers(network: &dyn mlxcel_models::LanguageModel) {
+    let windows = network.attention_windows();
+    let global: Vec<String> = windows.iter().enumerate().filter(|(_, w)| w.is_none()).map(|(i, _)| i.to_string()).collect();
+    let sliding: Vec<usize> = windows.iter().flatten().copied().collect();
+    if sliding.is_empty() {
+        return;
+    }
+    let shape = network.shape();
+    let per_layer = shape.kv_bytes_per_token() / shape.num_layers.max(1);
+    let window = sliding.iter().max().copied().unwrap_or(0);
+    println!(
+        "attention:       {} sliding-window layers ({window} positions) and {} global (layers {})",
+        sliding.len(),
+        global.len(),
+        global.join(", ")
+    );
+    println!(
+        "KV by layer:     global {} per token; sliding {} per token up to {window} positions ({} per layer at most). \
+         The cache keeps every position of the sliding layers too (their window is a mask), so a row holds the full KV bytes/token above",
+        human_bytes((per_layer * global.len()) as u64),
+        human_bytes((per_layer * sliding.len()) as u64),
+        human_bytes((per_layer * window) as u64),
+    );
 }
 
 /// The engine's limits for this model: its KV pool and batch size.

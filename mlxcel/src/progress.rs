@@ -78,11 +78,12 @@ pub fn packaged_model_dir(model: &PackagedModel, convert: &ConvertOptions) -> ml
 }
 
 /// A `--model` value: a checkpoint directory, or the name of a packaged model
-/// (`mlxcel models`), fetched on first use. A directory of that name wins.
+/// (`mlxcel models`; `NAME-q4` re-quantized to 4 bits, as `mlxcel pull NAME --q-bits 4`
+/// names it), fetched on first use. A directory of that name wins.
 #[allow(dead_code)] // the mlxcel binary uses it; mlxcel-server, which shares this file, does not
 pub fn resolve_model(given: &Path) -> mlxcel_hub::Result<PathBuf> {
-    match given.to_str().and_then(mlxcel_hub::packaged_model) {
-        Some(model) if !given.exists() => packaged_model_dir(model, &ConvertOptions::default()),
+    match given.to_str().and_then(mlxcel_hub::packaged_model_spec) {
+        Some((model, convert)) if !given.exists() => packaged_model_dir(model, &convert),
         _ => Ok(given.to_path_buf()),
     }
 }
@@ -104,12 +105,12 @@ impl mlxcel_server::ModelSource for ServeModels {
     }
 
     fn packaged_model(&self, name: &str, offline: bool) -> Option<Result<PathBuf, String>> {
-        let model = mlxcel_hub::packaged_model(name)?;
-        let dir = mlxcel_hub::packaged_model_dir(model, &ConvertOptions::default());
+        let (model, convert) = mlxcel_hub::packaged_model_spec(name)?;
+        let dir = mlxcel_hub::packaged_model_dir(model, &convert);
         Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
             Err(format!("--offline: {name} is not in the cache ({}); run once without --offline", dir.display()))
         } else {
-            packaged_model_dir(model, &ConvertOptions::default()).map_err(|e| e.to_string())
+            packaged_model_dir(model, &convert).map_err(|e| e.to_string())
         })
     }
 }

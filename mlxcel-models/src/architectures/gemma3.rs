@@ -17,7 +17,10 @@ use super::LoadContext;
 use crate::cache::{KvCache, StandardKvCache};
 use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelShape};
-use crate::nn::{Activation, Attention, AttentionSpec, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling};
+use crate::nn::{
+    Activation, Attention, AttentionSpec, Embedding, FusedBlock, FusedParts, GatedMlp, Linear, RmsNorm, Rope, RopeScaling,
+    FUSED_MAX_ROWS,
+};
 
 /// Weight prefixes of a multimodal `gemma3` checkpoint that the text model
 /// does not read (as mlx-lm's `gemma3.Model.sanitize` drops them).
@@ -134,6 +137,9 @@ struct Gemma3Block {
     pre_feedforward_layernorm: RmsNorm,
     mlp: GatedMlp,
     post_feedforward_layernorm: RmsNorm,
+    /// The block as one kernel node for decode and short prompts (quantized
+    /// projections on the CPU), as the llama family's.
+    fused: Option<FusedBlock>,
 }
 
 /// `x + y`, kept within float16's range when the activations are float16
@@ -149,7 +155,28 @@ fn residual(x: &Array, y: &Array) -> Result<Array> {
 }
 
 impl Gemma3Block {
+    fn with_fused(mut self) -> Self {
+        self.fused = FusedBlock::new(FusedParts {
+            input_norm: &self.input_layernorm,
+            attn: &self.self_attn,
+            mlp_norm: &self.pre_feedforward_layernorm,
+            mlp: &self.mlp,
+            output_norms: Some((&self.post_attention_layernorm, &self.post_feedforward_layernorm)),
+        });
+        self
+    }
+
+    /// Rows the fused block takes: few f32 rows (decode, short prompts).
+    fn fused_takes(x: &Array) -> bool {
+        x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32
+    }
+
     fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        if let Some(fused) = self.fused.as_ref().filter(|_| Self::fused_takes(x) && x.dim(0) == 1) {
+            if let Some(out) = fused.forward(x, cache)? {
+                return Ok(out);
+            }
+        }
         let r = self.self_attn.forward(&self.input_layernorm.forward(x)?, cache, Default::default())?;
         let h = residual(x, &self.post_attention_layernorm.forward(&r)?)?;
         let r = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
@@ -161,6 +188,18 @@ impl Gemma3Block {
     fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array> {
         if let [cache] = caches {
             return self.forward(x, cache.as_mut());
+        }
+        if let Some(fused) = self.fused.as_ref().filter(|_| Self::fused_takes(x)) {
+            if let Some(out) = fused.forward_batch(x, caches)? {
+                return Ok(out);
+            }
+            // A cache the kernel cannot write in place: each sequence alone.
+            let rows = caches
+                .iter_mut()
+                .enumerate()
+                .map(|(b, cache)| self.forward(&x.slice_axis(0, b as i32, b as i32 + 1)?, cache.as_mut()))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(mlx_sys::concatenate(&rows, 0)?);
         }
         let r = self.self_attn.forward_batch(&self.input_layernorm.forward(x)?, caches)?;
         let h = residual(x, &self.post_attention_layernorm.forward(&r)?)?;
@@ -175,6 +214,8 @@ pub struct Gemma3Model {
     /// sqrt(hidden) rounded to bfloat16, as mlx-lm scales the embeddings.
     embed_scale: f64,
     layers: Vec<Gemma3Block>,
+    /// The sliding layers' window, None for the global ones.
+    windows: Vec<Option<usize>>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
 }
@@ -237,7 +278,9 @@ impl Gemma3Model {
                     pre_feedforward_layernorm: norm(&layer.pp("pre_feedforward_layernorm"), hidden)?,
                     mlp: GatedMlp::load_with(&layer.pp("mlp"), hidden, args.intermediate_size, false, Activation::GeluTanh)?,
                     post_feedforward_layernorm: norm(&layer.pp("post_feedforward_layernorm"), hidden)?,
-                })
+                    fused: None,
+                }
+                .with_fused())
             })
             .collect::<Result<Vec<_>>>()?;
         // mlx-lm's sanitize: tied exactly when the checkpoint has no lm_head.
@@ -258,6 +301,9 @@ impl Gemma3Model {
             },
             embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, hidden)?,
             embed_scale: half::bf16::from_f32((hidden as f32).sqrt()).to_f32() as f64,
+            windows: (0..args.num_hidden_layers)
+                .map(|i| (!args.is_global(i)).then_some(args.sliding_window as usize))
+                .collect(),
             layers,
             norm: norm(&model.pp("norm"), hidden)?,
             lm_head,
@@ -342,5 +388,9 @@ impl LanguageModel for Gemma3Model {
 
     fn shape(&self) -> &ModelShape {
         &self.shape
+    }
+
+    fn attention_windows(&self) -> Vec<Option<usize>> {
+        self.windows.clone()
     }
 }
