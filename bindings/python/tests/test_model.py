@@ -51,6 +51,15 @@ def test_info(model):
     assert model.prefill_chunk == mlxcel.generation_defaults()["prefill_chunk"] == 512
 
 
+def test_load_takes_a_packaged_model_by_name(model):
+    # The default model's catalog name resolves to its cache directory (fetched on first use).
+    by_name = mlxcel.load("SmolLM2-135M-Instruct", progress=False)
+    assert by_name.path == model.path
+    assert by_name.generate(PROMPT, max_tokens=8) == model.generate(PROMPT, max_tokens=8)
+    with pytest.raises(mlxcel.ModelLoadError, match="no such model directory"):
+        mlxcel.load("no-such-packaged-model-q4", progress=False)
+
+
 def test_generate_greedy_is_deterministic(model):
     a = model.generate(PROMPT, max_tokens=8)
     assert isinstance(a, str) and a.strip()
