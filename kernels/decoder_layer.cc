@@ -962,6 +962,14 @@ void run_layer(const Pointers& p) {
       sc.cs[i] = std::cos(theta);
       sc.sn[i] = std::sin(theta);
     }
+    if (s.rope_mscale != 1.0f) {
+      for (int h = 0; h < s.heads; ++h) {
+        for (int i = 0; i < s.rope_dims; ++i) sc.q[(size_t)l * qn + (size_t)h * D + i] *= s.rope_mscale;
+      }
+      for (int h = 0; h < s.kv_heads; ++h) {
+        for (int i = 0; i < s.rope_dims; ++i) sc.k[(size_t)l * kvn + (size_t)h * D + i] *= s.rope_mscale;
+      }
+    }
     rope_row(&sc.q[(size_t)l * qn], s.heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
     rope_row(&sc.k[(size_t)l * kvn], s.kv_heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
   }

@@ -46,6 +46,9 @@ struct DecoderLayerSpec {
   float rope_base = 0.0f;
   float rope_scale = 1.0f;
   bool rope_traditional = false;
+  // YaRN's attention factor: q and k are multiplied by it before the
+  // rotation, as mlx-lm's YarnRoPE does (1: none).
+  float rope_mscale = 1.0f;
   // Softmax scale, usually head_dim^-0.5.
   float attn_scale = 0.0f;
   // A sliding window: the token at position p sees positions [0, kv_keep)

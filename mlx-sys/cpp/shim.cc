@@ -456,6 +456,7 @@ kernels::DecoderLayerSpec to_kernel_spec(const DecoderLayerSpec& s) {
   k.rope_base = s.rope_base;
   k.rope_scale = s.rope_scale;
   k.rope_traditional = s.rope_traditional;
+  k.rope_mscale = s.rope_mscale;
   k.attn_scale = s.attn_scale;
   k.kv_window = s.kv_window;
   k.kv_keep = s.kv_keep;

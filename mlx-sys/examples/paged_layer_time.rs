@@ -57,6 +57,7 @@ fn main() -> mlx_sys::Result<()> {
         rope_base: 10000.0,
         rope_scale: 1.0,
         rope_traditional: false,
+        rope_mscale: 1.0,
         attn_scale: (d as f32).powf(-0.5),
         cache_in_place: true,
         kv_window: 0,

@@ -23,6 +23,8 @@ mod bridge {
         rope_base: f32,
         rope_scale: f32,
         rope_traditional: bool,
+        /// YaRN's attention factor, multiplying q and k before the rotation (1: none).
+        rope_mscale: f32,
         attn_scale: f32,
         cache_in_place: bool,
         kv_window: i32,

@@ -248,6 +248,7 @@ impl Layer {
                 rope_base: c.rope_base,
                 rope_scale: c.rope_scale,
                 rope_traditional: c.rope_traditional,
+                rope_mscale: 1.0,
                 attn_scale: (d as f32).powf(-0.5),
                 cache_in_place: false,
                 kv_window: 0,

@@ -466,18 +466,49 @@ fn qwen_names_norms_biases_and_no_permutation() {
     }
 }
 
+/// Gemma 3: llama.cpp's norm gains carry Gemma's `+ 1`, which the converter takes out; its
+/// `ffn_norm` is the MLP's input norm and its post-norms keep their own names; the config
+/// has the window, the layer pattern, the local RoPE base and an integer query scale.
+#[test]
+fn gemma3_norms_lose_llama_cpps_shift() {
+    let tmp = TempDir::new("gemma3");
+    let g = tiny_model(&mut Rng(4), "gemma3");
+    let gguf = write(&tmp.0, "gemma3.gguf", &g.build().0);
+    let out = tmp.0.join("gemma3");
+    convert_gguf(&gguf, &out, &ConvertOptions::default()).unwrap();
+    let t = read_safetensors(&out.join("model.safetensors"));
+    for (hf, gguf_name) in [
+        ("model.layers.0.input_layernorm.weight", "blk.0.attn_norm.weight"),
+        ("model.layers.0.pre_feedforward_layernorm.weight", "blk.0.ffn_norm.weight"),
+        ("model.layers.0.post_attention_layernorm.weight", "blk.0.post_attention_norm.weight"),
+        ("model.layers.0.post_feedforward_layernorm.weight", "blk.0.post_ffw_norm.weight"),
+        ("model.layers.0.self_attn.q_norm.weight", "blk.0.attn_q_norm.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+    ] {
+        let want: Vec<f32> = as_f32(gguf_data(&g, gguf_name)).iter().map(|v| v - 1.0).collect();
+        assert_eq!(as_f32(&t[hf].2), want, "{hf}");
+    }
+    assert!(!t.contains_key("lm_head.weight"), "tied");
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "gemma3_text");
+    assert_eq!(config["sliding_window"], 4);
+    assert_eq!(config["sliding_window_pattern"], 6);
+    assert_eq!(config["rope_local_base_freq"], 10000.0);
+    assert_eq!(config["query_pre_attn_scalar"], serde_json::json!(HEAD_DIM));
+}
+
 /// What the loader cannot run is refused at conversion, naming what is supported.
 #[test]
 fn refuses_what_mlxcel_cannot_load() {
     let tmp = TempDir::new("refused");
-    let mut gemma = tiny_model(&mut Rng(5), "llama");
-    gemma.metadata[0].1 = s("gemma3");
-    let path = write(&tmp.0, "gemma3.gguf", &gemma.build().0);
-    let err = convert_gguf(&path, &tmp.0.join("gemma3"), &ConvertOptions::default()).unwrap_err();
+    let mut phi = tiny_model(&mut Rng(5), "llama");
+    phi.metadata[0].1 = s("phi3");
+    let path = write(&tmp.0, "phi3.gguf", &phi.build().0);
+    let err = convert_gguf(&path, &tmp.0.join("phi3"), &ConvertOptions::default()).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, Error::Unsupported { .. }), "{msg}");
-    assert!(msg.contains("`gemma3`") && msg.contains("llama, qwen2, qwen3"), "{msg}");
-    assert!(!tmp.0.join("gemma3").exists());
+    assert!(msg.contains("`phi3`") && msg.contains("llama, qwen2, qwen3, gemma3"), "{msg}");
+    assert!(!tmp.0.join("phi3").exists());
 
     // A llama.cpp tensor the architecture does not have (a Qwen3 q-norm in a llama file).
     let mut extra = tiny_model(&mut Rng(5), "llama");
@@ -486,7 +517,7 @@ fn refuses_what_mlxcel_cannot_load() {
     let err = convert_gguf(&path, &tmp.0.join("extra"), &ConvertOptions::default()).unwrap_err();
     assert!(err.to_string().contains("blk.0.attn_q_norm.weight"), "{err}");
 
-    for (kind, accepted) in [("yarn", false), ("longrope", false), ("linear", true)] {
+    for (kind, accepted) in [("yarn", true), ("longrope", false), ("linear", true)] {
         let mut g = tiny_model(&mut Rng(5), "llama");
         g.meta("llama.rope.scaling.type", s(kind))
             .meta("llama.rope.scaling.factor", Value::F32(4.0))
@@ -503,10 +534,18 @@ fn refuses_what_mlxcel_cannot_load() {
             assert_eq!(config["rope_scaling"]["factor"], 4.0);
         } else {
             let msg = result.unwrap_err().to_string();
-            assert!(msg.contains(&format!("RoPE scaling `{kind}`")) && msg.contains("linear"), "{msg}");
+            assert!(msg.contains(&format!("RoPE scaling `{kind}`")) && msg.contains("linear, yarn"), "{msg}");
             assert!(!out.exists());
         }
     }
+    // llama.cpp's YaRN attention factor has no mlx-lm counterpart.
+    let mut g = tiny_model(&mut Rng(5), "llama");
+    g.meta("llama.rope.scaling.type", s("yarn"))
+        .meta("llama.rope.scaling.factor", Value::F32(4.0))
+        .meta("llama.rope.scaling.attn_factor", Value::F32(0.8));
+    let path = write(&tmp.0, "yarn-attn.gguf", &g.build().0);
+    let msg = convert_gguf(&path, &tmp.0.join("yarn-attn"), &ConvertOptions::default()).unwrap_err().to_string();
+    assert!(msg.contains("llama.rope.scaling.attn_factor") && msg.contains("0.8"), "{msg}");
 }
 
 /// llama.cpp keeps Llama 3's RoPE scaling only as `rope_freqs.weight`: the converter writes the

@@ -328,6 +328,9 @@ pub struct Rope {
     scale: f32,
     traditional: bool,
     freqs: Option<Array>,
+    /// YaRN's attention factor: the rotated features are multiplied by it
+    /// before the rotation (1 otherwise).
+    mscale: f32,
 }
 
 /// The `rope_scaling` block of a Hugging Face config.
@@ -339,17 +342,27 @@ pub struct RopeScaling {
     pub low_freq_factor: Option<f32>,
     pub high_freq_factor: Option<f32>,
     pub original_max_position_embeddings: Option<f32>,
+    /// YaRN's ramp and attention factor (mlx-lm's defaults: 32, 1, 1, 0).
+    pub beta_fast: Option<f32>,
+    pub beta_slow: Option<f32>,
+    pub mscale: Option<f32>,
+    pub mscale_all_dim: Option<f32>,
 }
 
 impl Rope {
     pub fn new(dims: i32, base: f32, traditional: bool, scaling: Option<&RopeScaling>) -> std::result::Result<Self, String> {
-        let mut rope = Rope { dims, base, scale: 1.0, traditional, freqs: None };
+        let mut rope = Rope { dims, base, scale: 1.0, traditional, freqs: None, mscale: 1.0 };
         let Some(s) = scaling else { return Ok(rope) };
         match s.rope_type.as_str() {
             "default" => {}
             "linear" => rope.scale = 1.0 / s.factor.ok_or("linear rope_scaling needs `factor`")?,
             "llama3" => rope.freqs = Some(llama3_freqs(dims, base, s)?),
-            other => return Err(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3)")),
+            "yarn" => {
+                let (freqs, mscale) = yarn(dims, base, s)?;
+                rope.freqs = Some(freqs);
+                rope.mscale = mscale;
+            }
+            other => return Err(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3, yarn)")),
         }
         Ok(rope)
     }
@@ -357,8 +370,50 @@ impl Rope {
     /// Rotates `x` ([B, H, L, D]) for positions `offset..offset + L`.
     pub fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
         let base = if self.freqs.is_some() { 0.0 } else { self.base };
+        let scaled;
+        let x = if self.mscale == 1.0 {
+            x
+        } else {
+            let head = x.dim(-1);
+            let rotated = x.slice_axis(-1, 0, self.dims)?.mul_scalar(self.mscale as f64)?;
+            scaled = if self.dims == head {
+                rotated
+            } else {
+                mlx_sys::concatenate(&[rotated, x.slice_axis(-1, self.dims, head)?], -1)?
+            };
+            &scaled
+        };
         Ok(fast::rope(x, self.dims, self.traditional, base, self.scale, offset as i32, self.freqs.as_ref())?)
     }
+}
+
+/// YaRN's periods and attention factor, as mlx-lm's `YarnRoPE` computes them (in f64
+/// where it uses Python floats, f32 where it uses MLX arrays).
+fn yarn(dims: i32, base: f32, s: &RopeScaling) -> std::result::Result<(Array, f32), String> {
+    let factor = s.factor.ok_or("yarn rope_scaling needs `factor`")? as f64;
+    let original = s.original_max_position_embeddings.unwrap_or(4096.0) as f64;
+    let (beta_fast, beta_slow) = (s.beta_fast.unwrap_or(32.0) as f64, s.beta_slow.unwrap_or(1.0) as f64);
+    let (mscale, mscale_all_dim) = (s.mscale.unwrap_or(1.0) as f64, s.mscale_all_dim.unwrap_or(0.0) as f64);
+    let (d, b) = (dims as f64, base as f64);
+    let correction = |rotations: f64| d * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * b.ln());
+    let low = correction(beta_fast).floor().max(0.0);
+    let high = correction(beta_slow).ceil().min(d - 1.0);
+    let get_mscale = |m: f64| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+    let attention = get_mscale(mscale) / get_mscale(mscale_all_dim);
+    let (low, high) = (low as f32, if low == high { high as f32 + 0.001 } else { high as f32 });
+    let half = (dims / 2).max(0) as usize;
+    let periods: Vec<f32> = (0..half)
+        .map(|i| {
+            let extra = base.powf((2 * i) as f32 / dims as f32);
+            let inter = factor as f32 * extra;
+            let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+            let mask = 1.0 - ramp;
+            (inter * extra) / (inter * mask + extra * (1.0 - mask))
+        })
+        .collect();
+    let freqs = Array::from_slice(&periods, &[half as i32]).map_err(|e| e.to_string())?;
+    freqs.eval().map_err(|e| e.to_string())?;
+    Ok((freqs, attention as f32))
 }
 
 /// Llama 3's frequency schedule, as mlx-lm computes it (periods, not rates); shared with the
@@ -817,6 +872,7 @@ impl FusedBlock {
             rope_base: attn.rope.base,
             rope_scale: attn.rope.scale,
             rope_traditional: attn.rope.traditional,
+            rope_mscale: attn.rope.mscale,
             attn_scale: attn.scale,
             // KvCache::append_with hands over buffers it owns exclusively.
             cache_in_place: true,

@@ -59,6 +59,14 @@ fn every_convertible_architecture_loads_and_runs() {
         .meta("llama.rope.scaling.type", s("linear"))
         .meta("llama.rope.scaling.factor", Value::F32(2.0));
     convert_load_and_run(&tmp, "llama_rope_linear", &scaled, "llama");
+    let mut yarn = tiny_model(&mut Rng(15), "qwen2");
+    yarn.meta("qwen2.rope.scaling.type", s("yarn"))
+        .meta("qwen2.rope.scaling.factor", Value::F32(4.0))
+        .meta("qwen2.rope.scaling.original_context_length", Value::U32(128));
+    convert_load_and_run(&tmp, "qwen2_rope_yarn", &yarn, "qwen2");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.0.join("qwen2_rope_yarn/config.json")).unwrap()).unwrap();
+    assert_eq!(config["rope_scaling"], serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}));
     convert_load_and_run(&tmp, "llama3_rope_freqs", &tiny_llama3(&mut Rng(13), 32.0), "llama");
 }
 

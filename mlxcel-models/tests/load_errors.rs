@@ -131,9 +131,9 @@ fn unknown_architecture_lists_the_supported_ones() {
 #[test]
 fn unsupported_rope_scaling_and_quantization_are_refused() {
     let s = Scratch::of("llama");
-    s.edit_config(|c| c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+    s.edit_config(|c| c["rope_scaling"] = serde_json::json!({"rope_type": "longrope", "factor": 4.0}));
     let msg = s.load_error().to_string();
-    assert!(msg.contains("yarn") && msg.contains("linear, llama3"), "{msg}");
+    assert!(msg.contains("longrope") && msg.contains("linear, llama3, yarn"), "{msg}");
     assert!(msg.contains(&s.0.join("config.json").display().to_string()), "{msg}");
 
     let q = Scratch::of("llama_q4_g32");

@@ -94,6 +94,16 @@ fn llama_rope_llama3() {
 fn llama_rope_linear() {
     check("llama_rope_linear", 1e-4);
 }
+// YaRN: the attention factor on q and k, the ramped periods; the 4-bit one
+// through the fused block.
+#[test]
+fn llama_rope_yarn() {
+    check("llama_rope_yarn", 1e-4);
+}
+#[test]
+fn llama_rope_yarn_q4() {
+    check("llama_rope_yarn_q4", 1e-4);
+}
 #[test]
 fn mistral() {
     check("mistral", 1e-4);
@@ -163,13 +173,13 @@ fn quantized_models_on_the_other_kernel_paths() {
             continue;
         }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--test-threads=1", "--nocapture", "llama_q4", "qwen3_q8", "llama_q3", "gemma3_text_tied_q4"])
+            .args(["--test-threads=1", "--nocapture", "llama_q4", "qwen3_q8", "llama_q3", "gemma3_text_tied_q4", "llama_rope_yarn_q4"])
             .env("MLXCEL_KERNELS", path)
             .env("MLXCEL_TINY_PARITY_CHILD", "1")
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert!(stdout.contains("6 passed"), "MLXCEL_KERNELS={path}: expected the 6 quantized models to run:\n{stdout}");
+        assert!(stdout.contains("7 passed"), "MLXCEL_KERNELS={path}: expected the 7 quantized models to run:\n{stdout}");
     }
 }

@@ -53,7 +53,7 @@ pub(crate) struct ArchSpec {
 
 /// `<arch>.rope.scaling.type` values the converter writes as `rope_scaling`. Llama 3's
 /// scaling has no type in GGUF: llama.cpp stores its per-pair factors as [`ROPE_FREQS`].
-pub const SUPPORTED_ROPE_SCALING: &[&str] = &["linear"];
+pub const SUPPORTED_ROPE_SCALING: &[&str] = &["linear", "yarn"];
 
 /// llama.cpp's tensor of RoPE frequency factors (Llama 3), written as a `llama3` `rope_scaling`.
 pub const ROPE_FREQS: &str = "rope_freqs.weight";
@@ -383,6 +383,24 @@ fn rope_scaling(gguf: &GgufFile, arch: &str) -> Result<Option<Json>> {
     if let Some(orig) = gguf.get_u64(&format!("{arch}.rope.scaling.original_context_length")) {
         m.insert("original_max_position_embeddings".into(), orig.into());
     }
+    if kind == "yarn" {
+        for (key, name) in [("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")] {
+            if let Some(v) = gguf.get_f64(&format!("{arch}.rope.scaling.{key}")) {
+                m.insert(name.into(), f32_json(v));
+            }
+        }
+        // llama.cpp's own attention-factor overrides have no mlx-lm counterpart: refused
+        // unless they are its defaults.
+        for (key, default) in [("attn_factor", 1.0), ("yarn_log_multiplier", 0.1)] {
+            let full = format!("{arch}.rope.scaling.{key}");
+            if let Some(v) = gguf.get_f64(&full).filter(|v| (v - default).abs() > 1e-6) {
+                return Err(Error::Unsupported {
+                    path: gguf.path.clone(),
+                    message: format!("yarn RoPE with `{full}` = {v} (mlxcel computes mlx-lm's YaRN: {key} {default})"),
+                });
+            }
+        }
+    }
     Ok(Some(Json::Object(m)))
 }
 
@@ -461,7 +479,9 @@ mod tests {
             }
         }
         assert_eq!(Architecture::from_model_type("mistral"), Some(Architecture::Llama));
-        assert_eq!(Architecture::from_gguf_name("gemma3"), None);
+        assert_eq!(Architecture::from_gguf_name("gemma3"), Some(Architecture::Gemma3));
+        assert_eq!(Architecture::from_model_type("gemma3"), Some(Architecture::Gemma3));
+        assert_eq!(Architecture::from_gguf_name("phi3"), None);
     }
 
     #[test]
@@ -478,5 +498,19 @@ mod tests {
             Some("model.layers.0.self_attn.k_proj.bias")
         );
         assert_eq!(Architecture::Llama.hf_name("blk.x.attn_q.weight"), None);
+        // Gemma's `ffn_norm` is the MLP's input norm; its post-norms are its own.
+        assert_eq!(
+            Architecture::Gemma3.hf_name("blk.2.ffn_norm.weight").as_deref(),
+            Some("model.layers.2.pre_feedforward_layernorm.weight")
+        );
+        assert_eq!(
+            Architecture::Gemma3.hf_name("blk.2.post_attention_norm.weight").as_deref(),
+            Some("model.layers.2.post_attention_layernorm.weight")
+        );
+        assert_eq!(
+            Architecture::Llama.hf_name("blk.2.ffn_norm.weight").as_deref(),
+            Some("model.layers.2.post_attention_layernorm.weight")
+        );
+        assert_eq!(Architecture::Llama.hf_name("blk.2.post_ffw_norm.weight"), None);
     }
 }
