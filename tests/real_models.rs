@@ -22,7 +22,7 @@ use mlxcel_engine::{Engine, GenerationRequest, Message, Prompt, SamplingParams};
 use mlxcel_gguf::ConvertOptions;
 use mlxcel_hub::PackagedModel;
 use mlxcel_models::Model;
-use mlxcel_tests::repo_root;
+use mlxcel_tests::{golden_prompt, repo_root};
 use serde_json::Value;
 
 struct Case {
@@ -122,14 +122,6 @@ fn u32s(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn prompt_of(case: &Value) -> Prompt {
-    let text = case["prompt"].as_str().unwrap().to_string();
-    if case["chat"].as_bool().unwrap() {
-        Prompt::Chat(vec![Message::user(text)])
-    } else {
-        Prompt::Text(text)
-    }
-}
 
 fn short(prompt: &Value) -> String {
     prompt.as_str().unwrap().chars().take(40).collect()
@@ -146,7 +138,7 @@ fn check(case: &Case) {
     let network = engine.model().network();
     for (i, golden) in goldens["prompts"].as_array().unwrap().iter().enumerate() {
         let name = short(&golden["prompt"]);
-        let ids = engine.tokenize_prompt(&prompt_of(golden)).unwrap();
+        let ids = engine.tokenize_prompt(&golden_prompt(golden)).unwrap();
         assert_eq!(
             ids,
             u32s(&golden["input_ids"]),
@@ -166,7 +158,7 @@ fn check(case: &Case) {
                 max_tokens: want.len(),
                 ..Default::default()
             },
-            ..GenerationRequest::new(prompt_of(golden))
+            ..GenerationRequest::new(golden_prompt(golden))
         };
         let got = engine.generate(&request, |_| true).unwrap().tokens;
         match got.iter().zip(&want).position(|(a, b)| a != b) {

@@ -4,8 +4,8 @@
 
 use mlx_sys::kernels::{self, KernelPath};
 use mlx_sys::{Array, Dtype};
-use mlxcel_engine::{GenerationRequest, Message, Prompt, SamplingParams};
-use mlxcel_tests::{default_engine, repo_root};
+use mlxcel_engine::{GenerationRequest, SamplingParams};
+use mlxcel_tests::{default_engine, golden_prompt, repo_root};
 use serde_json::Value;
 
 fn goldens() -> Value {
@@ -17,20 +17,12 @@ fn u32s(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
-fn prompt_of(case: &Value) -> Prompt {
-    let text = case["prompt"].as_str().unwrap().to_string();
-    if case["chat"].as_bool().unwrap() {
-        Prompt::Chat(vec![Message::user(text)])
-    } else {
-        Prompt::Text(text)
-    }
-}
 
 #[test]
 fn prompts_tokenize_like_the_reference() {
     let engine = default_engine();
     for case in goldens()["prompts"].as_array().unwrap() {
-        let ids = engine.tokenize_prompt(&prompt_of(case)).unwrap();
+        let ids = engine.tokenize_prompt(&golden_prompt(case)).unwrap();
         assert_eq!(ids, u32s(&case["input_ids"]), "{}", case["prompt"]);
     }
 }
@@ -46,7 +38,7 @@ fn greedy_tokens_match_the_reference() {
         let gaps: Vec<f64> = case["greedy"]["top2_gap"].as_array().unwrap().iter().map(|g| g.as_f64().unwrap()).collect();
         let request = GenerationRequest {
             params: SamplingParams { max_tokens: want.len(), ..Default::default() },
-            ..GenerationRequest::new(prompt_of(case))
+            ..GenerationRequest::new(golden_prompt(case))
         };
         let got = engine.generate(&request, |_| true).unwrap().tokens;
         match got.iter().zip(&want).position(|(a, b)| a != b) {

@@ -39,3 +39,14 @@ pub fn tiny_llama_with_default_tokenizer(out: &Path) -> PathBuf {
     }
     tiny
 }
+
+/// The prompt of a golden case (make_smollm2_goldens.py's records): its text,
+/// through the chat template when the case says `chat`.
+pub fn golden_prompt(case: &serde_json::Value) -> mlxcel_engine::Prompt {
+    let text = case["prompt"].as_str().unwrap().to_string();
+    if case["chat"].as_bool().unwrap() {
+        mlxcel_engine::Prompt::Chat(vec![mlxcel_engine::Message::user(text)])
+    } else {
+        mlxcel_engine::Prompt::Text(text)
+    }
+}
