@@ -38,13 +38,15 @@ struct Case {
 }
 
 // Tolerances: measured at most 6.9e-4 (Gemma, 636 positions) and 9e-5 (Qwen) on AMD EPYC
-// Zen 4, AVX-512 VNNI; only the summation order differs from the reference.
+// Zen 4, AVX-512 VNNI, where only the summation order differs from the reference; Gemma's
+// f16 prompt GEMM on Intel Sapphire Rapids runs AMX with weights split into two bf16
+// halves (~4.6e-5 relative per product), measured 2.2e-3 there: its bound is 4e-3.
 const GEMMA3: Case = Case {
     model: &mlxcel_hub::GEMMA3_270M,
     q_bits: None,
     goldens: "gemma3_270m.json",
     llama_cpp: Some("gemma3_270m.llama_cpp.json"),
-    tolerance: 2e-3,
+    tolerance: 4e-3,
 };
 const QWEN25: Case = Case {
     model: &mlxcel_hub::QWEN25_CODER_05B,

