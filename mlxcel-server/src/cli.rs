@@ -11,7 +11,7 @@ use clap::{ArgAction, Parser};
 #[command(
     name = "mlxcel serve",
     about = "An OpenAI- and llama-server-compatible HTTP server over the batch engine",
-    after_help = "Routes: /v1/chat/completions /v1/completions /v1/models /completion /tokenize /detokenize /apply-template /props /slots /health /metrics, and a chat page at /.\nEach flag also reads the environment variable in brackets, as llama-server does."
+    after_help = "Routes: /v1/chat/completions /v1/completions /v1/embeddings (with --embedding-model) /v1/models /completion /tokenize /detokenize /apply-template /props /slots /health /metrics, and a chat page at /.\nEach flag also reads the environment variable in brackets, as llama-server does."
 )]
 pub struct ServeArgs {
     /// An MLX checkpoint directory, or a GGUF file (converted once into the cache). Default: the default model.
@@ -77,6 +77,10 @@ pub struct ServeArgs {
     pub cache_type_k: String,
     #[arg(long = "cache-type-v", env = "LLAMA_ARG_CACHE_TYPE_V", default_value = "f16")]
     pub cache_type_v: String,
+    /// An embedding checkpoint (or a packaged one's name, e.g. all-MiniLM-L6-v2) that
+    /// /v1/embeddings runs, beside the generative model (an mlxcel extension).
+    #[arg(long = "embedding-model", env = "MLXCEL_EMBEDDING_MODEL", value_name = "PATH")]
+    pub embedding_model: Option<PathBuf>,
     /// A smaller checkpoint with the same tokenizer, for speculative decoding.
     #[arg(long = "model-draft", env = "LLAMA_ARG_MODEL_DRAFT", value_name = "DIR")]
     pub model_draft: Option<PathBuf>,

@@ -205,8 +205,11 @@ fn router(state: Arc<AppState>, api_keys: Vec<String>) -> Router {
         .route("/props", get(llama::props))
         .route("/slots", get(llama::slots))
         .route("/metrics", get(llama::metrics))
+        .route("/v1/embeddings", post(openai::embeddings))
+        .route("/embeddings", post(openai::embeddings))
         .route("/infill", post(llama::infill_unsupported));
-    for path in ["/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking"] {
+    // llama-server's own embedding format (`content`, pooling none) and reranking.
+    for path in ["/embedding", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking"] {
         app = app.route(path, post(llama::embeddings_unsupported));
     }
     if state.config.web_ui {
@@ -314,6 +317,22 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
     let engine = Engine::with_draft(model, limits, draft).map_err(|e| e.to_string())?;
 
     let chat_template = chat_template(args, &engine)?;
+    let embedder = match &args.embedding_model {
+        None => None,
+        Some(given) => {
+            let dir = if given.exists() {
+                given.clone()
+            } else {
+                match given.to_str().and_then(|name| source.packaged_model(name, args.offline)) {
+                    Some(dir) => dir?,
+                    None => given.clone(),
+                }
+            };
+            let embedder = mlxcel_engine::Embedder::load_resolved(&dir).map_err(|e| format!("--embedding-model: {e}"))?;
+            let name = given.file_name().map_or_else(|| "embeddings".into(), |n| n.to_string_lossy().into_owned());
+            Some((name, embedder))
+        }
+    };
     let defaults = GenerationOptions {
         temperature: args.temp,
         top_k: args.top_k.max(0),
@@ -341,6 +360,7 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
         n_ctx_slot,
         context_shift,
         chat_template,
+        embedder,
     })
 }
 

@@ -318,7 +318,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> ApiResult<Response> 
 
 /// Routes for work this server does not do: a clear 501, not a 404.
 pub async fn embeddings_unsupported() -> ApiError {
-    ApiError::not_supported("embeddings and reranking need an embedding or reranker model; mlxcel serve runs generative models only for now")
+    ApiError::not_supported("llama-server's /embedding and reranking are not supported: send OpenAI's /v1/embeddings (with --embedding-model); there is no reranker yet")
 }
 
 pub async fn infill_unsupported() -> ApiError {

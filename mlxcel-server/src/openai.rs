@@ -17,21 +17,28 @@ use crate::state::{AppState, Loaded};
 
 pub async fn models(State(state): State<Arc<AppState>>) -> ApiResult<Json<Value>> {
     let loaded = state.loaded()?;
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.alias,
+    let mut data = vec![json!({
+        "id": state.config.alias,
+        "object": "model",
+        "created": unix_time(),
+        "owned_by": "mlxcel",
+        "meta": {
+            "n_ctx_train": loaded.summary.context_length,
+            "n_params": loaded.summary.parameters,
+            "n_vocab": loaded.summary.vocab_size,
+            "size": loaded.summary.weight_bytes,
+        },
+    })];
+    if let Some((name, embedder)) = &loaded.embedder {
+        data.push(json!({
+            "id": name,
             "object": "model",
             "created": unix_time(),
             "owned_by": "mlxcel",
-            "meta": {
-                "n_ctx_train": loaded.summary.context_length,
-                "n_params": loaded.summary.parameters,
-                "n_vocab": loaded.summary.vocab_size,
-                "size": loaded.summary.weight_bytes,
-            },
-        }],
-    })))
+            "meta": { "n_embd": embedder.dims(), "n_ctx_train": embedder.max_tokens(), "pooling": embedder.model().pooling().name() },
+        }));
+    }
+    Ok(Json(json!({ "object": "list", "data": data })))
 }
 
 /// The OpenAI-only fields: `n`, `logprobs`/`top_logprobs`, `stream_options`.
@@ -271,4 +278,71 @@ async fn text_completion(state: Arc<AppState>, body: Bytes) -> ApiResult<Respons
         }
     };
     Ok(completion::sse(generation, first, to_json, true, Dialect::OpenAiCompletions))
+}
+
+/// OpenAI's embeddings: `input` a string or an array of strings (token-id
+/// inputs are refused), `encoding_format` `float` or `base64` (little-endian
+/// float32, the SDKs' default), `dimensions` only the model's own.
+pub async fn embeddings(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    embed(state, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn embed(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
+    let loaded = state.loaded()?;
+    let Some((name, embedder)) = loaded.embedder.clone() else {
+        return Err(ApiError::not_supported(
+            "this server has no embedding model: start it with --embedding-model PATH|NAME (e.g. all-MiniLM-L6-v2)",
+        ));
+    };
+    let fields = parse_body(&body)?;
+    let input = fields.get("input").ok_or_else(|| ApiError::field("input", "is required"))?;
+    let texts: Vec<String> = match input {
+        Value::String(text) => vec![text.clone()],
+        Value::Array(items) => items
+            .iter()
+            .map(|item| match item {
+                Value::String(text) => Ok(text.clone()),
+                Value::Number(_) | Value::Array(_) => Err(ApiError::field("input", "token-id inputs are not supported; send text")),
+                other => Err(ApiError::field("input", format!("items must be strings, got {}", type_name(other)))),
+            })
+            .collect::<ApiResult<_>>()?,
+        other => Err(ApiError::field("input", format!("must be a string or an array of strings, got {}", type_name(other))))?,
+    };
+    let base64 = match fields.str("encoding_format")? {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => return Err(ApiError::field("encoding_format", format!("`{other}` (float or base64)"))),
+    };
+    if let Some(dimensions) = fields.int("dimensions")? {
+        if dimensions != embedder.dims() as i128 {
+            return Err(ApiError::field("dimensions", format!("{name} makes vectors of {} dimensions only, got {dimensions}", embedder.dims())));
+        }
+    }
+    let out = tokio::task::spawn_blocking(move || embedder.embed(&texts))
+        .await
+        .map_err(|e| ApiError::new(axum::http::StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("the embedding task failed: {e}")))?
+        .map_err(|e| ApiError::from_engine(&e, |n| n))?;
+    let data: Vec<Value> = out
+        .vectors
+        .iter()
+        .enumerate()
+        .map(|(index, vector)| {
+            let embedding = if base64 {
+                use base64::Engine as _;
+                let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(vector)
+            };
+            json!({ "object": "embedding", "index": index, "embedding": embedding })
+        })
+        .collect();
+    let tokens: usize = out.token_counts.iter().sum();
+    Ok(Json(json!({
+        "object": "list",
+        "data": data,
+        "model": name,
+        "usage": { "prompt_tokens": tokens, "total_tokens": tokens },
+    }))
+    .into_response())
 }

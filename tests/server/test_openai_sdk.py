@@ -1,7 +1,8 @@
 """The official openai Python SDK against `mlxcel serve` (started by run.sh;
 its base URL in MLXCEL_SERVER_URL): chat and legacy completions, streamed and
 not, usage with cached tokens, logprobs, structured output, and the SDK's
-own error classes for bad input and a bad key."""
+own error classes for bad input and a bad key; embeddings from the
+--embedding-model (all-MiniLM-L6-v2) in both encodings."""
 
 import json
 import os
@@ -24,7 +25,7 @@ def client():
 
 def test_models_lists_the_served_model(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["smol"]
+    assert [m.id for m in models.data] == ["smol", "all-MiniLM-L6-v2"]
 
 
 def test_chat_completion_with_usage_and_logprobs(client):
@@ -95,3 +96,31 @@ def test_a_wrong_key_is_refused():
     bad = openai.OpenAI(base_url=BASE, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def _cosine(a, b):
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+
+def test_embeddings_in_both_encodings(client):
+    texts = ["The cat sits on the mat.", "A kitten is resting on a rug.", "Stock prices fell sharply today."]
+    # The SDK asks for base64 unless told otherwise, and decodes it.
+    default = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    floats = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts, encoding_format="float")
+    assert [d.index for d in default.data] == [0, 1, 2]
+    assert default.model == "all-MiniLM-L6-v2"
+    assert default.usage.prompt_tokens == floats.usage.prompt_tokens > 3 * 2
+    for a, b in zip(default.data, floats.data):
+        assert len(a.embedding) == 384
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-7
+    vectors = [d.embedding for d in floats.data]
+    assert _cosine(vectors[0], vectors[1]) > 0.5 > 0.2 > _cosine(vectors[0], vectors[2])
+    one = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts[1], encoding_format="float")
+    assert one.data[0].embedding == vectors[1]
+
+
+def test_embeddings_refuse_other_dimensions(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="hi", dimensions=128)
+    assert "dimensions" in str(error.value)
