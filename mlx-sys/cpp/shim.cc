@@ -8,6 +8,7 @@
 #include "mlx-sys/src/ffi.rs.h"
 #include "mlx/primitives.h"
 #include "decoder_layer.h"
+#include "gelu.h"
 #include "quantized_embedding.h"
 #include "quantized_matmul.h"
 #include "quantized_gemm.h"
@@ -428,6 +429,9 @@ bool kernels_gemm_supports(int32_t group_size, int32_t bits) { return kernels::g
 bool kernels_gemm_uses_amx(int32_t path) { return kernels::gemm_uses_amx(to_path(path)); }
 rust::String kernels_gemm_loop_name(int32_t path, int32_t bits) {
   return rust::String(kernels::gemm_loop_name(to_path(path), bits));
+}
+ArrayPtr kernels_gelu_erf(const array& x, int32_t path) {
+  return wrap(kernels::gelu_erf(x, to_path(path)));
 }
 ArrayPtr kernels_dense_matmul(const array& x, const array& w, int32_t path) {
   return wrap(kernels::dense_matmul(x, w, to_path(path)));

@@ -503,6 +503,20 @@ pub fn gemm_loop_name(path: KernelPath, bits: i32) -> String {
     ffi::kernels_gemm_loop_name(path as i32, bits).unwrap_or_else(|_| "unknown".into())
 }
 
+/// GELU with the exact normal CDF, `0.5 * x * (1 + erf(x / sqrt(2)))`, as one
+/// multithreaded node for float32 `x` (MLX's CPU erf is scalar): erf by
+/// Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7) with a vectorized exp, so
+/// within 2e-7 * |x| of the exact GELU. Other dtypes and GPU streams: MLX's ops.
+pub fn gelu_erf(x: &Array) -> Result<Array> {
+    gelu_erf_with_path(x, KernelPath::Auto)
+}
+
+/// [`gelu_erf`] on a chosen loop (`Portable`, `Avx2` or `Avx512`; the best
+/// below it that this CPU runs).
+pub fn gelu_erf_with_path(x: &Array, path: KernelPath) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_gelu_erf(&x.raw, path as i32))
+}
+
 /// `x @ w.T` for a dense `w` `[N, K]` (f32, f16 or bf16) and `x` `[..., K]`:
 /// MLX's `x.matmul(w.T)` (promoted dtype) as one CPU node that never calls
 /// BLAS. From 16 rows of `x` on it runs [`quantized_gemm`]'s packed panels and

@@ -516,3 +516,59 @@ fn half_precision_scales_on_partial_chunks() {
         }
     }
 }
+
+/// GELU (erf) on every loop against an f64 GELU: erf by Abramowitz & Stegun
+/// 7.1.26 is within 1.5e-7, so |ours - exact| <= 0.5·|x|·1.5e-7 plus a few
+/// f32 roundings of the result: the bound is 1e-7·|x| + 2^-22·|y| + 1e-30.
+/// Lengths around the vector widths (1, 7, 8, 15, 16, 17) and past the
+/// threading chunk (16 Ki), values over [-12, 12] with ±0 and far tails.
+#[test]
+fn gelu_erf_matches_an_f64_reference_on_every_path() {
+    let _g = lock();
+    // erf in f64 (W. J. Cody's rational approximations would do; this
+    // series/continued fraction pair is exact to ~1e-15 on the range used).
+    fn erf64(x: f64) -> f64 {
+        let a = x.abs();
+        let r = if a < 2.5 {
+            // Maclaurin series: 2/sqrt(pi) Σ (-1)^n x^(2n+1) / (n! (2n+1)).
+            let (mut term, mut sum, mut n) = (a, a, 0.0);
+            while term.abs() > 1e-17 * sum.abs() {
+                n += 1.0;
+                term *= -a * a / n;
+                sum += term / (2.0 * n + 1.0);
+            }
+            sum * 2.0 / std::f64::consts::PI.sqrt()
+        } else {
+            // erfc continued fraction (Lentz), 60 terms.
+            let mut f = 0.0;
+            for k in (1..60).rev() {
+                f = (k as f64 / 2.0) / (a + f);
+            }
+            1.0 - (-a * a).exp() / std::f64::consts::PI.sqrt() / (a + f)
+        };
+        r.copysign(x)
+    }
+    for &n in &[1usize, 7, 8, 15, 16, 17, 33, 100, 16384 * 2 + 5] {
+        let values: Vec<f32> = (0..n)
+            .map(|i| match i % 11 {
+                0 => 0.0,
+                1 => -0.0,
+                2 => 40.0 * if i % 2 == 0 { 1.0 } else { -1.0 },
+                _ => ((i as f32 * 0.618_034).fract() - 0.5) * 24.0,
+            })
+            .collect();
+        let x = Array::from_slice(&values, &[n as i32]).unwrap();
+        for path in [KernelPath::Auto, KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512] {
+            let got: Vec<f32> = kernels::gelu_erf_with_path(&x, path).unwrap().to_vec().unwrap();
+            for (&v, &y) in values.iter().zip(&got) {
+                let exact = 0.5 * v as f64 * (1.0 + erf64(v as f64 / std::f64::consts::SQRT_2));
+                let bound = 1e-7 * (v as f64).abs() + 2f64.powi(-22) * exact.abs() + 1e-30;
+                assert!((y as f64 - exact).abs() <= bound, "{path:?} n={n}: gelu({v}) = {y}, exact {exact}");
+            }
+        }
+    }
+    // Other dtypes run MLX's ops.
+    let half = Array::from_slice(&[1.0f32, -2.0], &[2]).unwrap().astype(Dtype::Float16).unwrap();
+    let got: Vec<f32> = kernels::gelu_erf(&half).unwrap().astype(Dtype::Float32).unwrap().to_vec().unwrap();
+    assert!((got[0] - 0.8413).abs() < 1e-3 && (got[1] + 0.0455).abs() < 1e-3, "{got:?}");
+}

@@ -67,6 +67,9 @@ struct EmbedArgs {
     /// Print the cosine similarity of every text to the first instead of the vectors.
     #[arg(long)]
     similarity: bool,
+    /// Texts per embedding call (each call is one packed pass of the encoder).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
     /// The texts; none: one text per line of stdin.
     texts: Vec<String>,
 }
@@ -405,21 +408,36 @@ fn embed(args: EmbedArgs) -> AnyResult<()> {
     } else {
         args.texts
     };
-    let out = embedder.embed(&texts)?;
+    if texts.is_empty() {
+        return Err("no texts to embed: give them as arguments or one per line on stdin".into());
+    }
+    if args.batch_size == 0 {
+        return Err("--batch-size must be at least 1".into());
+    }
     let mut stdout = std::io::stdout().lock();
-    if args.similarity {
-        let first = &out.vectors[0];
-        for (text, vector) in texts.iter().zip(&out.vectors) {
-            let dot: f32 = first.iter().zip(vector).map(|(a, b)| a * b).sum();
-            let norms = first.iter().map(|a| a * a).sum::<f32>().sqrt() * vector.iter().map(|b| b * b).sum::<f32>().sqrt();
-            writeln!(stdout, "{:.4}\t{text}", dot / norms.max(f32::MIN_POSITIVE))?;
+    let (started, mut tokens, mut first) = (std::time::Instant::now(), 0, None);
+    for (batch, chunk) in texts.chunks(args.batch_size).enumerate() {
+        let out = embedder.embed(chunk)?;
+        tokens += out.token_counts.iter().sum::<usize>();
+        for (i, (vector, count)) in out.vectors.iter().zip(&out.token_counts).enumerate() {
+            let index = batch * args.batch_size + i;
+            if args.similarity {
+                let first = first.get_or_insert_with(|| vector.clone());
+                let dot: f32 = first.iter().zip(vector).map(|(a, b)| a * b).sum();
+                let norms = first.iter().map(|a| a * a).sum::<f32>().sqrt() * vector.iter().map(|b| b * b).sum::<f32>().sqrt();
+                writeln!(stdout, "{:.4}\t{}", dot / norms.max(f32::MIN_POSITIVE), texts[index])?;
+            } else {
+                writeln!(stdout, "{}", serde_json::json!({ "index": index, "tokens": count, "embedding": vector }))?;
+            }
         }
-        return Ok(());
     }
-    for (index, (vector, tokens)) in out.vectors.iter().zip(&out.token_counts).enumerate() {
-        let line = serde_json::json!({ "index": index, "tokens": tokens, "embedding": vector });
-        writeln!(stdout, "{line}")?;
-    }
+    let seconds = started.elapsed().as_secs_f64();
+    eprintln!(
+        "embedded {} texts ({tokens} tokens) in {seconds:.3} s: {:.1} texts/s, {:.0} tokens/s",
+        texts.len(),
+        texts.len() as f64 / seconds,
+        tokens as f64 / seconds
+    );
     Ok(())
 }
 

@@ -94,10 +94,7 @@ impl HiddenAct {
 
     fn apply(self, x: &Array) -> Result<Array> {
         match self {
-            HiddenAct::Gelu => {
-                let cdf = x.mul_scalar(std::f64::consts::FRAC_1_SQRT_2)?.erf()?.add_scalar(1.0)?.mul_scalar(0.5)?;
-                Ok(x.multiply(&cdf)?)
-            }
+            HiddenAct::Gelu => Ok(mlx_sys::kernels::gelu_erf(x)?),
             HiddenAct::GeluTanh => Ok(crate::nn::Activation::GeluTanh.apply(x)?),
             HiddenAct::Relu => Ok(x.maximum(&Array::scalar(0.0, x.dtype())?)?),
         }
@@ -174,13 +171,16 @@ impl Bert {
         let embeddings = root.pp("embeddings");
         let hidden = args.hidden_size;
         let token_types = embeddings.pp("token_type_embeddings").get("weight", &[args.type_vocab_size, hidden])?;
+        // Evaluated here: a lazy node would belong to this thread's stream.
+        let token_type = token_types.slice_axis(0, 0, 1)?;
+        token_type.eval()?;
         let layers = (0..args.num_hidden_layers)
             .map(|i| BertLayer::load(&root.pp("encoder").pp("layer").pp(i), &args))
             .collect::<Result<Vec<_>>>()?;
         Ok(Bert {
             word_embeddings: Embedding::load(&embeddings.pp("word_embeddings"), args.vocab_size, hidden)?,
             position_embeddings: Embedding::load(&embeddings.pp("position_embeddings"), args.max_position_embeddings, hidden)?,
-            token_type: token_types.slice_axis(0, 0, 1)?,
+            token_type,
             embeddings_norm: LayerNorm::load(&embeddings.pp("LayerNorm"), hidden, args.layer_norm_eps)?,
             layers,
             act,
