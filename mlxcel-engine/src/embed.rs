@@ -1,10 +1,10 @@
-//! Sentence embeddings: the one facade every front end (CLI, C ABI, Python,
-//! Node, the server) calls, with its defaults and validation.
+//! Sentence embeddings and reranking: the facades every front end (CLI, C
+//! ABI, Python, Node, the server) calls, with their defaults and validation.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use mlxcel_models::EmbeddingModel;
+use mlxcel_models::{CrossEncoder, EmbeddingModel};
 
 use crate::error::{Error, Result};
 
@@ -84,19 +84,93 @@ impl Embedder {
         }
         let tokens = texts.iter().map(|t| self.model.tokenize(t.as_ref())).collect::<mlxcel_models::Result<Vec<_>>>()?;
         let token_counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
-        let mut vectors = Vec::with_capacity(texts.len());
-        let mut pass: Vec<&[u32]> = Vec::new();
-        let mut pass_tokens = 0;
-        for sequence in &tokens {
-            if !pass.is_empty() && pass_tokens + sequence.len() > EMBED_PASS_TOKENS {
-                vectors.extend(self.model.embed_tokens(&pass)?);
-                pass.clear();
-                pass_tokens = 0;
-            }
-            pass.push(sequence);
-            pass_tokens += sequence.len();
-        }
-        vectors.extend(self.model.embed_tokens(&pass)?);
+        let vectors = in_passes(&tokens, Vec::len, |pass: &[Vec<u32>]| {
+            let sequences: Vec<&[u32]> = pass.iter().map(Vec::as_slice).collect();
+            self.model.embed_tokens(&sequences)
+        })?;
         Ok(Embeddings { vectors, token_counts })
+    }
+}
+
+/// `run` over consecutive runs of `items` of about [`EMBED_PASS_TOKENS`]
+/// tokens each (an item is never split), the outputs concatenated.
+fn in_passes<T, R>(
+    items: &[T],
+    tokens: impl Fn(&T) -> usize,
+    mut run: impl FnMut(&[T]) -> mlxcel_models::Result<Vec<R>>,
+) -> Result<Vec<R>> {
+    let mut out = Vec::with_capacity(items.len());
+    let (mut start, mut pass_tokens) = (0, 0);
+    for (i, item) in items.iter().enumerate() {
+        if i > start && pass_tokens + tokens(item) > EMBED_PASS_TOKENS {
+            out.extend(run(&items[start..i])?);
+            (start, pass_tokens) = (i, 0);
+        }
+        pass_tokens += tokens(item);
+    }
+    out.extend(run(&items[start..])?);
+    Ok(out)
+}
+
+/// The scores of one [`Reranker::rerank`] call, in the order of its documents.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scores {
+    /// Each document's relevance to the query: the classifier's raw logit
+    /// (higher is more relevant; a sigmoid maps it into (0, 1)).
+    pub scores: Vec<f32>,
+    /// Tokens each (query, document) pair ran as, after truncation.
+    pub token_counts: Vec<usize>,
+}
+
+/// A loaded cross-encoder that scores (query, document) pairs.
+///
+/// `Send + Sync` and cheap to clone, like [`Embedder`]: any number of
+/// threads may call [`rerank`](Self::rerank) at once, each on its own
+/// thread; a pair's score is the same whatever it is batched with.
+#[derive(Clone)]
+pub struct Reranker {
+    model: Arc<CrossEncoder>,
+}
+
+impl Reranker {
+    /// Loads a cross-encoder from `dir` (or a packaged name). Any failure is
+    /// [`ErrorKind::ModelLoad`](crate::ErrorKind::ModelLoad).
+    pub fn load(dir: &Path) -> Result<Reranker> {
+        let resolved = mlxcel_hub::resolve_model(dir, &Default::default(), &mut |_| {}).map_err(Error::load)?;
+        Reranker::load_resolved(&resolved)
+    }
+
+    /// [`load`](Self::load) of a directory that exists.
+    pub fn load_resolved(dir: &Path) -> Result<Reranker> {
+        if !dir.is_dir() {
+            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
+            return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
+        }
+        Ok(Reranker { model: Arc::new(CrossEncoder::load(dir).map_err(Error::load)?) })
+    }
+
+    pub fn model(&self) -> &CrossEncoder {
+        &self.model
+    }
+
+    /// One score per document. Errors: no documents, or more than
+    /// [`MAX_EMBED_TEXTS`], are [`InvalidParameter`](crate::ErrorKind::InvalidParameter) `documents`.
+    pub fn rerank<S: AsRef<str>>(&self, query: &str, documents: &[S]) -> Result<Scores> {
+        if documents.is_empty() {
+            return Err(Error::InvalidParameter { name: "documents", message: "no documents to score".into() });
+        }
+        if documents.len() > MAX_EMBED_TEXTS {
+            return Err(Error::InvalidParameter {
+                name: "documents",
+                message: format!("{} documents in one call, more than {MAX_EMBED_TEXTS}", documents.len()),
+            });
+        }
+        let pairs = documents
+            .iter()
+            .map(|d| self.model.tokenize_pair(query, d.as_ref()))
+            .collect::<mlxcel_models::Result<Vec<_>>>()?;
+        let token_counts = pairs.iter().map(|p| p.0.len()).collect();
+        let scores = in_passes(&pairs, |p| p.0.len(), |pass| self.model.score_tokens(pass))?;
+        Ok(Scores { scores, token_counts })
     }
 }

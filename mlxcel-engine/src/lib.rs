@@ -26,7 +26,7 @@ mod stop;
 mod stream;
 mod summary;
 
-pub use embed::{Embedder, Embeddings, EMBED_PASS_TOKENS, MAX_EMBED_TEXTS};
+pub use embed::{Embedder, Embeddings, Reranker, Scores, EMBED_PASS_TOKENS, MAX_EMBED_TEXTS};
 pub use error::{Error, ErrorKind, Result};
 pub use mlxcel_models::Pooling;
 pub use generate::{

@@ -17,6 +17,14 @@ use mlx_sys::{Array, Dtype};
 /// `model_type`s that load as embedding models, not language models.
 pub const EMBEDDING_MODEL_TYPES: &[&str] = &["bert"];
 
+/// Whether `config.json` names a sequence-classification model (a cross-encoder).
+pub(crate) fn is_cross_encoder(config: &serde_json::Value) -> bool {
+    config
+        .get("architectures")
+        .and_then(serde_json::Value::as_array)
+        .is_some_and(|a| a.iter().any(|x| x.as_str().is_some_and(|n| n.ends_with("ForSequenceClassification"))))
+}
+
 /// How token states become one vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pooling {
@@ -74,7 +82,32 @@ struct PoolingConfig {
     pooling_mode_lasttoken: bool,
 }
 
-fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>> {
+/// Tokens an input keeps: `sentence_bert_config.json`'s `max_seq_length`,
+/// at most the encoder's positions.
+pub(crate) fn max_tokens(dir: &Path, encoder: &Bert) -> Result<usize> {
+    #[derive(Deserialize)]
+    struct SentenceConfig {
+        max_seq_length: Option<usize>,
+    }
+    let sentence: Option<SentenceConfig> = read_json(&dir.join("sentence_bert_config.json"))?;
+    Ok(sentence.and_then(|s| s.max_seq_length).unwrap_or(usize::MAX).min(encoder.max_positions()))
+}
+
+/// The checkpoint's `tokenizer.json`, its own padding and truncation (often
+/// fixed at 128) replaced: batches run packed, and inputs are cut at
+/// `max_tokens` with their special tokens kept, as sentence-transformers does.
+pub(crate) fn encoder_tokenizer(dir: &Path, max_tokens: usize) -> Result<tokenizers::Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    let mut tokenizer = tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| Error::invalid_file(&path, format!("invalid tokenizer: {e}")))?;
+    tokenizer.with_padding(None);
+    tokenizer
+        .with_truncation(Some(tokenizers::TruncationParams { max_length: max_tokens, ..Default::default() }))
+        .map_err(|e| Error::invalid_file(&path, format!("truncation at {max_tokens} tokens: {e}")))?;
+    Ok(tokenizer)
+}
+
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>> {
     match std::fs::read_to_string(path) {
         Ok(text) => serde_json::from_str(&text).map(Some).map_err(|source| Error::Json { path: path.into(), source }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -134,36 +167,23 @@ impl EmbeddingModel {
         }
         let quantization = QuantizationConfig::from_config(&config, &config_path)?;
         let weights = Weights::load(dir)?;
-        let encoder = Bert::load(&LoadContext {
-            config: &config,
-            config_path: &config_path,
-            scope: Scope::root(&weights, &quantization, Dtype::Float32),
-        })?;
+        if is_cross_encoder(&config) {
+            return Err(Error::Unsupported {
+                path: config_path,
+                message: "a cross-encoder (a sequence-classification head): load it as a reranker (`mlxcel rerank`)".into(),
+            });
+        }
+        let encoder = Bert::load(
+            &LoadContext { config: &config, config_path: &config_path, scope: Scope::root(&weights, &quantization, Dtype::Float32) },
+            false,
+        )?;
         let unread = weights.unread();
         if !unread.is_empty() {
             return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
         }
         let (pooling, normalize) = read_pipeline(dir)?;
-        #[derive(Deserialize)]
-        struct SentenceConfig {
-            max_seq_length: Option<usize>,
-        }
-        let sentence: Option<SentenceConfig> = read_json(&dir.join("sentence_bert_config.json"))?;
-        let max_tokens = sentence
-            .and_then(|s| s.max_seq_length)
-            .unwrap_or(usize::MAX)
-            .min(encoder.max_positions());
-
-        let tokenizer_path = dir.join("tokenizer.json");
-        let mut tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
-            .map_err(|e| Error::invalid_file(&tokenizer_path, format!("invalid tokenizer: {e}")))?;
-        // The file's own padding and truncation (often fixed at 128) are
-        // replaced: batches run packed, and texts are cut at `max_tokens`
-        // with their special tokens kept, as sentence-transformers does.
-        tokenizer.with_padding(None);
-        tokenizer
-            .with_truncation(Some(tokenizers::TruncationParams { max_length: max_tokens, ..Default::default() }))
-            .map_err(|e| Error::invalid_file(&tokenizer_path, format!("truncation at {max_tokens} tokens: {e}")))?;
+        let max_tokens = max_tokens(dir, &encoder)?;
+        let tokenizer = encoder_tokenizer(dir, max_tokens)?;
         Ok(EmbeddingModel { encoder, tokenizer, pooling, normalize, max_tokens, model_type, dir: dir.to_path_buf() })
     }
 
@@ -206,7 +226,7 @@ impl EmbeddingModel {
         if sequences.is_empty() {
             return Ok(Vec::new());
         }
-        let hidden = self.encoder.forward(sequences)?;
+        let hidden = self.encoder.forward(sequences, None)?;
         let mut pooled = Vec::with_capacity(sequences.len());
         let mut start = 0i32;
         for sequence in sequences {

@@ -12,6 +12,7 @@ pub mod model;
 pub mod nn;
 pub mod paged;
 pub mod quantization;
+pub mod rerank;
 pub mod runtime;
 pub mod weights;
 
@@ -20,4 +21,5 @@ pub use paged::{KvFormat, KvPool, PagedKvCache, RowBlocks};
 pub use mlxcel_tokenizer::{chat_template, tokenizer};
 pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{Error, Result};
+pub use rerank::CrossEncoder;
 pub use model::{LanguageModel, Model, ModelInfo, ModelShape};

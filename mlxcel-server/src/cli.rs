@@ -11,7 +11,7 @@ use clap::{ArgAction, Parser};
 #[command(
     name = "mlxcel serve",
     about = "An OpenAI- and llama-server-compatible HTTP server over the batch engine",
-    after_help = "Routes: /v1/chat/completions /v1/completions /v1/embeddings (with --embedding-model) /v1/models /completion /tokenize /detokenize /apply-template /props /slots /health /metrics, and a chat page at /.\nEach flag also reads the environment variable in brackets, as llama-server does."
+    after_help = "Routes: /v1/chat/completions /v1/completions /v1/embeddings (with --embedding-model) /v1/rerank (with --rerank-model) /v1/models /completion /tokenize /detokenize /apply-template /props /slots /health /metrics, and a chat page at /.\nEach flag also reads the environment variable in brackets, as llama-server does."
 )]
 pub struct ServeArgs {
     /// An MLX checkpoint directory, or a GGUF file (converted once into the cache). Default: the default model.
@@ -81,6 +81,10 @@ pub struct ServeArgs {
     /// /v1/embeddings runs, beside the generative model (an mlxcel extension).
     #[arg(long = "embedding-model", env = "MLXCEL_EMBEDDING_MODEL", value_name = "PATH")]
     pub embedding_model: Option<PathBuf>,
+    /// A cross-encoder checkpoint (`*ForSequenceClassification`, one label) that
+    /// /v1/rerank (and llama-server's /rerank, /reranking) runs (an mlxcel extension).
+    #[arg(long = "rerank-model", env = "MLXCEL_RERANK_MODEL", value_name = "PATH")]
+    pub rerank_model: Option<PathBuf>,
     /// A smaller checkpoint with the same tokenizer, for speculative decoding.
     #[arg(long = "model-draft", env = "LLAMA_ARG_MODEL_DRAFT", value_name = "DIR")]
     pub model_draft: Option<PathBuf>,
@@ -193,8 +197,8 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("--model-url", "downloading models by URL is not supported: pass -m DIR or -m FILE.gguf"),
     ("--embedding", "llama-server's embeddings from the generative model are not supported: pass --embedding-model PATH|NAME (e.g. all-MiniLM-L6-v2) to serve /v1/embeddings"),
     ("--embeddings", "llama-server's embeddings from the generative model are not supported: pass --embedding-model PATH|NAME (e.g. all-MiniLM-L6-v2) to serve /v1/embeddings"),
-    ("--reranking", "reranker models are not supported by mlxcel serve yet"),
-    ("--rerank", "reranker models are not supported by mlxcel serve yet"),
+    ("--reranking", "llama-server's reranking with the generative model is not supported: pass --rerank-model PATH (a cross-encoder) to serve /v1/rerank"),
+    ("--rerank", "llama-server's reranking with the generative model is not supported: pass --rerank-model PATH (a cross-encoder) to serve /v1/rerank"),
     ("--rope-scaling", "RoPE scaling overrides are not supported; the checkpoint's config.json decides"),
     ("--rope-scale", "RoPE scaling overrides are not supported; the checkpoint's config.json decides"),
     ("--rope-freq-base", "RoPE overrides are not supported; the checkpoint's config.json decides"),

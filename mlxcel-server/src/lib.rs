@@ -207,10 +207,11 @@ fn router(state: Arc<AppState>, api_keys: Vec<String>) -> Router {
         .route("/metrics", get(llama::metrics))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/embeddings", post(openai::embeddings))
-        .route("/infill", post(llama::infill_unsupported));
-    // llama-server's own embedding format (`content`, pooling none) and reranking.
-    for path in ["/embedding", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking"] {
-        app = app.route(path, post(llama::embeddings_unsupported));
+        .route("/infill", post(llama::infill_unsupported))
+        // llama-server's own embedding format (`content`, pooling none).
+        .route("/embedding", post(llama::embeddings_unsupported));
+    for path in ["/rerank", "/reranking", "/v1/rerank", "/v1/reranking"] {
+        app = app.route(path, post(llama::rerank));
     }
     if state.config.web_ui {
         app = app.route("/", get(|| async { Html(WEB_UI) }));
@@ -317,20 +318,29 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
     let engine = Engine::with_draft(model, limits, draft).map_err(|e| e.to_string())?;
 
     let chat_template = chat_template(args, &engine)?;
+    // A path as given, else a packaged model's name.
+    let resolve = |given: &PathBuf| -> Result<PathBuf, String> {
+        if given.exists() {
+            return Ok(given.clone());
+        }
+        match given.to_str().and_then(|name| source.packaged_model(name, args.offline)) {
+            Some(dir) => dir,
+            None => Ok(given.clone()),
+        }
+    };
+    let model_name = |given: &PathBuf, fallback: &str| given.file_name().map_or_else(|| fallback.into(), |n| n.to_string_lossy().into_owned());
     let embedder = match &args.embedding_model {
         None => None,
         Some(given) => {
-            let dir = if given.exists() {
-                given.clone()
-            } else {
-                match given.to_str().and_then(|name| source.packaged_model(name, args.offline)) {
-                    Some(dir) => dir?,
-                    None => given.clone(),
-                }
-            };
-            let embedder = mlxcel_engine::Embedder::load_resolved(&dir).map_err(|e| format!("--embedding-model: {e}"))?;
-            let name = given.file_name().map_or_else(|| "embeddings".into(), |n| n.to_string_lossy().into_owned());
-            Some((name, embedder))
+            let embedder = mlxcel_engine::Embedder::load_resolved(&resolve(given)?).map_err(|e| format!("--embedding-model: {e}"))?;
+            Some((model_name(given, "embeddings"), embedder))
+        }
+    };
+    let reranker = match &args.rerank_model {
+        None => None,
+        Some(given) => {
+            let reranker = mlxcel_engine::Reranker::load_resolved(&resolve(given)?).map_err(|e| format!("--rerank-model: {e}"))?;
+            Some((model_name(given, "reranker"), reranker))
         }
     };
     let defaults = GenerationOptions {
@@ -361,6 +371,7 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
         context_shift,
         chat_template,
         embedder,
+        reranker,
     })
 }
 

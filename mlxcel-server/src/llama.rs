@@ -318,7 +318,87 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> ApiResult<Response> 
 
 /// Routes for work this server does not do: a clear 501, not a 404.
 pub async fn embeddings_unsupported() -> ApiError {
-    ApiError::not_supported("llama-server's /embedding and reranking are not supported: send OpenAI's /v1/embeddings (with --embedding-model); there is no reranker yet")
+    ApiError::not_supported("llama-server's /embedding (unpooled vectors) is not supported: send OpenAI's /v1/embeddings (with --embedding-model)")
+}
+
+/// llama-server's reranking (`/rerank`, `/reranking`, `/v1/rerank`): the Jina
+/// and Cohere shape, `query` and `documents` (strings) with `top_n` and
+/// `return_documents`, answered with `results` best first; or Text
+/// Embeddings Inference's, `query` and `texts` with `return_text`, answered
+/// with an array of `{index, score}` best first. Scores are the
+/// cross-encoder's raw logits, as llama-server returns them.
+pub async fn rerank(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    score_documents(state, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn score_documents(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
+    let loaded = state.loaded()?;
+    let Some((name, reranker)) = loaded.reranker.clone() else {
+        return Err(ApiError::not_supported("this server has no reranker: start it with --rerank-model PATH (a cross-encoder checkpoint)"));
+    };
+    let fields = parse_body(&body)?;
+    let query = fields.str("query")?.ok_or_else(|| ApiError::field("query", "is required"))?.to_string();
+    // TEI's field names, else Jina's.
+    let tei = fields.has("texts") && !fields.has("documents");
+    let documents_field = if tei { "texts" } else { "documents" };
+    let documents = match fields.array(documents_field)? {
+        None => return Err(ApiError::field("documents", "is required")),
+        Some(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item {
+                Value::String(text) => Ok(text.clone()),
+                // Jina and Cohere also take `{"text": ...}` objects.
+                Value::Object(map) if map.get("text").is_some_and(Value::is_string) => Ok(map["text"].as_str().unwrap_or_default().to_string()),
+                other => Err(ApiError::field(&format!("{documents_field}[{i}]"), format!("must be a string, got {}", type_name(other)))),
+            })
+            .collect::<ApiResult<Vec<String>>>()?,
+    };
+    let top_n = match fields.int("top_n")? {
+        None => documents.len(),
+        Some(n) if n >= 1 => (n as usize).min(documents.len()),
+        Some(n) => return Err(ApiError::field("top_n", format!("must be at least 1, got {n}"))),
+    };
+    let with_text = fields.bool(if tei { "return_text" } else { "return_documents" })?.unwrap_or(false);
+    let scored = documents.clone();
+    let out = tokio::task::spawn_blocking(move || reranker.rerank(&query, &scored))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("the rerank task failed: {e}")))?
+        .map_err(|e| ApiError::from_engine(&e, |n| if n == "documents" { documents_field } else { n }))?;
+    let mut order: Vec<usize> = (0..documents.len()).collect();
+    order.sort_by(|&a, &b| out.scores[b].total_cmp(&out.scores[a]));
+    order.truncate(top_n);
+    if tei {
+        let results: Vec<Value> = order
+            .iter()
+            .map(|&i| {
+                let mut entry = json!({ "index": i, "score": out.scores[i] });
+                if with_text {
+                    entry["text"] = json!(documents[i]);
+                }
+                entry
+            })
+            .collect();
+        return Ok(Json(Value::Array(results)).into_response());
+    }
+    let results: Vec<Value> = order
+        .iter()
+        .map(|&i| {
+            let mut entry = json!({ "index": i, "relevance_score": out.scores[i] });
+            if with_text {
+                entry["document"] = json!({ "text": documents[i] });
+            }
+            entry
+        })
+        .collect();
+    let tokens: usize = out.token_counts.iter().sum();
+    Ok(Json(json!({
+        "model": name,
+        "object": "list",
+        "usage": { "prompt_tokens": tokens, "total_tokens": tokens },
+        "results": results,
+    }))
+    .into_response())
 }
 
 pub async fn infill_unsupported() -> ApiError {

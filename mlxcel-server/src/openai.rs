@@ -38,6 +38,15 @@ pub async fn models(State(state): State<Arc<AppState>>) -> ApiResult<Json<Value>
             "meta": { "n_embd": embedder.dims(), "n_ctx_train": embedder.max_tokens(), "pooling": embedder.model().pooling().name() },
         }));
     }
+    if let Some((name, reranker)) = &loaded.reranker {
+        data.push(json!({
+            "id": name,
+            "object": "model",
+            "created": unix_time(),
+            "owned_by": "mlxcel",
+            "meta": { "n_ctx_train": reranker.model().max_tokens(), "pooling": "rank" },
+        }));
+    }
     Ok(Json(json!({ "object": "list", "data": data })))
 }
 

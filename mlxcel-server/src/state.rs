@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use mlxcel_engine::{CancelFlag, Embedder, Engine, GenerationOptions, ModelSummary};
+use mlxcel_engine::{CancelFlag, Embedder, Engine, GenerationOptions, ModelSummary, Reranker};
 use mlxcel_tokenizer::{ChatTemplate, RenderOptions};
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -44,6 +44,8 @@ pub struct Loaded {
     pub chat_template: Option<ChatTemplate>,
     /// `--embedding-model`, with the name /v1/models and responses report.
     pub embedder: Option<(String, Embedder)>,
+    /// `--rerank-model`, with the name /v1/models and responses report.
+    pub reranker: Option<(String, Reranker)>,
 }
 
 impl Loaded {

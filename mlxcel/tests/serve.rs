@@ -536,6 +536,9 @@ fn bad_input_gets_errors_that_name_the_field() {
     let reply = server.post("/v1/embeddings", &json!({ "input": "hi" }));
     assert_eq!(reply.status, 501);
     assert!(reply.error().1.contains("embedding"));
+    let reply = server.post("/v1/rerank", &json!({ "query": "q", "documents": ["a"] }));
+    assert_eq!(reply.status, 501);
+    assert!(reply.error().1.contains("--rerank-model"));
 
     // The server is still fine.
     assert_eq!(server.post("/completion", &json!({ "prompt": "hi", "n_predict": 2 })).status, 200);
@@ -774,3 +777,63 @@ fn embeddings_come_from_the_embedding_model_in_openai_shape() {
     }
 }
 
+
+#[test]
+fn rerank_scores_documents_in_jina_and_tei_shapes() {
+    // The test cross-encoder: the MiniLM encoder with a seeded one-label head.
+    let dir = mlxcel_tests::test_cross_encoder();
+    let golden = mlxcel_tests::rerank_goldens();
+    let query = golden["query"].as_str().unwrap();
+    let cases = golden["cases"].as_array().unwrap();
+    let documents: Vec<&str> = cases.iter().map(|c| c["document"].as_str().unwrap()).collect();
+    let want: Vec<f64> = cases.iter().map(|c| c["score"].as_f64().unwrap()).collect();
+    let mut best_first: Vec<usize> = (0..want.len()).collect();
+    best_first.sort_by(|&a, &b| want[b].total_cmp(&want[a]));
+
+    let server = Server::start(&["-np", "1", "--rerank-model", dir.to_str().unwrap()]);
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["data"][1]["meta"]["pooling"], json!("rank"));
+    let reply = server.post("/v1/rerank", &json!({ "query": query, "documents": documents }));
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let body = reply.json();
+    assert_eq!(body["object"], json!("list"));
+    let tokens: u64 = cases.iter().map(|c| c["ids"].as_array().unwrap().len() as u64).sum();
+    assert_eq!(body["usage"]["prompt_tokens"], json!(tokens));
+    let results = body["results"].as_array().unwrap();
+    let order: Vec<usize> = results.iter().map(|r| r["index"].as_u64().unwrap() as usize).collect();
+    assert_eq!(order, best_first, "best first");
+    for r in results {
+        let i = r["index"].as_u64().unwrap() as usize;
+        assert!((r["relevance_score"].as_f64().unwrap() - want[i]).abs() <= 2e-6, "{r}");
+        assert!(r.get("document").is_none());
+    }
+    // top_n, return_documents, {"text"} documents, and llama-server's other paths.
+    let top = server
+        .post("/rerank", &json!({ "query": query, "documents": documents.iter().map(|d| json!({ "text": d })).collect::<Vec<_>>(), "top_n": 2, "return_documents": true }))
+        .json();
+    let top = top["results"].as_array().unwrap();
+    assert_eq!(top.len(), 2);
+    assert_eq!(top[0]["index"].as_u64().unwrap() as usize, best_first[0]);
+    assert_eq!(top[0]["document"]["text"], json!(documents[best_first[0]]));
+    // Text Embeddings Inference's shape: `texts` in, an array of {index, score} out.
+    let tei = server.post("/reranking", &json!({ "query": query, "texts": documents, "return_text": true })).json();
+    let tei = tei.as_array().unwrap();
+    assert_eq!(tei.len(), documents.len());
+    assert_eq!(tei[0]["index"].as_u64().unwrap() as usize, best_first[0]);
+    assert_eq!(tei[0]["text"], json!(documents[best_first[0]]));
+    assert_eq!(tei[0]["score"], results[0]["relevance_score"]);
+    for (body, param, says) in [
+        (json!({ "documents": ["a"] }), "query", "is required"),
+        (json!({ "query": "q" }), "documents", "is required"),
+        (json!({ "query": "q", "documents": [] }), "documents", "no documents"),
+        (json!({ "query": "q", "documents": ["a", 5] }), "documents[1]", "must be a string"),
+        (json!({ "query": "q", "documents": ["a"], "top_n": 0 }), "top_n", "at least 1"),
+        (json!({ "query": "q", "texts": [] }), "texts", "no documents"),
+    ] {
+        let reply = server.post("/v1/rerank", &body);
+        assert_eq!(reply.status, 400, "{body}: {}", reply.text());
+        let (_, message, got) = reply.error();
+        assert_eq!(got.as_deref(), Some(param), "{body}: {message}");
+        assert!(message.contains(says), "{body}: {message}");
+    }
+}

@@ -11,6 +11,10 @@
 //!   event loop) to the events that have arrived, pieces then one `done` or
 //!   `error`; `cancel()` stops it between prefill chunks or decode steps.
 //!   No thread of this addon's own runs a generation.
+//! - `loadEmbedder(path?)` loads a sentence-embedding model the same way and
+//!   resolves to a `NativeEmbedder`, the engine's `Embedder`: `embed(texts)`
+//!   runs on the thread pool, `embedSync(texts)` on the calling thread;
+//!   `loadReranker(path)` gives a `NativeReranker`, the engine's `Reranker`.
 //!
 //! Defaults and checks are the engine's (`GenerationOptions`), and so are
 //! the error kinds: every error, thrown or as an `error` event, carries the
@@ -21,9 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mlxcel_engine::{
-    CancelFlag, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream, LimitOptions, Message,
-    Prompt,
-    StreamEvent,
+    CancelFlag, Embedder, Embeddings, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream,
+    LimitOptions, Message, Prompt, Reranker, Scores, StreamEvent,
 };
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
@@ -69,6 +72,24 @@ fn coded(e: EngineError) -> Error<Code> {
 
 // ---------------------------------------------------------------- loading
 
+/// A checkpoint directory, a packaged model's name (fetched on first use) or,
+/// without a path, the default model, reported on stderr when `progress`.
+fn resolve_model(path: Option<&str>, progress: bool) -> Result<std::path::PathBuf> {
+    let mut lines = progress.then(|| mlxcel_hub::ProgressText::new(std::io::stderr().is_terminal()));
+    let mut report = |p: mlxcel_hub::Progress| {
+        if let Some(text) = lines.as_mut().and_then(|l| l.text(&p)) {
+            // Best effort: a closed stderr does not fail the load.
+            let mut err = std::io::stderr().lock();
+            let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
+        }
+    };
+    match path {
+        Some(path) => mlxcel_hub::resolve_model(std::path::Path::new(path), &Default::default(), &mut report),
+        None => mlxcel_hub::fetch_default_model(&Default::default(), &mut report),
+    }
+    .map_err(|e| Error::from_reason(e.to_string()))
+}
+
 pub struct LoadTask {
     path: Option<String>,
     progress: bool,
@@ -83,20 +104,7 @@ impl Task for LoadTask {
     /// A failure is always `MODEL_LOAD` (the engine's `ErrorKind::ModelLoad`);
     /// `index.js` gives the rejection that code.
     fn compute(&mut self) -> Result<Engine> {
-        // A directory, a packaged model's name (fetched on first use) or the default model.
-        let mut lines = self.progress.then(|| mlxcel_hub::ProgressText::new(std::io::stderr().is_terminal()));
-        let mut report = |p: mlxcel_hub::Progress| {
-            if let Some(text) = lines.as_mut().and_then(|l| l.text(&p)) {
-                // Best effort: a closed stderr does not fail the load.
-                let mut err = std::io::stderr().lock();
-                let _ = err.write_all(text.as_bytes()).and_then(|()| err.flush());
-            }
-        };
-        let dir = match &self.path {
-            Some(path) => mlxcel_hub::resolve_model(std::path::Path::new(path), &Default::default(), &mut report),
-            None => mlxcel_hub::fetch_default_model(&Default::default(), &mut report),
-        }
-        .map_err(|e| Error::from_reason(e.to_string()))?;
+        let dir = resolve_model(self.path.as_deref(), self.progress)?;
         let draft = self.draft_model.as_deref().map(std::path::Path::new);
         Engine::load_with_draft(&dir, self.limits, draft).map_err(|e| Error::from_reason(e.to_string()))
     }
@@ -578,5 +586,213 @@ impl NativeGeneration {
     #[napi]
     pub fn cancel(&self) {
         self.cancel.cancel();
+    }
+}
+
+// ---------------------------------------------------------------- embeddings
+
+pub struct LoadEmbedderTask {
+    path: Option<String>,
+    progress: bool,
+}
+
+impl Task for LoadEmbedderTask {
+    type Output = Embedder;
+    type JsValue = NativeEmbedder;
+
+    /// A failure is always `MODEL_LOAD` (the engine's `ErrorKind::ModelLoad`);
+    /// `index.js` gives the rejection that code.
+    fn compute(&mut self) -> Result<Embedder> {
+        // Without a path, the packaged all-MiniLM-L6-v2 (as `mlxcel embed`).
+        let path = self.path.as_deref().unwrap_or(mlxcel_hub::ALL_MINILM_L6_V2.name);
+        let dir = resolve_model(Some(path), self.progress)?;
+        Embedder::load_resolved(&dir).map_err(|e| Error::from_reason(e.to_string()))
+    }
+
+    fn resolve(&mut self, _env: Env, embedder: Embedder) -> Result<NativeEmbedder> {
+        Ok(NativeEmbedder { embedder })
+    }
+}
+
+/// Loads a sentence-embedding checkpoint directory or packaged model (by
+/// default all-MiniLM-L6-v2, fetched on first use, reported on stderr when
+/// `progress` is not false) off the event loop.
+#[napi(ts_return_type = "Promise<NativeEmbedder>")]
+pub fn load_embedder(path: Option<String>, progress: Option<bool>) -> AsyncTask<LoadEmbedderTask> {
+    AsyncTask::new(LoadEmbedderTask { path, progress: progress.unwrap_or(true) })
+}
+
+/// What `embed()` resolves to: the vectors and token counts, or the error's
+/// public code and message (a rejection of the task itself could not carry the code).
+#[napi(object, object_from_js = false)]
+pub struct NativeEmbeddings {
+    pub vectors: Option<Vec<Float32Array>>,
+    /// Tokens each text ran as, special tokens included, after truncation.
+    pub token_counts: Option<Vec<u32>>,
+    pub code: Option<String>,
+    pub message: Option<String>,
+}
+
+/// Embeds on the thread pool.
+pub struct EmbedTask {
+    embedder: Embedder,
+    texts: Vec<String>,
+}
+
+impl Task for EmbedTask {
+    type Output = std::result::Result<Embeddings, EngineError>;
+    type JsValue = NativeEmbeddings;
+
+    fn compute(&mut self) -> Result<Self::Output> {
+        Ok(self.embedder.embed(&self.texts))
+    }
+
+    fn resolve(&mut self, _env: Env, outcome: Self::Output) -> Result<NativeEmbeddings> {
+        Ok(match outcome {
+            Ok(out) => NativeEmbeddings {
+                vectors: Some(out.vectors.into_iter().map(Float32Array::new).collect()),
+                token_counts: Some(out.token_counts.into_iter().map(|n| n as u32).collect()),
+                code: None,
+                message: None,
+            },
+            Err(e) => NativeEmbeddings {
+                vectors: None,
+                token_counts: None,
+                code: Some(code_of(e.code()).to_string()),
+                message: Some(e.to_string()),
+            },
+        })
+    }
+}
+
+/// A loaded embedding model, the engine's `Embedder`: any number of `embed`
+/// calls may run at once, and a text's vector is the same whatever it is
+/// embedded with.
+#[napi]
+pub struct NativeEmbedder {
+    embedder: Embedder,
+}
+
+#[napi]
+impl NativeEmbedder {
+    /// The length of every vector.
+    #[napi(getter)]
+    pub fn dims(&self) -> u32 {
+        self.embedder.dims() as u32
+    }
+
+    /// Tokens a text keeps, special tokens included; longer texts are truncated.
+    #[napi(getter)]
+    pub fn max_tokens(&self) -> u32 {
+        self.embedder.max_tokens() as u32
+    }
+
+    /// The checkpoint directory the model was loaded from.
+    #[napi(getter)]
+    pub fn path(&self) -> String {
+        self.embedder.model().dir().display().to_string()
+    }
+
+    /// One vector per text, computed on the thread pool.
+    #[napi(ts_return_type = "Promise<NativeEmbeddings>")]
+    pub fn embed(&self, texts: Vec<String>) -> AsyncTask<EmbedTask> {
+        AsyncTask::new(EmbedTask { embedder: self.embedder.clone(), texts })
+    }
+
+    /// One vector per text, computed on the calling thread.
+    #[napi]
+    pub fn embed_sync(&self, texts: Vec<String>) -> Result<Vec<Float32Array>, Code> {
+        let out = self.embedder.embed(&texts).map_err(coded)?;
+        Ok(out.vectors.into_iter().map(Float32Array::new).collect())
+    }
+}
+
+// ---------------------------------------------------------------- reranking
+
+pub struct LoadRerankerTask {
+    path: String,
+    progress: bool,
+}
+
+impl Task for LoadRerankerTask {
+    type Output = Reranker;
+    type JsValue = NativeReranker;
+
+    /// A failure is always `MODEL_LOAD`, as for `LoadEmbedderTask`.
+    fn compute(&mut self) -> Result<Reranker> {
+        let dir = resolve_model(Some(&self.path), self.progress)?;
+        Reranker::load_resolved(&dir).map_err(|e| Error::from_reason(e.to_string()))
+    }
+
+    fn resolve(&mut self, _env: Env, reranker: Reranker) -> Result<NativeReranker> {
+        Ok(NativeReranker { reranker })
+    }
+}
+
+/// Loads a cross-encoder checkpoint directory off the event loop.
+#[napi(ts_return_type = "Promise<NativeReranker>")]
+pub fn load_reranker(path: String, progress: Option<bool>) -> AsyncTask<LoadRerankerTask> {
+    AsyncTask::new(LoadRerankerTask { path, progress: progress.unwrap_or(true) })
+}
+
+/// What `rerank()` resolves to: the scores and token counts, or the error's
+/// public code and message.
+#[napi(object, object_from_js = false)]
+pub struct NativeScores {
+    pub scores: Option<Vec<f64>>,
+    /// Tokens each (query, document) pair ran as, after truncation.
+    pub token_counts: Option<Vec<u32>>,
+    pub code: Option<String>,
+    pub message: Option<String>,
+}
+
+/// Scores on the thread pool.
+pub struct RerankTask {
+    reranker: Reranker,
+    query: String,
+    documents: Vec<String>,
+}
+
+impl Task for RerankTask {
+    type Output = std::result::Result<Scores, EngineError>;
+    type JsValue = NativeScores;
+
+    fn compute(&mut self) -> Result<Self::Output> {
+        Ok(self.reranker.rerank(&self.query, &self.documents))
+    }
+
+    fn resolve(&mut self, _env: Env, outcome: Self::Output) -> Result<NativeScores> {
+        Ok(match outcome {
+            Ok(out) => NativeScores {
+                scores: Some(out.scores.into_iter().map(f64::from).collect()),
+                token_counts: Some(out.token_counts.into_iter().map(|n| n as u32).collect()),
+                code: None,
+                message: None,
+            },
+            Err(e) => NativeScores { scores: None, token_counts: None, code: Some(code_of(e.code()).to_string()), message: Some(e.to_string()) },
+        })
+    }
+}
+
+/// A loaded cross-encoder, the engine's `Reranker`: any number of `rerank`
+/// calls may run at once, and a pair's score is the same whatever it is
+/// scored with.
+#[napi]
+pub struct NativeReranker {
+    reranker: Reranker,
+}
+
+#[napi]
+impl NativeReranker {
+    /// Tokens a (query, document) pair keeps; longer pairs are truncated.
+    #[napi(getter)]
+    pub fn max_tokens(&self) -> u32 {
+        self.reranker.model().max_tokens() as u32
+    }
+
+    /// One score per document, computed on the thread pool.
+    #[napi(ts_return_type = "Promise<NativeScores>")]
+    pub fn rerank(&self, query: String, documents: Vec<String>) -> AsyncTask<RerankTask> {
+        AsyncTask::new(RerankTask { reranker: self.reranker.clone(), query, documents })
     }
 }

@@ -8,7 +8,7 @@ const { spawnSync } = require('node:child_process')
 const fs = require('node:fs')
 const os = require('node:os')
 const path = require('node:path')
-const { loadModel, Model, generationDefaults } = require('..')
+const { loadModel, Model, generationDefaults, loadEmbedder, Embedder, loadReranker, Reranker } = require('..')
 
 const CAPITAL = 'The capital of France is'
 // A prompt whose continuation repeats its own text, so prompt lookup drafts.
@@ -644,6 +644,151 @@ describe('bad input', () => {
 
   test('the model still works after all that', async () => {
     assert.ok((await model.generate(CAPITAL, { maxTokens: 3 })).startsWith(' Paris'))
+  })
+})
+
+describe('embeddings', () => {
+  // all-MiniLM-L6-v2 against mlx-embeddings 0.1.0 (the goldens the engine's
+  // tests/embeddings.rs and the C ABI's tests/embed.rs check too).
+  const GOLDENS = path.join(__dirname, '..', '..', '..', 'tests', 'reference', 'goldens', 'all_minilm_l6_v2.json')
+  const MIN_COSINE = 0.999999
+  let embedder
+  let cases
+
+  before(async () => {
+    embedder = await loadEmbedder({ progress: false })
+    cases = JSON.parse(fs.readFileSync(GOLDENS, 'utf8')).cases
+  })
+
+  const cosine = (a, b) => {
+    let [dot, aa, bb] = [0, 0, 0]
+    for (let i = 0; i < a.length; i++) {
+      dot += a[i] * b[i]
+      aa += a[i] * a[i]
+      bb += b[i] * b[i]
+    }
+    return dot / Math.sqrt(aa * bb)
+  }
+
+  test('loadEmbedder() loads all-MiniLM-L6-v2', async () => {
+    assert.ok(embedder instanceof Embedder)
+    assert.equal(embedder.dims, 384)
+    assert.equal(embedder.maxTokens, 256)
+    assert.ok(fs.existsSync(path.join(embedder.path, 'model.safetensors')))
+    const byName = await loadEmbedder('all-MiniLM-L6-v2', { progress: false })
+    assert.deepEqual(await byName.embed(['I love it']), await embedder.embed(['I love it']))
+  })
+
+  test('vectors match mlx-embeddings', async () => {
+    const vectors = await embedder.embed(cases.map((c) => c.text))
+    assert.equal(vectors.length, cases.length)
+    let worst = 1
+    for (const [i, c] of cases.entries()) {
+      assert.ok(vectors[i] instanceof Float32Array)
+      assert.equal(vectors[i].length, 384)
+      worst = Math.min(worst, cosine(vectors[i], c.embedding))
+    }
+    assert.ok(worst >= MIN_COSINE, `min cosine ${worst}`)
+    assert.ok(cosine(vectors[0], vectors[1]) > 0.5 && cosine(vectors[0], vectors[2]) < 0.2)
+    assert.deepEqual(embedder.embedSync(cases.map((c) => c.text)), vectors)
+  })
+
+  test('a vector does not depend on its batch, its order or concurrent calls', async () => {
+    const texts = cases.map((c) => c.text)
+    const alone = []
+    for (const t of texts) alone.push((await embedder.embed([t]))[0])
+    assert.deepEqual(await embedder.embed(texts), alone)
+    assert.deepEqual((await embedder.embed([...texts].reverse())).reverse(), alone)
+    const halves = await Promise.all([embedder.embed(texts.slice(0, 4)), embedder.embed(texts.slice(4))])
+    assert.deepEqual(halves.flat(), alone)
+  })
+
+  test('no texts is INVALID_PARAMETER naming input', async () => {
+    await assert.rejects(embedder.embed([]), { code: 'INVALID_PARAMETER', param: 'input', message: 'invalid parameter `input`: no texts to embed' })
+    assert.throws(() => embedder.embedSync([]), { code: 'INVALID_PARAMETER', param: 'input' })
+  })
+
+  test('a language model or a missing directory rejects with MODEL_LOAD', async () => {
+    await assert.rejects(loadEmbedder(model.info.path, { progress: false }), (error) => {
+      assert.equal(error.code, 'MODEL_LOAD', error.message)
+      assert.match(error.message, /unknown model_type `llama`.*embedding models/)
+      return true
+    })
+    await rejectsWith(loadEmbedder('/nonexistent/mlxcel-embedder', { progress: false }), 'MODEL_LOAD')
+  })
+
+  test('wrong types are a TypeError coded INVALID_ARGUMENT', async () => {
+    for (const call of [
+      () => embedder.embed('one text'),
+      () => embedder.embed([1, 2]),
+      () => embedder.embed(),
+      () => loadEmbedder(5),
+      () => loadEmbedder({ quiet: true }),
+      () => loadEmbedder(null, { progress: 'no' }),
+    ]) {
+      await assert.rejects(call(), (error) => {
+        assert.ok(error instanceof TypeError, `${call}: ${error}`)
+        assert.equal(error.code, 'INVALID_ARGUMENT', `${call}: ${error.message}`)
+        return true
+      })
+    }
+    throwsWith(() => embedder.embedSync('one text'), 'INVALID_ARGUMENT', TypeError)
+    throwsWith(() => new Embedder({}), 'INVALID_ARGUMENT', TypeError)
+  })
+})
+
+describe('reranking', () => {
+  // The test cross-encoder (the real MiniLM encoder with a seeded one-label
+  // head, tests/fixtures/make_cross_encoder.py) against mlx-embeddings' BERT
+  // with the same head (tests/reference/goldens/minilm_rerank.json).
+  const REPO = path.join(__dirname, '..', '..', '..')
+  const golden = JSON.parse(fs.readFileSync(path.join(REPO, 'tests', 'reference', 'goldens', 'minilm_rerank.json'), 'utf8'))
+  let reranker
+  let dir
+
+  before(async () => {
+    const embedder = await loadEmbedder({ progress: false })
+    dir = fs.mkdtempSync(path.join(require('node:os').tmpdir(), 'mlxcel-node-cross-encoder-'))
+    require('node:child_process').execFileSync('python3', [
+      path.join(REPO, 'tests', 'fixtures', 'make_cross_encoder.py'),
+      embedder.path,
+      dir,
+    ])
+    reranker = await loadReranker(dir, { progress: false })
+  })
+
+  test('scores match mlx-embeddings with the same head', async () => {
+    assert.ok(reranker instanceof Reranker)
+    assert.equal(reranker.maxTokens, 256)
+    const documents = golden.cases.map((c) => c.document)
+    const scores = await reranker.rerank(golden.query, documents)
+    assert.equal(scores.length, documents.length)
+    for (const [i, c] of golden.cases.entries()) {
+      assert.ok(Math.abs(scores[i] - c.score) <= 2e-6, `${c.document}: ${scores[i]} vs ${c.score}`)
+    }
+    const [alone] = await reranker.rerank(golden.query, [documents[2]])
+    assert.equal(alone, scores[2])
+    const both = await Promise.all([reranker.rerank(golden.query, documents), reranker.rerank(golden.query, documents)])
+    assert.deepEqual(both, [scores, scores])
+  })
+
+  test('bad input is refused by name', async () => {
+    await assert.rejects(reranker.rerank('q', []), { code: 'INVALID_PARAMETER', param: 'documents' })
+    for (const call of [() => reranker.rerank('q', 'one'), () => reranker.rerank(1, ['a']), () => loadReranker(), () => loadReranker(dir, { quiet: true })]) {
+      await assert.rejects(call(), (error) => {
+        assert.ok(error instanceof TypeError, `${call}: ${error}`)
+        assert.equal(error.code, 'INVALID_ARGUMENT', `${call}: ${error.message}`)
+        return true
+      })
+    }
+    const embedder = await loadEmbedder({ progress: false })
+    await assert.rejects(loadReranker(embedder.path, { progress: false }), (error) => {
+      assert.equal(error.code, 'MODEL_LOAD')
+      assert.match(error.message, /no sequence-classification head/)
+      return true
+    })
+    await assert.rejects(loadEmbedder(dir, { progress: false }), { code: 'MODEL_LOAD', message: /load it as a reranker/ })
+    throwsWith(() => new Reranker({}), 'INVALID_ARGUMENT', TypeError)
   })
 })
 

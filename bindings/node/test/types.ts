@@ -1,5 +1,5 @@
 // Compile-only check of index.d.ts (npm run typecheck); never run.
-import { loadModel, Model, Chunk, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason, Speculation, generationDefaults } from '..'
+import { loadModel, Model, Chunk, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason, Speculation, generationDefaults, loadEmbedder, Embedder, LoadEmbedderOptions, loadReranker, Reranker } from '..'
 
 async function main(): Promise<void> {
   const model: Model = await loadModel()
@@ -51,6 +51,29 @@ async function main(): Promise<void> {
   await model.generate('x', { regex: /a/ })
   // @ts-expect-error: Model is made by loadModel()
   new Model()
+
+  const embedder: Embedder = await loadEmbedder()
+  const named: Embedder = await loadEmbedder('all-MiniLM-L6-v2', { progress: false })
+  const quietEmbedder: Embedder = await loadEmbedder({ progress: false })
+  const embedderOptions: LoadEmbedderOptions = { progress: true }
+  const dims: number = embedder.dims + embedder.maxTokens
+  const vectors: Float32Array[] = await embedder.embed(['a', 'b'])
+  const now: Float32Array[] = named.embedSync(['a'])
+  // @ts-expect-error: embed takes an array of strings
+  await embedder.embed('a')
+  // @ts-expect-error: unknown option
+  await loadEmbedder({ quiet: true })
+  // @ts-expect-error: Embedder is made by loadEmbedder()
+  new Embedder()
+  const where: string = embedder.path
+  const reranker: Reranker = await loadReranker('/some/cross-encoder', { progress: false })
+  const scores: number[] = await reranker.rerank('q', ['a', 'b'])
+  const pairTokens: number = reranker.maxTokens
+  // @ts-expect-error: a reranker needs a path
+  await loadReranker()
+  // @ts-expect-error: documents are an array
+  await reranker.rerank('q', 'a')
+  void [quietEmbedder, embedderOptions, dims, vectors, now, where, scores, pairTokens]
   void [other, loadOptions, layers, context, text, rendered, out, fromIds, reply, method, speculated, constrained, matched]
 }
 void main

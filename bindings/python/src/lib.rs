@@ -18,8 +18,9 @@ use std::sync::{Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use mlxcel_engine::{
-    CancelFlag, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput, GenerationStats, TokenLogprobs,
-    GenerationStream, LimitOptions, ModelSummary, Prompt, Quantization, StreamEvent,
+    CancelFlag, Embedder as EngineEmbedder, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput,
+    GenerationStats, GenerationStream, LimitOptions, ModelSummary, Prompt, Quantization, Reranker as EngineReranker, StreamEvent,
+    TokenLogprobs,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
@@ -991,6 +992,161 @@ fn generation_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(dict)
 }
 
+// ---------------------------------------------------------------------------
+// Embeddings and reranking
+
+/// Texts for `embed` or documents for `rerank`: a list (any iterable) of str.
+fn texts_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    let bad = || PyTypeError::new_err(format!("`{name}` must be a list of str, not {}", type_name(obj)));
+    if obj.is_instance_of::<PyDict>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(bad());
+    }
+    let mut texts = Vec::new();
+    for (i, item) in obj.try_iter().map_err(|_| bad())?.enumerate() {
+        let item = item?;
+        let text = item.cast::<PyString>().map_err(|_| {
+            PyTypeError::new_err(format!("`{name}[{i}]` must be a str, not {}", type_name(&item)))
+        })?;
+        texts.push(text.to_str()?.to_owned());
+    }
+    Ok(texts)
+}
+
+/// `rows` vectors of `dims` floats as a float32 NumPy array of shape
+/// (rows, dims) when NumPy imports, else as a list of lists of float.
+fn vectors_to_python<'py>(py: Python<'py>, vectors: &[Vec<f32>], dims: usize) -> PyResult<Bound<'py, PyAny>> {
+    match py.import("numpy") {
+        Ok(numpy) => {
+            let bytes: Vec<u8> = vectors.iter().flatten().flat_map(|x| x.to_ne_bytes()).collect();
+            let flat = numpy.call_method1("frombuffer", (pyo3::types::PyBytes::new(py, &bytes), "float32"))?;
+            // frombuffer's array is read-only over the bytes; copy() owns a writable one.
+            flat.call_method1("reshape", ((vectors.len(), dims),))?.call_method0("copy")
+        }
+        Err(_) => Ok(PyList::new(py, vectors.iter().map(|v| PyList::new(py, v)).collect::<PyResult<Vec<_>>>()?)?.into_any()),
+    }
+}
+
+/// A loaded sentence-embedding model (e.g. all-MiniLM-L6-v2).
+///
+/// Thread safety: one Embedder may be used from several threads at once;
+/// `embed` releases the GIL, and a text's vector is the same whatever it is
+/// embedded with.
+#[pyclass(module = "mlxcel", name = "Embedder", frozen)]
+struct Embedder {
+    embedder: EngineEmbedder,
+}
+
+#[pymethods]
+impl Embedder {
+    /// Loads a sentence-embedding checkpoint directory or a packaged model by
+    /// name; `None` loads all-MiniLM-L6-v2 (fetched on first use).
+    #[new]
+    #[pyo3(signature = (path=None, *, progress=true))]
+    fn new(py: Python<'_>, path: Option<PathBuf>, progress: bool) -> PyResult<Self> {
+        let path = path.unwrap_or_else(|| PathBuf::from(mlxcel_hub::ALL_MINILM_L6_V2.name));
+        let dir = model_dir(py, progress, Some(&path))?;
+        let embedder = py.detach(|| EngineEmbedder::load_resolved(&dir)).map_err(|e| engine_error(py, e))?;
+        Ok(Embedder { embedder })
+    }
+
+    /// One vector per text: a float32 NumPy array of shape (len(texts), dims)
+    /// when NumPy is installed, else a list of lists of float. A single str
+    /// gives one vector (shape (dims,), or a list of float). Vectors are
+    /// pooled and normalized as the checkpoint says.
+    fn embed<'py>(&self, py: Python<'py>, texts: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let single = texts.is_instance_of::<PyString>();
+        let texts = if single { vec![texts.extract::<String>()?] } else { texts_arg("texts", texts)? };
+        let out = py.detach(|| self.embedder.embed(&texts)).map_err(|e| engine_error(py, e))?;
+        let all = vectors_to_python(py, &out.vectors, self.embedder.dims())?;
+        if single {
+            all.get_item(0)
+        } else {
+            Ok(all)
+        }
+    }
+
+    /// Tokens each text runs as (special tokens included, after truncation).
+    fn token_counts(&self, py: Python<'_>, texts: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+        let texts = texts_arg("texts", texts)?;
+        let model = self.embedder.model();
+        py.detach(|| texts.iter().map(|t| model.tokenize(t).map(|ids| ids.len())).collect::<mlxcel_models::Result<Vec<_>>>())
+            .map_err(|e| engine_error(py, EngineError::from(e)))
+    }
+
+    /// The length of every vector (384 for all-MiniLM-L6-v2).
+    #[getter]
+    fn dims(&self) -> usize {
+        self.embedder.dims()
+    }
+
+    /// Tokens a text keeps, special tokens included; longer texts are truncated.
+    #[getter]
+    fn max_tokens(&self) -> usize {
+        self.embedder.max_tokens()
+    }
+
+    /// The checkpoint directory the model was loaded from.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.embedder.model().dir().to_path_buf()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<mlxcel.Embedder {} dims from {}>", self.embedder.dims(), self.embedder.model().dir().display())
+    }
+}
+
+/// A loaded cross-encoder (a `*ForSequenceClassification` checkpoint with one
+/// label) that scores (query, document) pairs.
+///
+/// Thread safety: one Reranker may be used from several threads at once;
+/// `rerank` releases the GIL, and a pair's score is the same whatever it is
+/// scored with.
+#[pyclass(module = "mlxcel", name = "Reranker", frozen)]
+struct Reranker {
+    reranker: EngineReranker,
+}
+
+#[pymethods]
+impl Reranker {
+    /// Loads a cross-encoder checkpoint directory (or a packaged one by name).
+    #[new]
+    #[pyo3(signature = (path, *, progress=true))]
+    fn new(py: Python<'_>, path: PathBuf, progress: bool) -> PyResult<Self> {
+        let dir = model_dir(py, progress, Some(&path))?;
+        let reranker = py.detach(|| EngineReranker::load_resolved(&dir)).map_err(|e| engine_error(py, e))?;
+        Ok(Reranker { reranker })
+    }
+
+    /// One relevance score per document, in the order given: the classifier's
+    /// raw logit (higher is more relevant; a sigmoid maps it into (0, 1)).
+    fn rerank(&self, py: Python<'_>, query: &Bound<'_, PyAny>, documents: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
+        let query = str_arg("query", query)?;
+        if documents.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err("`documents` must be a list of str, not a str"));
+        }
+        let documents = texts_arg("documents", documents)?;
+        let out = py.detach(|| self.reranker.rerank(&query, &documents)).map_err(|e| engine_error(py, e))?;
+        Ok(out.scores)
+    }
+
+    /// Tokens a (query, document) pair keeps; longer pairs are truncated.
+    #[getter]
+    fn max_tokens(&self) -> usize {
+        self.reranker.model().max_tokens()
+    }
+
+    /// The checkpoint directory the model was loaded from.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.reranker.model().dir().to_path_buf()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<mlxcel.Reranker from {}>", self.reranker.model().dir().display())
+    }
+}
+
 /// The directory of the default model, fetched and converted on first use.
 #[pyfunction]
 #[pyo3(signature = (*, progress=true))]
@@ -1066,8 +1222,8 @@ mod _mlxcel {
 
     #[pymodule_export]
     use super::{
-        _matmul_seconds, _stop_engines, default_model_path, generation_defaults, Chunk, Model, ModelInfo, Stream,
-        TokenLogprob,
+        _matmul_seconds, _stop_engines, default_model_path, generation_defaults, Chunk, Embedder, Model, ModelInfo, Reranker,
+        Stream, TokenLogprob,
     };
 
     #[pymodule_init]

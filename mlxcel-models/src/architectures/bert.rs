@@ -135,8 +135,11 @@ impl BertLayer {
 pub struct Bert {
     word_embeddings: Embedding,
     position_embeddings: Embedding,
-    /// Row 0 of the token-type table: single-segment inputs.
+    /// The token-type table, and its row 0 (what single-segment inputs add).
+    token_types: Array,
     token_type: Array,
+    /// `tanh(dense(h[CLS]))`, loaded for cross-encoders only.
+    pooler: Option<Linear>,
     embeddings_norm: LayerNorm,
     layers: Vec<BertLayer>,
     act: HiddenAct,
@@ -145,9 +148,11 @@ pub struct Bert {
 
 impl Bert {
     /// Builds the encoder from a checkpoint's tensors, with or without the
-    /// `bert.` prefix that Hugging Face's task models save. The pooler and
-    /// pre-training heads are skipped: sentence embeddings pool the hidden states.
-    pub fn load(ctx: &LoadContext) -> Result<Bert> {
+    /// `bert.` prefix that Hugging Face's task models save. The pre-training
+    /// heads are skipped, and the pooler too unless `with_pooler` (sentence
+    /// embeddings pool the hidden states; a cross-encoder's classifier reads
+    /// the pooler's output).
+    pub fn load(ctx: &LoadContext, with_pooler: bool) -> Result<Bert> {
         let args: BertArgs = parse_args(ctx.config, ctx.config_path)?;
         if let Some(kind) = args.position_embedding_type.as_deref().filter(|k| *k != "absolute") {
             return Err(Error::InvalidConfig {
@@ -164,8 +169,11 @@ impl Bert {
         let act = HiddenAct::parse(&args.hidden_act, ctx)?;
         let weights = ctx.scope.weights;
         // Unused by mean/CLS pooling of the hidden states, as in mlx-embeddings.
-        for part in ["embeddings.position_ids", "pooler.", "cls.predictions.", "cls.seq_relationship."] {
+        for part in ["embeddings.position_ids", "cls.predictions.", "cls.seq_relationship."] {
             weights.skip(part);
+        }
+        if !with_pooler {
+            weights.skip("pooler.");
         }
         let root = if weights.contains("bert.embeddings.word_embeddings.weight") { ctx.scope.pp("bert") } else { ctx.scope.clone() };
         let embeddings = root.pp("embeddings");
@@ -174,13 +182,16 @@ impl Bert {
         // Evaluated here: a lazy node would belong to this thread's stream.
         let token_type = token_types.slice_axis(0, 0, 1)?;
         token_type.eval()?;
+        let pooler = if with_pooler { Some(Linear::load(&root.pp("pooler").pp("dense"), hidden, hidden, true)?) } else { None };
         let layers = (0..args.num_hidden_layers)
             .map(|i| BertLayer::load(&root.pp("encoder").pp("layer").pp(i), &args))
             .collect::<Result<Vec<_>>>()?;
         Ok(Bert {
             word_embeddings: Embedding::load(&embeddings.pp("word_embeddings"), args.vocab_size, hidden)?,
             position_embeddings: Embedding::load(&embeddings.pp("position_embeddings"), args.max_position_embeddings, hidden)?,
+            token_types,
             token_type,
+            pooler,
             embeddings_norm: LayerNorm::load(&embeddings.pp("LayerNorm"), hidden, args.layer_norm_eps)?,
             layers,
             act,
@@ -200,7 +211,8 @@ impl Bert {
     /// The final hidden states of each sequence, packed: `sequences` of token
     /// ids (each 1..=[`max_positions`](Self::max_positions) long) → one
     /// lazy `[Σ len, hidden]` float32 array (rows in order, padding rows cut off).
-    pub fn forward(&self, sequences: &[&[u32]]) -> Result<Array> {
+    /// Every token has type 0 unless `type_ids` gives each sequence's.
+    pub fn forward(&self, sequences: &[&[u32]], type_ids: Option<&[&[u32]]>) -> Result<Array> {
         let total: usize = sequences.iter().map(|s| s.len()).sum();
         let rows = total.max(MIN_ROWS);
         let mut ids = Vec::with_capacity(rows);
@@ -222,12 +234,50 @@ impl Bert {
         let positions = Array::from_slice(&positions, &[rows as i32])?;
         let dtype = Dtype::Float32;
         let x = self.word_embeddings.forward(&ids, dtype)?;
-        let x = x.add(&self.position_embeddings.forward(&positions, dtype)?)?.add(&self.token_type)?;
+        let x = x.add(&self.position_embeddings.forward(&positions, dtype)?)?;
+        let x = match type_ids {
+            None => x.add(&self.token_type)?,
+            Some(types) => {
+                let limit = self.args.type_vocab_size as u32;
+                let mut packed: Vec<i32> = Vec::with_capacity(rows);
+                for (sequence, types) in sequences.iter().zip(types) {
+                    if types.len() != sequence.len() || types.iter().any(|&t| t >= limit) {
+                        return Err(Error::InvalidInput(format!(
+                            "{} token types for {} tokens (each below {limit})",
+                            types.len(),
+                            sequence.len()
+                        )));
+                    }
+                    packed.extend(types.iter().map(|&t| t as i32));
+                }
+                packed.resize(rows, 0);
+                x.add(&self.token_types.take(&Array::from_slice(&packed, &[rows as i32])?, 0)?)?
+            }
+        };
         let mut x = self.embeddings_norm.forward(&x)?;
         for layer in &self.layers {
             x = self.layer_forward(layer, &x, sequences, rows - total)?;
         }
         Ok(x.slice_axis(0, 0, total as i32)?)
+    }
+
+    /// The pooler's output for each packed sequence of `hidden` (from
+    /// [`forward`](Self::forward)): `tanh(dense(h[CLS]))`, `[R, hidden]`
+    /// where the first B rows are the sequences' and R is at least 16 (the
+    /// padding rows repeat the first: a head on these rows then runs the
+    /// same kernel loop for one sequence as for many). An error unless
+    /// loaded `with_pooler`.
+    pub fn pool_cls(&self, hidden: &Array, sequences: &[&[u32]]) -> Result<Array> {
+        let pooler = self.pooler.as_ref().ok_or_else(|| Error::InvalidInput("this encoder was loaded without its pooler".into()))?;
+        let mut starts = Vec::with_capacity(sequences.len());
+        let mut start = 0i32;
+        for sequence in sequences {
+            starts.push(start);
+            start += sequence.len() as i32;
+        }
+        starts.resize(starts.len().max(MIN_ROWS), 0);
+        let first = hidden.take(&Array::from_slice(&starts, &[starts.len() as i32])?, 0)?;
+        Ok(pooler.forward(&first)?.tanh()?)
     }
 
     fn layer_forward(&self, layer: &BertLayer, x: &Array, sequences: &[&[u32]], padding: usize) -> Result<Array> {

