@@ -501,14 +501,14 @@ fn gemma3_norms_lose_llama_cpps_shift() {
 #[test]
 fn refuses_what_mlxcel_cannot_load() {
     let tmp = TempDir::new("refused");
-    let mut phi = tiny_model(&mut Rng(5), "llama");
-    phi.metadata[0].1 = s("phi3");
-    let path = write(&tmp.0, "phi3.gguf", &phi.build().0);
-    let err = convert_gguf(&path, &tmp.0.join("phi3"), &ConvertOptions::default()).unwrap_err();
+    let mut other = tiny_model(&mut Rng(5), "llama");
+    other.metadata[0].1 = s("starcoder2");
+    let path = write(&tmp.0, "starcoder2.gguf", &other.build().0);
+    let err = convert_gguf(&path, &tmp.0.join("starcoder2"), &ConvertOptions::default()).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, Error::Unsupported { .. }), "{msg}");
-    assert!(msg.contains("`phi3`") && msg.contains("llama, qwen2, qwen3, gemma3"), "{msg}");
-    assert!(!tmp.0.join("phi3").exists());
+    assert!(msg.contains("`starcoder2`") && msg.contains("llama, qwen2, qwen3, gemma2, gemma3, olmo2, phi3"), "{msg}");
+    assert!(!tmp.0.join("starcoder2").exists());
 
     // A llama.cpp tensor the architecture does not have (a Qwen3 q-norm in a llama file).
     let mut extra = tiny_model(&mut Rng(5), "llama");

@@ -60,6 +60,7 @@ fn check(name: &str, rel_tol: f32) {
     let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
     let worst = actual.iter().zip(&expected).map(|(a, e)| (a - e).abs()).fold(0f32, f32::max);
     assert!(worst <= rel_tol * scale, "{name}: max |logit diff| {worst} > {rel_tol} × {scale}");
+    println!("{name}: max |logit diff| {worst:.2e} = {:.2e} of max |logit| (allowed {rel_tol:.0e})", worst / scale);
 
     // Greedy decoding over the cache, one token at a time.
     let want = ids(&golden["greedy"]["tokens"]);
@@ -127,6 +128,40 @@ fn gemma3_text() {
 fn gemma3_text_tied_q4_g32() {
     check("gemma3_text_tied_q4_g32", 1e-4);
 }
+// Gemma 2: soft-capped attention scores (explicit scores path) and logits,
+// Gemma's norms, query scale and embedding scale, always tied; the 4-bit one
+// with the quantized embeddings as the head. mlx-lm applies no sliding window.
+#[test]
+fn gemma2() {
+    check("gemma2", 1e-4);
+}
+#[test]
+fn gemma2_q4_g32() {
+    check("gemma2_q4_g32", 1e-4);
+}
+// OLMo 2: post-norm blocks, q/k norms over the whole projection.
+#[test]
+fn olmo2() {
+    check("olmo2", 1e-4);
+}
+#[test]
+fn olmo2_q4_g32() {
+    check("olmo2_q4_g32", 1e-4);
+}
+// Phi-3: fused qkv_proj and gate_up_proj split at load (the 4-bit one through
+// the fused block); su RoPE scaling with its long factors and attention factor.
+#[test]
+fn phi3() {
+    check("phi3", 1e-4);
+}
+#[test]
+fn phi3_su() {
+    check("phi3_su", 1e-4);
+}
+#[test]
+fn phi3_q4_g32() {
+    check("phi3_q4_g32", 1e-4);
+}
 #[test]
 fn llama_bf16_weights() {
     check("llama_bf16", 1e-4);
@@ -173,13 +208,24 @@ fn quantized_models_on_the_other_kernel_paths() {
             continue;
         }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--test-threads=1", "--nocapture", "llama_q4", "qwen3_q8", "llama_q3", "gemma3_text_tied_q4", "llama_rope_yarn_q4"])
+            .args([
+                "--test-threads=1",
+                "--nocapture",
+                "llama_q4",
+                "qwen3_q8",
+                "llama_q3",
+                "gemma3_text_tied_q4",
+                "llama_rope_yarn_q4",
+                "gemma2_q4",
+                "olmo2_q4",
+                "phi3_q4",
+            ])
             .env("MLXCEL_KERNELS", path)
             .env("MLXCEL_TINY_PARITY_CHILD", "1")
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert!(stdout.contains("7 passed"), "MLXCEL_KERNELS={path}: expected the 7 quantized models to run:\n{stdout}");
+        assert!(stdout.contains("10 passed"), "MLXCEL_KERNELS={path}: expected the 10 quantized models to run:\n{stdout}");
     }
 }

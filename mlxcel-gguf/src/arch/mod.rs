@@ -5,8 +5,11 @@
 //! table, and `mlxcel-models` loads exactly [`Architecture::ALL`] (its constructor table is an
 //! exhaustive `match` on [`Architecture`]), so every convertible architecture loads.
 
+mod gemma2;
 mod gemma3;
 mod llama;
+mod olmo2;
+mod phi3;
 mod qwen2;
 mod qwen3;
 
@@ -25,7 +28,10 @@ pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma2,
     Gemma3,
+    Olmo2,
+    Phi3,
 }
 
 /// What one architecture module declares.
@@ -59,15 +65,25 @@ pub const SUPPORTED_ROPE_SCALING: &[&str] = &["linear", "yarn"];
 pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
 impl Architecture {
-    pub const ALL: [Architecture; 4] =
-        [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3, Architecture::Gemma3];
+    pub const ALL: [Architecture; 7] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Gemma2,
+        Architecture::Gemma3,
+        Architecture::Olmo2,
+        Architecture::Phi3,
+    ];
 
     fn spec(self) -> &'static ArchSpec {
         match self {
             Architecture::Llama => &llama::SPEC,
             Architecture::Qwen2 => &qwen2::SPEC,
             Architecture::Qwen3 => &qwen3::SPEC,
+            Architecture::Gemma2 => &gemma2::SPEC,
             Architecture::Gemma3 => &gemma3::SPEC,
+            Architecture::Olmo2 => &olmo2::SPEC,
+            Architecture::Phi3 => &phi3::SPEC,
         }
     }
 
@@ -207,6 +223,41 @@ fn common_block_module(module: &str) -> Option<&'static str> {
         "ffn_norm" => "post_attention_layernorm",
         _ => return None,
     })
+}
+
+/// The q and k norms (per head in Qwen3 and Gemma 3, over the whole projection in OLMo 2).
+fn qk_norm_module(module: &str) -> Option<&'static str> {
+    match module {
+        "attn_q_norm" => Some("self_attn.q_norm"),
+        "attn_k_norm" => Some("self_attn.k_norm"),
+        _ => None,
+    }
+}
+
+/// Gemma's block norms (2 and 3): its `ffn_norm` is the MLP's input norm, and the attention
+/// and MLP outputs have norms of their own.
+fn gemma_block_module(module: &str) -> Option<&'static str> {
+    match module {
+        "post_attention_norm" => Some("post_attention_layernorm"),
+        "ffn_norm" => Some("pre_feedforward_layernorm"),
+        "post_ffw_norm" => Some("post_feedforward_layernorm"),
+        _ => None,
+    }
+}
+
+/// Gemma's `query_pre_attn_scalar`: from `<arch>.attention.scale` when set, else `default`
+/// (llama.cpp's rule for the model); an integer when whole, as Hugging Face's config class
+/// wants (transformers refuses 256.0).
+fn query_pre_attn_scalar(gguf: &GgufFile, hp: &HParams, default: u64) -> Json {
+    let scalar = match gguf.get_f64(&format!("{}.attention.scale", hp.name)) {
+        Some(scale) if scale > 0.0 => 1.0 / (scale * scale),
+        _ => default as f64,
+    };
+    if scalar.fract() == 0.0 {
+        Json::from(scalar as u64)
+    } else {
+        f32_json(scalar)
+    }
 }
 
 /// Whether a HF tensor name is a normalization gain.
@@ -481,7 +532,8 @@ mod tests {
         assert_eq!(Architecture::from_model_type("mistral"), Some(Architecture::Llama));
         assert_eq!(Architecture::from_gguf_name("gemma3"), Some(Architecture::Gemma3));
         assert_eq!(Architecture::from_model_type("gemma3"), Some(Architecture::Gemma3));
-        assert_eq!(Architecture::from_gguf_name("phi3"), None);
+        assert_eq!(Architecture::from_gguf_name("phi3"), Some(Architecture::Phi3));
+        assert_eq!(Architecture::from_gguf_name("starcoder2"), None);
     }
 
     #[test]

@@ -469,6 +469,33 @@ pub fn tiny_model(rng: &mut Rng, arch: &str) -> GgufBuilder {
             .meta("gemma3.attention.value_length", Value::U32(HEAD_DIM as u32));
         g.tensors.retain(|t| t.0 != "output.weight");
     }
+    if arch == "gemma2" {
+        // Gemma's post-norms (no q/k norms in Gemma 2), the window and soft-caps; tied.
+        for name in ["post_attention_norm", "post_ffw_norm"] {
+            g.tensor(&format!("blk.0.{name}.weight"), &[h], t(GgmlType::F32), norm(rng, HIDDEN));
+        }
+        g.meta("gemma2.attention.sliding_window", Value::U32(4))
+            .meta("gemma2.attention.key_length", Value::U32(HEAD_DIM as u32))
+            .meta("gemma2.attn_logit_softcapping", Value::F32(50.0))
+            .meta("gemma2.final_logit_softcapping", Value::F32(30.0));
+        g.tensors.retain(|t| t.0 != "output.weight");
+    }
+    if arch == "olmo2" {
+        // Post-norms only, and q/k norms over the whole projection.
+        g.tensors.retain(|t| t.0 != "blk.0.attn_norm.weight" && t.0 != "blk.0.ffn_norm.weight");
+        for (name, n) in [("post_attention_norm", HIDDEN), ("post_ffw_norm", HIDDEN), ("attn_q_norm", q), ("attn_k_norm", kv)] {
+            g.tensor(&format!("blk.0.{name}.weight"), &[n as u64], t(GgmlType::F32), norm(rng, n));
+        }
+    }
+    if arch == "phi3" {
+        // q, k and v in one matrix; gate and up in one `ffn_up` of 2 * FFN rows.
+        let fused = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"];
+        g.tensors.retain(|t| !fused.contains(&t.0.as_str()));
+        let qkv = q + 2 * kv;
+        g.tensor("blk.0.attn_qkv.weight", &[h, qkv as u64], t(GgmlType::Q4_0), blocks(rng, HIDDEN * qkv, GgmlType::Q4_0, &[0]))
+            .tensor("blk.0.ffn_up.weight", &[h, 2 * FFN as u64], t(GgmlType::Q8_0), blocks(rng, HIDDEN * 2 * FFN, GgmlType::Q8_0, &[0]))
+            .meta("phi3.rope.dimension_count", Value::U32(HEAD_DIM as u32));
+    }
     if arch == "qwen3" || arch == "gemma3" {
         let hd = HEAD_DIM as u64;
         g.tensor(
