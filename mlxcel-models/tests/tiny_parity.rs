@@ -161,6 +161,12 @@ fn phi3_su() {
 #[test]
 fn phi3_q4_g32() {
     check("phi3_q4_g32", 1e-4);
+    // The quantized parts of the fused projections run the fused decoder
+    // block (on the CPU, unless MLXCEL_FUSED=0 turns it off).
+    if mlxcel_models::runtime::current().fused_decode_active() {
+        let (model, _) = load_network(&tiny_dir().join("phi3_q4_g32")).unwrap();
+        assert!(model.chunking_invariant_prefill(), "phi3_q4_g32: layers not on the fused block");
+    }
 }
 #[test]
 fn llama_bf16_weights() {

@@ -13,6 +13,8 @@
 //! warning) any other type; mlxcel refuses it. Phi-3's `sliding_window` is
 //! ignored by mlx-lm, and so here: every position is attended.
 
+use std::path::Path;
+
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -26,9 +28,8 @@ use crate::nn::{Activation, Attention, AttentionSpec, DecoderBlock, Embedding, G
 /// `config.json` of `phi3`: llama's keys and Phi-3's own (mlx-lm's defaults).
 #[derive(Debug, Deserialize)]
 pub struct Phi3Args {
-    /// `head_dim` is derived (a config that states another is refused), and
-    /// `rope_scaling` is read again from the config by [`Phi3Args::rope`]
-    /// for its factor lists.
+    /// `head_dim` is derived (a config that states another is refused);
+    /// `rope_scaling` is left to [`Phi3Args::rope`].
     #[serde(flatten)]
     pub base: DecoderArgs,
     #[serde(default = "defaults::partial_rotary_factor")]
@@ -82,14 +83,14 @@ impl Phi3Args {
         Ok(())
     }
 
-    /// The RoPE of `rope_scaling`: Err(true, message) for an invalid
-    /// config, Err(false, message) for a valid one mlxcel does not compute.
-    fn rope(&self, config: &Value) -> std::result::Result<Rope, (bool, String)> {
+    /// The RoPE of `rope_scaling` (in `config`, the file at `path`).
+    fn rope(&self, config: &Value, path: &Path) -> Result<Rope> {
         let (dims, base) = (self.rope_dims(), &self.base);
+        let invalid = |message: String| Error::InvalidConfig { path: path.into(), message };
+        let unsupported = |message: String| Error::Unsupported { path: path.into(), message };
         let Some(scaling) = config.get("rope_scaling").filter(|s| !s.is_null()) else {
-            return Rope::new(dims, base.rope_theta, base.rope_traditional, None).map_err(|m| (false, m));
+            return Rope::new(dims, base.rope_theta, base.rope_traditional, None).map_err(unsupported);
         };
-        let invalid = |m: String| (true, m);
         let kind = scaling
             .get("type")
             .or_else(|| scaling.get("rope_type"))
@@ -97,7 +98,7 @@ impl Phi3Args {
             .ok_or_else(|| invalid("`rope_scaling` needs a `type` (su, longrope or linear)".into()))?;
         match kind {
             "su" | "longrope" => {
-                let factors = |key: &str| -> std::result::Result<Vec<f32>, (bool, String)> {
+                let factors = |key: &str| -> Result<Vec<f32>> {
                     let list = scaling.get(key).and_then(Value::as_array).ok_or_else(|| {
                         invalid(format!("`rope_scaling.{key}` must be a list of numbers for type `{kind}`"))
                     })?;
@@ -124,19 +125,21 @@ impl Phi3Args {
                 let linear = RopeScaling { rope_type: "linear".into(), factor: Some(factor as f32), ..Default::default() };
                 Rope::new(dims, base.rope_theta, base.rope_traditional, Some(&linear)).map_err(invalid)
             }
-            other => Err((false, format!("phi3 rope_scaling type `{other}` (supported: su, longrope, linear)"))),
+            other => Err(unsupported(format!("phi3 rope_scaling type `{other}` (supported: su, longrope, linear)"))),
         }
     }
 }
 
 pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
-    let args: Phi3Args = parse_args(ctx.config, ctx.config_path)?;
+    // `rope_scaling` is Phi-3's own (factor lists), read by `Phi3Args::rope`.
+    let mut config = ctx.config.clone();
+    if let Some(map) = config.as_object_mut() {
+        map.remove("rope_scaling");
+    }
+    let args: Phi3Args = parse_args(&config, ctx.config_path)?;
     let (root, path, base) = (&ctx.scope, ctx.config_path, &args.base);
     args.validate().map_err(|message| Error::InvalidConfig { path: path.into(), message })?;
-    let rope = args.rope(ctx.config).map_err(|(invalid, message)| match invalid {
-        true => Error::InvalidConfig { path: path.into(), message },
-        false => Error::Unsupported { path: path.into(), message },
-    })?;
+    let rope = args.rope(ctx.config, path)?;
     let (hidden, eps) = (base.hidden_size, base.rms_norm_eps);
     let spec = AttentionSpec {
         qkv_fused: true,
