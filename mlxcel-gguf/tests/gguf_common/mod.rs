@@ -566,3 +566,18 @@ pub fn tiny_llama3(rng: &mut Rng, factor: f64) -> GgufBuilder {
     g.tensor("rope_freqs.weight", &[HEAD_DIM as u64 / 2], GgmlType::F32.id(), freqs);
     g
 }
+
+/// A tiny Phi-3 with llama.cpp's LongRoPE factors (long 1, 1.5, 2, ...; short 1, 1.01, ...),
+/// original context 128 (of 512), and `attn_factor` when given.
+pub fn tiny_phi3_longrope(rng: &mut Rng, attn_factor: Option<f32>) -> GgufBuilder {
+    let mut g = tiny_model(rng, "phi3");
+    let half = HEAD_DIM / 2;
+    let factors = |step: f32| (0..half).flat_map(|i| (1.0 + i as f32 * step).to_le_bytes()).collect::<Vec<u8>>();
+    g.tensor("rope_factors_long.weight", &[half as u64], GgmlType::F32.id(), factors(0.5))
+        .tensor("rope_factors_short.weight", &[half as u64], GgmlType::F32.id(), factors(0.01))
+        .meta("phi3.rope.scaling.original_context_length", Value::U32(128));
+    if let Some(f) = attn_factor {
+        g.meta("phi3.rope.scaling.attn_factor", Value::F32(f));
+    }
+    g
+}
