@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use serde_json::{json, Map, Value as Json};
 
 use crate::affine::{AffineMatrix, SUPPORTED_BITS};
-use crate::arch::{is_norm, is_quantizable, HParams, ROPE_FREQS};
+use crate::arch::{is_norm, is_quantizable, HParams, ROPE_FACTORS, ROPE_FREQS};
 use crate::dequant::{can_dequantize, dequantize};
 use crate::ggml_type::GgmlType;
 use crate::hf_tokenizer;
@@ -354,6 +354,11 @@ fn plan<'a>(
                     None => "all 1, no scaling",
                 };
                 skipped.push(format!("{}: llama.cpp's RoPE frequency factors, {how}", info.name));
+                continue;
+            }
+            if ROPE_FACTORS.contains(&info.name.as_str()) {
+                // `HParams::from_gguf` wrote them as the `longrope` `rope_scaling`, or refused them.
+                skipped.push(format!("{}: LongRoPE factors, written as the `longrope` `rope_scaling`", info.name));
                 continue;
             }
             return Err(Error::Unsupported {

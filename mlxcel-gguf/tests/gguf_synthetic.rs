@@ -473,23 +473,8 @@ fn qwen_names_norms_biases_and_no_permutation() {
 fn gemma3_norms_lose_llama_cpps_shift() {
     let tmp = TempDir::new("gemma3");
     let g = tiny_model(&mut Rng(4), "gemma3");
-    let gguf = write(&tmp.0, "gemma3.gguf", &g.build().0);
-    let out = tmp.0.join("gemma3");
-    convert_gguf(&gguf, &out, &ConvertOptions::default()).unwrap();
-    let t = read_safetensors(&out.join("model.safetensors"));
-    for (hf, gguf_name) in [
-        ("model.layers.0.input_layernorm.weight", "blk.0.attn_norm.weight"),
-        ("model.layers.0.pre_feedforward_layernorm.weight", "blk.0.ffn_norm.weight"),
-        ("model.layers.0.post_attention_layernorm.weight", "blk.0.post_attention_norm.weight"),
-        ("model.layers.0.post_feedforward_layernorm.weight", "blk.0.post_ffw_norm.weight"),
-        ("model.layers.0.self_attn.q_norm.weight", "blk.0.attn_q_norm.weight"),
-        ("model.norm.weight", "output_norm.weight"),
-    ] {
-        let want: Vec<f32> = as_f32(gguf_data(&g, gguf_name)).iter().map(|v| v - 1.0).collect();
-        assert_eq!(as_f32(&t[hf].2), want, "{hf}");
-    }
-    assert!(!t.contains_key("lm_head.weight"), "tied");
-    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let (config, t) = convert_tiny(&tmp, "gemma3", &g);
+    assert_gemma_norms(&g, &t, &[("model.layers.0.self_attn.q_norm.weight", "blk.0.attn_q_norm.weight")]);
     assert_eq!(config["model_type"], "gemma3_text");
     assert_eq!(config["sliding_window"], 4);
     assert_eq!(config["sliding_window_pattern"], 6);
@@ -501,14 +486,14 @@ fn gemma3_norms_lose_llama_cpps_shift() {
 #[test]
 fn refuses_what_mlxcel_cannot_load() {
     let tmp = TempDir::new("refused");
-    let mut phi = tiny_model(&mut Rng(5), "llama");
-    phi.metadata[0].1 = s("phi3");
-    let path = write(&tmp.0, "phi3.gguf", &phi.build().0);
-    let err = convert_gguf(&path, &tmp.0.join("phi3"), &ConvertOptions::default()).unwrap_err();
+    let mut other = tiny_model(&mut Rng(5), "llama");
+    other.metadata[0].1 = s("starcoder2");
+    let path = write(&tmp.0, "starcoder2.gguf", &other.build().0);
+    let err = convert_gguf(&path, &tmp.0.join("starcoder2"), &ConvertOptions::default()).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, Error::Unsupported { .. }), "{msg}");
-    assert!(msg.contains("`phi3`") && msg.contains("llama, qwen2, qwen3, gemma3"), "{msg}");
-    assert!(!tmp.0.join("phi3").exists());
+    assert!(msg.contains("`starcoder2`") && msg.contains("llama, qwen2, qwen3, gemma2, gemma3, olmo2, phi3"), "{msg}");
+    assert!(!tmp.0.join("starcoder2").exists());
 
     // A llama.cpp tensor the architecture does not have (a Qwen3 q-norm in a llama file).
     let mut extra = tiny_model(&mut Rng(5), "llama");
@@ -653,4 +638,123 @@ fn biases_the_loader_would_drop_are_refused() {
         serde_json::from_slice(&std::fs::read(tmp.0.join("biased/config.json")).unwrap()).unwrap();
     assert_eq!(config["attention_bias"], true);
     assert!(read_safetensors(&tmp.0.join("biased/model.safetensors")).contains_key("model.layers.0.self_attn.o_proj.bias"));
+}
+
+/// A converted checkpoint's tensors: name → (dtype, shape, bytes).
+type Tensors = std::collections::HashMap<String, (String, Vec<usize>, Vec<u8>)>;
+
+/// Converts `g` into `tmp/name`: its config.json and tensors.
+fn convert_tiny(tmp: &TempDir, name: &str, g: &GgufBuilder) -> (serde_json::Value, Tensors) {
+    let gguf = write(&tmp.0, &format!("{name}.gguf"), &g.build().0);
+    let out = tmp.0.join(name);
+    convert_gguf(&gguf, &out, &ConvertOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let config = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    (config, read_safetensors(&out.join("model.safetensors")))
+}
+
+/// Gemma's four block norms, its final norm and `extra` (HF, GGUF) norms hold llama.cpp's gains
+/// less Gemma's `+ 1`, under Gemma's names; the head is tied.
+fn assert_gemma_norms(g: &GgufBuilder, t: &Tensors, extra: &[(&str, &str)]) {
+    let norms = [
+        ("model.layers.0.input_layernorm.weight", "blk.0.attn_norm.weight"),
+        ("model.layers.0.pre_feedforward_layernorm.weight", "blk.0.ffn_norm.weight"),
+        ("model.layers.0.post_attention_layernorm.weight", "blk.0.post_attention_norm.weight"),
+        ("model.layers.0.post_feedforward_layernorm.weight", "blk.0.post_ffw_norm.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+    ];
+    for &(hf, gguf_name) in norms.iter().chain(extra) {
+        let want: Vec<f32> = as_f32(gguf_data(g, gguf_name)).iter().map(|v| v - 1.0).collect();
+        assert_eq!(as_f32(&t[hf].2), want, "{hf}");
+    }
+    assert!(!t.contains_key("lm_head.weight"), "tied");
+}
+
+/// Gemma 2: the norms lose llama.cpp's `+ 1` and keep Gemma's names; the soft-caps come from
+/// `gemma2.*_logit_softcapping`; the query scale follows llama.cpp (hidden / heads for the
+/// 46-layer 27B, head_dim otherwise); tied.
+#[test]
+fn gemma2_norms_softcaps_and_query_scale() {
+    let tmp = TempDir::new("gemma2");
+    let mut g = tiny_model(&mut Rng(6), "gemma2");
+    set_meta(&mut g, "gemma2.attn_logit_softcapping", Value::F32(40.0));
+    let (config, t) = convert_tiny(&tmp, "gemma2", &g);
+    assert_gemma_norms(&g, &t, &[]);
+    assert!(!t.contains_key("model.layers.0.self_attn.q_norm.weight"));
+    assert_eq!(config["model_type"], "gemma2");
+    assert_eq!(config["attn_logit_softcapping"], 40.0);
+    assert_eq!(config["final_logit_softcapping"], 30.0);
+    assert_eq!(config["sliding_window"], 4);
+    assert_eq!(config["hidden_activation"], "gelu_pytorch_tanh");
+    assert_eq!(config["query_pre_attn_scalar"], serde_json::json!(HEAD_DIM));
+
+    // A head_dim other than hidden / heads tells the two rules apart.
+    let mut g = tiny_model(&mut Rng(6), "gemma2");
+    set_meta(&mut g, "gemma2.attention.key_length", Value::U32(32));
+    assert_eq!(convert_tiny(&tmp, "gemma2-9b-rule", &g).0["query_pre_attn_scalar"], 32);
+    set_meta(&mut g, "gemma2.block_count", Value::U32(46));
+    assert_eq!(convert_tiny(&tmp, "gemma2-27b-rule", &g).0["query_pre_attn_scalar"], HIDDEN / HEADS);
+}
+
+/// OLMo 2: post-norms under their Hugging Face names, whole-projection q/k norms, no input
+/// norms, no permutation, no shift; untied written as such (mlx-lm's olmo2 ties by default).
+#[test]
+fn olmo2_post_norms_and_whole_qk_norms() {
+    let tmp = TempDir::new("olmo2");
+    let g = tiny_model(&mut Rng(7), "olmo2");
+    let (config, t) = convert_tiny(&tmp, "olmo2", &g);
+    for (hf, gguf_name) in [
+        ("model.layers.0.post_attention_layernorm.weight", "blk.0.post_attention_norm.weight"),
+        ("model.layers.0.post_feedforward_layernorm.weight", "blk.0.post_ffw_norm.weight"),
+        ("model.layers.0.self_attn.q_norm.weight", "blk.0.attn_q_norm.weight"),
+        ("model.layers.0.self_attn.k_norm.weight", "blk.0.attn_k_norm.weight"),
+    ] {
+        assert_eq!(as_f32(&t[hf].2), as_f32(gguf_data(&g, gguf_name)), "{hf}");
+    }
+    assert_eq!(t["model.layers.0.self_attn.q_norm.weight"].1, [HEADS * HEAD_DIM]);
+    assert!(!t.contains_key("model.layers.0.input_layernorm.weight"));
+    let q = as_u32(&t["model.layers.0.self_attn.q_proj.weight"].2);
+    let scales = as_f16(&t["model.layers.0.self_attn.q_proj.scales"].2);
+    let biases = as_f16(&t["model.layers.0.self_attn.q_proj.biases"].2);
+    let ours = affine_dequantize(&q, &scales, &biases, HEADS * HEAD_DIM, HIDDEN, 4);
+    assert_eq!(ours, decode_q4_0(gguf_data(&g, "blk.0.attn_q.weight")), "rows not permuted");
+    assert_eq!(config["model_type"], "olmo2");
+    assert_eq!(config["tie_word_embeddings"], false);
+}
+
+/// Phi-3: `attn_qkv` and the 2 * FFN-row `ffn_up` become `qkv_proj` and `gate_up_proj`
+/// (exact affine from Q4_0 / Q8_0, rows unpermuted); LongRoPE factors become a `longrope`
+/// `rope_scaling`, and an attention factor mlx-lm would not derive is refused.
+#[test]
+fn phi3_fused_projections_and_longrope() {
+    let tmp = TempDir::new("phi3");
+    let g = tiny_model(&mut Rng(8), "phi3");
+    let (config, t) = convert_tiny(&tmp, "phi3", &g);
+    let qkv = HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM;
+    let w = as_u32(&t["model.layers.0.self_attn.qkv_proj.weight"].2);
+    let scales = as_f16(&t["model.layers.0.self_attn.qkv_proj.scales"].2);
+    let biases = as_f16(&t["model.layers.0.self_attn.qkv_proj.biases"].2);
+    assert_eq!(affine_dequantize(&w, &scales, &biases, qkv, HIDDEN, 4), decode_q4_0(gguf_data(&g, "blk.0.attn_qkv.weight")));
+    assert_eq!(t["model.layers.0.mlp.gate_up_proj.weight"].1, [2 * FFN, HIDDEN / 4]);
+    assert!(!t.keys().any(|k| k.contains("q_proj") || k.contains("gate_proj.")), "{:?}", t.keys());
+    assert_eq!(config["model_type"], "phi3");
+    assert!(config.get("rope_scaling").is_none() && config.get("partial_rotary_factor").is_none());
+
+    // llama.cpp's own factor for context 512 over 128: sqrt(1 + ln 4 / ln 128).
+    let derived = (1.0 + 4f64.ln() / 128f64.ln()).sqrt() as f32;
+    let (config, t) = convert_tiny(&tmp, "phi3-longrope", &tiny_phi3_longrope(&mut Rng(8), Some(derived)));
+    assert_eq!(config["rope_scaling"]["type"], "longrope");
+    assert_eq!(config["rope_scaling"]["long_factor"][3], 2.5);
+    assert_eq!(config["rope_scaling"]["short_factor"][1], 1.01);
+    assert_eq!(config["original_max_position_embeddings"], 128);
+    assert_eq!(config["max_position_embeddings"], 512);
+    assert!(!t.keys().any(|k| k.contains("rope_factors")));
+
+    let path = write(&tmp.0, "phi3-attn.gguf", &tiny_phi3_longrope(&mut Rng(8), Some(1.5)).build().0);
+    let msg = convert_gguf(&path, &tmp.0.join("phi3-attn"), &ConvertOptions::default()).unwrap_err().to_string();
+    assert!(msg.contains("phi3.rope.scaling.attn_factor") && msg.contains("1.5"), "{msg}");
+    let mut llama = tiny_model(&mut Rng(8), "llama");
+    llama.tensor("rope_factors_long.weight", &[HEAD_DIM as u64 / 2], GgmlType::F32.id(), vec![0; HEAD_DIM * 2]);
+    let path = write(&tmp.0, "llama-longrope.gguf", &llama.build().0);
+    let msg = convert_gguf(&path, &tmp.0.join("llama-longrope"), &ConvertOptions::default()).unwrap_err().to_string();
+    assert!(msg.contains("LongRoPE") && msg.contains("phi3"), "{msg}");
 }

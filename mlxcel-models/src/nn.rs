@@ -141,6 +141,34 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
+    /// The maps of consecutive output-row ranges of this one, `sizes` rows
+    /// each: a fused projection (`qkv_proj`, `gate_up_proj`) as its parts.
+    /// Every output row has its own weights (quantized: its own scales and
+    /// biases), so each part computes exactly its rows of the fused map.
+    pub fn split_rows(&self, sizes: &[i32]) -> Result<Vec<Linear>> {
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(sizes.len());
+        for &rows in sizes {
+            let take = |a: &Array| -> Result<Array> {
+                let part = a.slice_axis(0, start, start + rows)?;
+                part.eval()?;
+                Ok(part)
+            };
+            let weight = match &self.weight {
+                LinearWeight::Dense(w) => LinearWeight::Dense(take(w)?),
+                LinearWeight::Quantized(q) => LinearWeight::Quantized(QuantizedWeight {
+                    weight: take(&q.weight)?,
+                    scales: take(&q.scales)?,
+                    biases: take(&q.biases)?,
+                    params: q.params,
+                }),
+            };
+            parts.push(Linear { weight, bias: self.bias.as_ref().map(take).transpose()? });
+            start += rows;
+        }
+        Ok(parts)
+    }
+
     /// Output features, for quantized weights (None for dense ones).
     fn out_features(&self) -> Option<i32> {
         match &self.weight {
@@ -334,7 +362,7 @@ pub struct Rope {
 }
 
 /// The `rope_scaling` block of a Hugging Face config.
-#[derive(Debug, Clone, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Deserialize)]
 pub struct RopeScaling {
     #[serde(alias = "type")]
     pub rope_type: String,
@@ -365,6 +393,31 @@ impl Rope {
             other => return Err(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3, yarn)")),
         }
         Ok(rope)
+    }
+
+    /// Phi-3's `su` / `longrope` scaling as mlx-lm's `SuScaledRoPE`: periods
+    /// `long_factor[i] * base^(2i / dims)` at every position (mlx-lm never
+    /// switches to the short factors, whatever the sequence length), and the
+    /// rotated features scaled by `sqrt(1 + ln(f) / ln(original))` where
+    /// `f = max_positions / original` exceeds 1.
+    pub fn su_scaled(
+        dims: i32,
+        base: f32,
+        long_factor: &[f32],
+        max_positions: f64,
+        original: f64,
+    ) -> std::result::Result<Self, String> {
+        let half = (dims / 2).max(0) as usize;
+        if long_factor.len() != half {
+            return Err(format!("rope_scaling `long_factor` has {} entries; the {dims} rotated features need {half}", long_factor.len()));
+        }
+        let periods: Vec<f32> =
+            long_factor.iter().enumerate().map(|(i, f)| f * base.powf((2 * i) as f32 / dims as f32)).collect();
+        let freqs = Array::from_slice(&periods, &[half as i32]).map_err(|e| e.to_string())?;
+        freqs.eval().map_err(|e| e.to_string())?;
+        let factor = max_positions / original;
+        let mscale = if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / original.ln()).sqrt() };
+        Ok(Rope { dims, base, scale: 1.0, traditional: false, freqs: Some(freqs), mscale: mscale as f32 })
     }
 
     /// Rotates `x` ([B, H, L, D]) for positions `offset..offset + L`.
@@ -475,6 +528,16 @@ impl GatedMlp {
         })
     }
 
+    /// A checkpoint that stores the gate and up projections as one
+    /// `gate_up_proj` (gate rows first, as Phi-3's), split at load.
+    pub fn load_fused(scope: &Scope, hidden: i32, intermediate: i32, activation: Activation) -> Result<Self> {
+        let fused = Linear::load(&scope.pp("gate_up_proj"), hidden, 2 * intermediate, false)?;
+        let [gate_proj, up_proj]: [Linear; 2] =
+            fused.split_rows(&[intermediate, intermediate])?.try_into().unwrap_or_else(|_| unreachable!("two sizes"));
+        let down_proj = Linear::load(&scope.pp("down_proj"), intermediate, hidden, false)?;
+        Ok(GatedMlp { gate_proj, up_proj, down_proj, activation })
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         self.forward_with(x, RowKernels::ByCount)
     }
@@ -546,6 +609,15 @@ pub struct AttentionSpec {
     /// Added to the q/k norm weights to make their gains (1 for Gemma, whose
     /// norms scale by 1 + weight; else 0).
     pub qk_norm_offset: f32,
+    /// The q/k norms span the whole projection (all heads at once, as
+    /// OLMo 2's) rather than each head.
+    pub qk_norm_whole: bool,
+    /// q, k and v are stored as one `qkv_proj` (q rows, then k, then v), as
+    /// Phi-3's; split at load.
+    pub qkv_fused: bool,
+    /// Gemma 2's soft-capping of the attention scores: `cap * tanh(s / cap)`
+    /// before the mask and softmax.
+    pub softcap: Option<f32>,
     /// The softmax scale; None is head_dim^-0.5.
     pub scale: Option<f32>,
     /// A sliding window of this many positions (the token itself included):
@@ -566,6 +638,9 @@ impl AttentionSpec {
             o_bias: false,
             qk_norm_eps: None,
             qk_norm_offset: 0.0,
+            qk_norm_whole: false,
+            qkv_fused: false,
+            softcap: None,
             scale: None,
             window: None,
         }
@@ -593,16 +668,25 @@ pub struct Attention {
 impl Attention {
     pub fn load(scope: &Scope, spec: AttentionSpec, rope: Rope) -> Result<Self> {
         let AttentionSpec { hidden, heads, kv_heads, head_dim, qkv_bias, o_bias, qk_norm_eps, qk_norm_offset, scale, .. } = spec;
-        let norm = |name: &str| {
-            qk_norm_eps.map(|eps| RmsNorm::load_with_offset(&scope.pp(name), head_dim, eps, qk_norm_offset)).transpose()
+        let (q_rows, kv_rows) = (heads * head_dim, kv_heads * head_dim);
+        let norm = |name: &str, rows: i32| {
+            let dims = if spec.qk_norm_whole { rows } else { head_dim };
+            qk_norm_eps.map(|eps| RmsNorm::load_with_offset(&scope.pp(name), dims, eps, qk_norm_offset)).transpose()
+        };
+        let [q_proj, k_proj, v_proj]: [Linear; 3] = if spec.qkv_fused {
+            let fused = Linear::load(&scope.pp("qkv_proj"), hidden, q_rows + 2 * kv_rows, qkv_bias)?;
+            fused.split_rows(&[q_rows, kv_rows, kv_rows])?.try_into().unwrap_or_else(|_| unreachable!("three sizes"))
+        } else {
+            let load = |name: &str, rows: i32| Linear::load(&scope.pp(name), hidden, rows, qkv_bias);
+            [load("q_proj", q_rows)?, load("k_proj", kv_rows)?, load("v_proj", kv_rows)?]
         };
         Ok(Attention {
-            q_proj: Linear::load(&scope.pp("q_proj"), hidden, heads * head_dim, qkv_bias)?,
-            k_proj: Linear::load(&scope.pp("k_proj"), hidden, kv_heads * head_dim, qkv_bias)?,
-            v_proj: Linear::load(&scope.pp("v_proj"), hidden, kv_heads * head_dim, qkv_bias)?,
-            o_proj: Linear::load(&scope.pp("o_proj"), heads * head_dim, hidden, o_bias)?,
-            q_norm: norm("q_norm")?,
-            k_norm: norm("k_norm")?,
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj: Linear::load(&scope.pp("o_proj"), q_rows, hidden, o_bias)?,
+            q_norm: norm("q_norm", q_rows)?,
+            k_norm: norm("k_norm", kv_rows)?,
             rope,
             scale: scale.unwrap_or((head_dim as f32).powf(-0.5)),
             spec,
@@ -641,11 +725,12 @@ impl Attention {
     fn split_heads(&self, x: &Array, q: Array, k: Array, v: Array) -> Result<(Array, Array, Array)> {
         let (b, l) = (x.dim(0), x.dim(1));
         let AttentionSpec { heads, kv_heads, head_dim, .. } = self.spec;
+        let whole = self.spec.qk_norm_whole;
         let split = |y: Array, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
-            let y = y.reshape(&[b, l, n, head_dim])?;
             let y = match norm {
-                Some(norm) => norm.forward(&y)?,
-                None => y,
+                Some(norm) if whole => norm.forward(&y)?.reshape(&[b, l, n, head_dim])?,
+                Some(norm) => norm.forward(&y.reshape(&[b, l, n, head_dim])?)?,
+                None => y.reshape(&[b, l, n, head_dim])?,
             };
             Ok(y.transpose(&[0, 2, 1, 3])?)
         };
@@ -661,7 +746,10 @@ impl Attention {
         let q = self.rope.forward(q, offset)?;
         let k = self.rope.forward(k, offset)?;
         let window = self.spec.kv_window();
-        let out = if let Some(out) = cache.attend(&q, &k, v, self.scale, window)? {
+        let out = if let Some(cap) = self.spec.softcap {
+            let (k, v) = cache.update_and_fetch(&k, v)?;
+            softcapped_attention(&q, &k, &v, self.scale, cap, self.spec.window)?
+        } else if let Some(out) = cache.attend(&q, &k, v, self.scale, window)? {
             out
         } else {
             let (k, v) = cache.update_and_fetch(&k, v)?;
@@ -695,6 +783,38 @@ impl Attention {
         };
         Ok(out.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, heads * head_dim])?)
     }
+}
+
+/// `cap * tanh(x / cap)`: Gemma 2's soft-capping, computed as mlx-lm does.
+pub fn softcap(x: &Array, cap: f32) -> Result<Array> {
+    Ok(x.divide(&Array::scalar(cap as f64, x.dtype())?)?.tanh()?.mul_scalar(cap as f64)?)
+}
+
+/// Attention with soft-capped scores, explicitly as mlx-lm's gemma2 computes
+/// it (no fused kernel caps its scores): q ([B, H, L, D]) scaled, q·k per
+/// group of query heads sharing a kv head, the cap, the causal mask (and
+/// `window`, if any) as the float minimum, a precise softmax, then the
+/// values. `k`, `v`: [B, kv_heads, seen, D], the last L positions new.
+fn softcapped_attention(q: &Array, k: &Array, v: &Array, scale: f32, cap: f32, window: Option<i32>) -> Result<Array> {
+    let (b, heads, l, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
+    let (kv_heads, seen) = (k.dim(1), k.dim(2));
+    let repeats = heads / kv_heads;
+    let mut q = q.mul_scalar(scale as f64)?;
+    let (mut k, mut v) = (k.clone(), v.clone());
+    if repeats > 1 {
+        q = q.reshape(&[b, kv_heads, repeats, l, d])?;
+        k = k.expand_dims(2)?;
+        v = v.expand_dims(2)?;
+    }
+    let mut scores = softcap(&q.matmul(&k.swapaxes(-1, -2)?)?, cap)?;
+    let window = window.filter(|&w| w < seen);
+    if l > 1 || window.is_some() {
+        let mask = window_mask(l, seen, 0, window.unwrap_or(seen))?;
+        let lowest = Array::scalar(f32::MIN as f64, scores.dtype())?;
+        scores = mlx_sys::where_(&mask, &scores, &lowest)?;
+    }
+    let out = scores.softmax(&[-1], true)?.matmul(&v)?;
+    Ok(if repeats > 1 { out.reshape(&[b, heads, l, d])? } else { out })
 }
 
 /// The boolean mask [l, seen - first] of `l` new tokens (the last of `seen`
@@ -831,7 +951,12 @@ impl FusedBlock {
         let output_norm_list = output_norms.iter().flat_map(|(a, b)| [*a, *b]);
         let norms_agree = mlp_norm.eps == eps
             && attn.q_norm.iter().chain(attn.k_norm.iter()).chain(output_norm_list).all(|n| n.eps == eps);
-        if !norms_agree || attn.rope.dims != attn.spec.head_dim || attn.q_norm.is_some() != attn.k_norm.is_some() {
+        if !norms_agree
+            || attn.rope.dims != attn.spec.head_dim
+            || attn.q_norm.is_some() != attn.k_norm.is_some()
+            || attn.spec.qk_norm_whole
+            || attn.spec.softcap.is_some()
+        {
             return None;
         }
         let projection = |linear: &Linear| -> Option<QuantizedProjection> {

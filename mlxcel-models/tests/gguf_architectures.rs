@@ -1,8 +1,9 @@
 //! Every architecture the GGUF converter accepts loads and runs: a tiny GGUF of each
 //! `mlxcel_gguf::Architecture` (and a llama with linear RoPE scaling) is converted, loaded
 //! with its rebuilt tokenizer, and a forward pass gives finite logits of the right shape,
-//! with the KV cache agreeing with the full-sequence pass on the last position. Llama 3's
-//! `rope_freqs` reach the model; Qwen3 attention biases are refused.
+//! with the KV cache agreeing with the full-sequence pass on the last position (Phi-3's
+//! LongRoPE factors too). Llama 3's `rope_freqs` reach the model; Qwen3 attention biases are
+//! refused.
 
 #[path = "../../mlxcel-gguf/tests/gguf_common/mod.rs"]
 mod gguf_common;
@@ -68,6 +69,7 @@ fn every_convertible_architecture_loads_and_runs() {
         serde_json::from_str(&std::fs::read_to_string(tmp.0.join("qwen2_rope_yarn/config.json")).unwrap()).unwrap();
     assert_eq!(config["rope_scaling"], serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}));
     convert_load_and_run(&tmp, "llama3_rope_freqs", &tiny_llama3(&mut Rng(13), 32.0), "llama");
+    convert_load_and_run(&tmp, "phi3_longrope", &tiny_phi3_longrope(&mut Rng(16), None), "phi3");
 }
 
 fn convert_and_load(tmp: &TempDir, name: &str, gguf: &GgufBuilder) -> Model {

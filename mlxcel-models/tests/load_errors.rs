@@ -205,3 +205,34 @@ fn a_tied_config_skips_the_checkpoints_lm_head() {
     let (_, info) = load_network(&s.0).unwrap();
     assert!(info.groups.iter().all(|g| g.name != "lm_head"), "{:?}", info.groups);
 }
+
+#[test]
+fn gemma2_olmo2_and_phi3_configs_are_checked_by_key() {
+    let refused = |name: &str, edit: &dyn Fn(&mut serde_json::Value), words: &[&str], invalid: bool| {
+        let s = Scratch::of(name);
+        s.edit_config(|c| edit(c));
+        let e = s.load_error();
+        let msg = e.to_string();
+        assert_eq!(matches!(e, Error::InvalidConfig { .. }), invalid, "{name}: {msg}");
+        assert!(msg.contains("config.json") && words.iter().all(|w| msg.contains(w)), "{name}: {msg}");
+    };
+    // What mlx-lm would ignore (with a warning) is refused.
+    refused("phi3", &|c| c["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0}), &["dynamic", "su, longrope, linear"], false);
+    refused("phi3_su", &|c| c["rope_scaling"]["long_factor"] = serde_json::json!([1.0, 2.0, 3.0]), &["long_factor", "3 entries"], true);
+    refused("phi3_su", &|c| drop(c["rope_scaling"].as_object_mut().unwrap().remove("short_factor")), &["short_factor"], true);
+    refused("phi3_su", &|c| drop(c["rope_scaling"].as_object_mut().unwrap().remove("type")), &["rope_scaling", "type"], true);
+    refused("phi3", &|c| c["head_dim"] = 8.into(), &["head_dim", "16"], true);
+    refused("phi3", &|c| c["partial_rotary_factor"] = 0.1.into(), &["partial_rotary_factor"], true);
+    refused("gemma2", &|c| c["hidden_activation"] = "gelu".into(), &["hidden_activation", "gelu_pytorch_tanh"], false);
+    refused("gemma2", &|c| c["attn_logit_softcapping"] = (-1.0).into(), &["attn_logit_softcapping"], true);
+    refused("gemma2", &|c| drop(c.as_object_mut().unwrap().remove("head_dim")), &["head_dim"], true);
+
+    // OLMo 2 ties its head unless the config says otherwise (mlx-lm's default):
+    // an untied checkpoint without `tie_word_embeddings` leaves lm_head unread.
+    let s = Scratch::of("olmo2");
+    s.edit_config(|c| drop(c.as_object_mut().unwrap().remove("tie_word_embeddings")));
+    match s.load_error() {
+        Error::UnusedTensors { tensors, .. } => assert_eq!(tensors, vec!["lm_head.weight".to_string()]),
+        e => panic!("{e:?}"),
+    }
+}

@@ -105,3 +105,16 @@ fn tied_and_scaled_rope_batch_rows_equal_alone() {
         check(name, 3);
     }
 }
+
+#[test]
+fn gemma2_olmo2_and_phi3_batch_rows_equal_alone() {
+    // gemma2: soft-capped scores per row, final cap; olmo2: post-norms and
+    // whole-projection q/k norms; phi3: split fused projections, su RoPE.
+    // The 4-bit ones run the quantized kernels over the batch (phi3's the
+    // fused block).
+    for name in ["gemma2", "olmo2", "phi3_su", "gemma2_q4_g32", "olmo2_q4_g32", "phi3_q4_g32"] {
+        for new in [1, 4, 17] {
+            check(name, new);
+        }
+    }
+}

@@ -1,6 +1,8 @@
 //! Every architecture on tiny random weights against mlx-lm's goldens
 //! (tests/reference/make_tiny_goldens.py): full-sequence logits within a
-//! tolerance, and greedy decoding over the KV cache token for token.
+//! tolerance, greedy decoding over the KV cache token for token, and (f32
+//! goldens) the prompt plus the greedy tokens in one 27-row pass against the
+//! reference's per-step log-probabilities.
 //!
 //! Quantized checkpoints run mlxcel's kernels. Their exact paths (f32
 //! unpacking, `MLXCEL_KERNELS=avx512|avx2|portable`) keep the f32 tolerance
@@ -11,7 +13,9 @@
 //! they get 5e-4. `quantized_models_on_the_other_kernel_paths` reruns the
 //! quantized models with `MLXCEL_KERNELS=avx512` (exact, 1e-4) and
 //! `avx2-int8` (read once per process), so every machine checks an exact
-//! and an integer path, and AVX-512 machines the AVX2 one too.
+//! and an integer path, and AVX-512 machines the AVX2 one too; and with
+//! `MLXCEL_FUSED=0`, so that the 27-row pass, which the fused decoder block
+//! takes (up to 32 rows), runs the prefill GEMMs instead.
 
 use std::path::{Path, PathBuf};
 
@@ -60,6 +64,7 @@ fn check(name: &str, rel_tol: f32) {
     let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
     let worst = actual.iter().zip(&expected).map(|(a, e)| (a - e).abs()).fold(0f32, f32::max);
     assert!(worst <= rel_tol * scale, "{name}: max |logit diff| {worst} > {rel_tol} × {scale}");
+    println!("{name}: max |logit diff| {worst:.2e} = {:.2e} of max |logit| (allowed {rel_tol:.0e})", worst / scale);
 
     // Greedy decoding over the cache, one token at a time.
     let want = ids(&golden["greedy"]["tokens"]);
@@ -73,6 +78,25 @@ fn check(name: &str, rel_tol: f32) {
     }
     assert_eq!(got, want, "{name}: greedy tokens");
     assert_eq!(caches[0].offset(), input.len() + want.len());
+
+    // The prompt and the greedy tokens in one pass of 27 rows, which runs the
+    // kernels of a multi-row pass (the fused block where it applies, else the
+    // GEMMs, from 16 rows on): its log-softmax at each
+    // decoded position against the reference's from the cached steps (which
+    // half-precision goldens computed in their own dtype: not compared).
+    if golden.get("logits_upcast_f32").is_some() {
+        return;
+    }
+    let sequence: Vec<i32> = input.iter().chain(&want[..want.len() - 1]).copied().collect();
+    let tokens = Array::from_slice(&sequence, &[1, sequence.len() as i32]).unwrap();
+    let logits = model.forward(&tokens, &mut model.new_caches()).unwrap();
+    let steps = logits.slice_axis(1, input.len() as i32 - 1, sequence.len() as i32).unwrap();
+    let logprobs = steps.subtract(&steps.logsumexp(&[-1], true).unwrap()).unwrap();
+    let actual = logprobs.astype(mlx_sys::Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+    let expected = flat(&golden["greedy"]["step_logprobs"]);
+    let worst = actual.iter().zip(&expected).map(|(a, e)| (a - e).abs()).fold(0f32, f32::max);
+    assert!(worst <= rel_tol * scale, "{name}: one-pass log-probs differ by {worst} > {rel_tol} × {scale}");
+    println!("{name}: one pass of {} rows: max |log-prob diff| {:.2e} of max |logit|", sequence.len(), worst / scale);
 }
 
 // f32: the reference's own rerun and OpenBLAS-vs-reference-BLAS differences
@@ -127,6 +151,46 @@ fn gemma3_text() {
 fn gemma3_text_tied_q4_g32() {
     check("gemma3_text_tied_q4_g32", 1e-4);
 }
+// Gemma 2: soft-capped attention scores (explicit scores path) and logits,
+// Gemma's norms, query scale and embedding scale, always tied; the 4-bit one
+// with the quantized embeddings as the head. mlx-lm applies no sliding window.
+#[test]
+fn gemma2() {
+    check("gemma2", 1e-4);
+}
+#[test]
+fn gemma2_q4_g32() {
+    check("gemma2_q4_g32", 1e-4);
+}
+// OLMo 2: post-norm blocks, q/k norms over the whole projection.
+#[test]
+fn olmo2() {
+    check("olmo2", 1e-4);
+}
+#[test]
+fn olmo2_q4_g32() {
+    check("olmo2_q4_g32", 1e-4);
+}
+// Phi-3: fused qkv_proj and gate_up_proj split at load (the 4-bit one through
+// the fused block); su RoPE scaling with its long factors and attention factor.
+#[test]
+fn phi3() {
+    check("phi3", 1e-4);
+}
+#[test]
+fn phi3_su() {
+    check("phi3_su", 1e-4);
+}
+#[test]
+fn phi3_q4_g32() {
+    check("phi3_q4_g32", 1e-4);
+    // The quantized parts of the fused projections run the fused decoder
+    // block (on the CPU, unless MLXCEL_FUSED=0 turns it off).
+    if mlxcel_models::runtime::current().fused_decode_active() {
+        let (model, _) = load_network(&tiny_dir().join("phi3_q4_g32")).unwrap();
+        assert!(model.chunking_invariant_prefill(), "phi3_q4_g32: layers not on the fused block");
+    }
+}
 #[test]
 fn llama_bf16_weights() {
     check("llama_bf16", 1e-4);
@@ -167,19 +231,31 @@ fn quantized_models_on_the_other_kernel_paths() {
         return;
     }
     let auto = kernels::path_name(KernelPath::Auto);
-    for path in ["avx512", "avx2-int8"] {
+    for (var, value) in [("MLXCEL_KERNELS", "avx512"), ("MLXCEL_KERNELS", "avx2-int8"), ("MLXCEL_FUSED", "0")] {
         // A path this CPU lacks falls back to one the parent already runs.
-        if auto == "portable" || (path == "avx2-int8" && auto == "avx2-int8") {
+        if var == "MLXCEL_KERNELS" && (auto == "portable" || (value == "avx2-int8" && auto == "avx2-int8")) {
             continue;
         }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--test-threads=1", "--nocapture", "llama_q4", "qwen3_q8", "llama_q3", "gemma3_text_tied_q4", "llama_rope_yarn_q4"])
-            .env("MLXCEL_KERNELS", path)
+            .args([
+                "--test-threads=1",
+                "--nocapture",
+                "llama_q4",
+                "qwen3_q8",
+                "llama_q3",
+                "gemma3_text_tied_q4",
+                "llama_rope_yarn_q4",
+                "gemma2_q4",
+                "olmo2_q4",
+                "phi3_q4",
+            ])
+            .env(var, value)
             .env("MLXCEL_TINY_PARITY_CHILD", "1")
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert!(stdout.contains("7 passed"), "MLXCEL_KERNELS={path}: expected the 7 quantized models to run:\n{stdout}");
+        let path = format!("{var}={value}");
+        assert!(out.status.success(), "{path}:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains("10 passed"), "{path}: expected the 10 quantized models to run:\n{stdout}");
     }
 }

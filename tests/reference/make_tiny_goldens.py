@@ -103,6 +103,52 @@ GEMMA3 = {
 }
 del GEMMA3["tie_word_embeddings"]
 
+# Gemma 2: Gemma's four norms per block with 1 + weight gains, GELU (tanh),
+# the sqrt(hidden) embedding scale, always tied; soft-caps low enough to bend
+# these scores and logits (attention 5, final 8); a query scale that is not
+# head_dim ** -0.5. mlx-lm's gemma2 ignores `sliding_window` (kept here as
+# Hugging Face's configs carry it, shorter than the prompt: it must not mask).
+GEMMA2 = {
+    **{k: v for k, v in GEMMA3.items() if k not in ("rope_local_base_freq", "sliding_window_pattern")},
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "attn_logit_softcapping": 5.0,
+    "final_logit_softcapping": 8.0,
+}
+# OLMo 2: post-norm blocks, q/k norms over the whole projection.
+OLMO2 = {
+    **BASE,
+    "architectures": ["Olmo2ForCausalLM"],
+    "model_type": "olmo2",
+    "rope_theta": 500000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+}
+# Phi-3: fused qkv_proj and gate_up_proj; head_dim = hidden / heads (no key).
+PHI3 = {
+    **BASE,
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "rope_theta": 10000.0,
+    "original_max_position_embeddings": 512,
+    "hidden_act": "silu",
+}
+del PHI3["head_dim"]
+# su / longrope: mlx-lm's SuScaledRoPE applies long_factor at every position
+# (short_factor is read, never used) and scales q and k by
+# sqrt(1 + ln(512 / 16) / ln(16)) = 1.5. The 28 positions of prompt + greedy
+# run past original_max_position_embeddings (16) all the same.
+PHI3_SU = {
+    **PHI3,
+    "original_max_position_embeddings": 16,
+    "rope_scaling": {
+        "type": "su",
+        "short_factor": [1.0, 1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0],
+        "long_factor": [1.0, 1.2, 1.6, 2.4, 3.5, 5.0, 7.5, 11.0],
+    },
+}
+
 
 # name -> dict(config=..., dtype=..., quant=(group_size, bits) | None, predicate=..., seed=...)
 def variants():
@@ -209,6 +255,25 @@ def variants():
         config={**LLAMA, "rope_scaling": yarn}, quant=(32, 4),
         desc="llama with yarn rope scaling, affine 4-bit group 32",
     )
+    # `ablate`: config keys whose change must move the logits (recorded as
+    # stats.ablation_effect_max_abs_diff).
+    no_caps = {"attn_logit_softcapping": 1e9, "final_logit_softcapping": 1e9}
+    v["gemma2"] = dict(
+        config=GEMMA2, norm_offset=0.0, ablate=no_caps,
+        desc="gemma2 (always tied), attention and final soft-caps, float32",
+    )
+    v["gemma2_q4_g32"] = dict(
+        config=GEMMA2, norm_offset=0.0, quant=(32, 4), ablate=no_caps,
+        desc="gemma2 (tied embeddings, quantized too), affine 4-bit, group 32",
+    )
+    v["olmo2"] = dict(config=OLMO2, desc="olmo2: post-norms, whole-projection q/k norms, untied, float32")
+    v["olmo2_q4_g32"] = dict(config=OLMO2, quant=(32, 4), desc="olmo2, affine 4-bit, group 32")
+    v["phi3"] = dict(config=PHI3, desc="phi3: fused qkv_proj and gate_up_proj, untied, float32")
+    v["phi3_su"] = dict(
+        config=PHI3_SU,
+        desc="phi3 with su rope scaling (long factors, attention factor 1.5, original context 16)",
+    )
+    v["phi3_q4_g32"] = dict(config=PHI3, quant=(32, 4), desc="phi3, fused projections quantized: affine 4-bit, group 32")
     for i, name in enumerate(v):
         v[name].setdefault("seed", 1000 + i)
     return v
@@ -376,6 +441,18 @@ def build(name, spec, out_root):
         golden["stats"]["rope_scaling_effect_max_abs_diff"] = float(
             f"{float(np.abs(forward_logits(plain, INPUT_IDS) - logits).max()):.3g}"
         )
+    if spec.get("ablate"):
+        # The same weights with these config keys changed: they visibly matter.
+        cfg = {**json.loads((out / "config.json").read_text()), **spec["ablate"]}
+        mc, ac = _get_classes(cfg)
+        other = mc(ac.from_dict(cfg))
+        if cfg.get("quantization"):
+            nn.quantize(other, **{k: cfg["quantization"][k] for k in ("group_size", "bits")})
+        other.update(model.parameters())
+        golden["stats"]["ablation"] = spec["ablate"]
+        golden["stats"]["ablation_effect_max_abs_diff"] = float(
+            f"{float(np.abs(forward_logits(other, INPUT_IDS) - logits).max()):.3g}"
+        )
     if config.get("quantization"):
         golden["quantization"] = config["quantization"]
 
@@ -386,7 +463,8 @@ def build(name, spec, out_root):
         f"{name:22s} seed={seed} {dt:5.2f}s {size / 1024:6.0f} KiB  scale={scale:.3g} "
         f"min_gap={min(gaps):.3g} cache_vs_full={cache_vs_full:.2g} "
         + " ".join(f"{k}={v}" for k, v in golden["stats"].items() if k in (
-            "native_vs_upcast_max_abs_diff", "rope_scaling_effect_max_abs_diff", "rerun_max_abs_diff"))
+            "native_vs_upcast_max_abs_diff", "rope_scaling_effect_max_abs_diff", "rerun_max_abs_diff",
+            "ablation_effect_max_abs_diff"))
     )
 
 

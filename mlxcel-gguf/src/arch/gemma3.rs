@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value as Json};
 
-use super::{ArchSpec, HParams};
+use super::{query_pre_attn_scalar, ArchSpec, HParams};
 use crate::reader::GgufFile;
 
 /// Every `SLIDING_WINDOW_PATTERN`-th layer attends globally (llama.cpp's `set_swa_pattern(6)`).
@@ -28,28 +28,14 @@ pub(super) const SPEC: ArchSpec = ArchSpec {
 };
 
 fn block_module(module: &str) -> Option<&'static str> {
-    match module {
-        "attn_q_norm" => Some("self_attn.q_norm"),
-        "attn_k_norm" => Some("self_attn.k_norm"),
-        "post_attention_norm" => Some("post_attention_layernorm"),
-        "ffn_norm" => Some("pre_feedforward_layernorm"),
-        "post_ffw_norm" => Some("post_feedforward_layernorm"),
-        _ => None,
-    }
+    super::qk_norm_module(module).or_else(|| super::gemma_block_module(module))
 }
 
 fn config(gguf: &GgufFile, hp: &HParams, c: &mut Map<String, Json>) {
     let key = |k: &str| format!("{}.{k}", hp.name);
     c.insert("hidden_activation".into(), "gelu_pytorch_tanh".into());
-    // Gemma 3's query scale is head_dim ^ -0.5 in every size llama.cpp converts
-    // (`attention.scale` overrides it).
-    let scalar = match gguf.get_f64(&key("attention.scale")) {
-        Some(scale) if scale > 0.0 => 1.0 / (scale * scale),
-        _ => hp.head_dim as f64,
-    };
-    // An integer in Hugging Face's config class (transformers refuses 256.0).
-    let scalar = if scalar.fract() == 0.0 { Json::from(scalar as u64) } else { super::f32_json(scalar) };
-    c.insert("query_pre_attn_scalar".into(), scalar);
+    // Gemma 3's query scale is head_dim ^ -0.5 in every size llama.cpp converts.
+    c.insert("query_pre_attn_scalar".into(), query_pre_attn_scalar(gguf, hp, hp.head_dim));
     if let Some(window) = gguf.get_u64(&key("attention.sliding_window")) {
         c.insert("sliding_window".into(), window.into());
     }

@@ -5,8 +5,11 @@
 //! table, and `mlxcel-models` loads exactly [`Architecture::ALL`] (its constructor table is an
 //! exhaustive `match` on [`Architecture`]), so every convertible architecture loads.
 
+mod gemma2;
 mod gemma3;
 mod llama;
+mod olmo2;
+mod phi3;
 mod qwen2;
 mod qwen3;
 
@@ -25,7 +28,10 @@ pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma2,
     Gemma3,
+    Olmo2,
+    Phi3,
 }
 
 /// What one architecture module declares.
@@ -58,16 +64,30 @@ pub const SUPPORTED_ROPE_SCALING: &[&str] = &["linear", "yarn"];
 /// llama.cpp's tensor of RoPE frequency factors (Llama 3), written as a `llama3` `rope_scaling`.
 pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
+/// llama.cpp's LongRoPE factors (Phi-3's long-context models), written as a `longrope`
+/// `rope_scaling` with `long_factor` and `short_factor`.
+pub const ROPE_FACTORS: [&str; 2] = ["rope_factors_long.weight", "rope_factors_short.weight"];
+
 impl Architecture {
-    pub const ALL: [Architecture; 4] =
-        [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3, Architecture::Gemma3];
+    pub const ALL: [Architecture; 7] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Gemma2,
+        Architecture::Gemma3,
+        Architecture::Olmo2,
+        Architecture::Phi3,
+    ];
 
     fn spec(self) -> &'static ArchSpec {
         match self {
             Architecture::Llama => &llama::SPEC,
             Architecture::Qwen2 => &qwen2::SPEC,
             Architecture::Qwen3 => &qwen3::SPEC,
+            Architecture::Gemma2 => &gemma2::SPEC,
             Architecture::Gemma3 => &gemma3::SPEC,
+            Architecture::Olmo2 => &olmo2::SPEC,
+            Architecture::Phi3 => &phi3::SPEC,
         }
     }
 
@@ -209,6 +229,41 @@ fn common_block_module(module: &str) -> Option<&'static str> {
     })
 }
 
+/// The q and k norms (per head in Qwen3 and Gemma 3, over the whole projection in OLMo 2).
+fn qk_norm_module(module: &str) -> Option<&'static str> {
+    match module {
+        "attn_q_norm" => Some("self_attn.q_norm"),
+        "attn_k_norm" => Some("self_attn.k_norm"),
+        _ => None,
+    }
+}
+
+/// Gemma's block norms (2 and 3): its `ffn_norm` is the MLP's input norm, and the attention
+/// and MLP outputs have norms of their own.
+fn gemma_block_module(module: &str) -> Option<&'static str> {
+    match module {
+        "post_attention_norm" => Some("post_attention_layernorm"),
+        "ffn_norm" => Some("pre_feedforward_layernorm"),
+        "post_ffw_norm" => Some("post_feedforward_layernorm"),
+        _ => None,
+    }
+}
+
+/// Gemma's `query_pre_attn_scalar`: from `<arch>.attention.scale` when set, else `default`
+/// (llama.cpp's rule for the model); an integer when whole, as Hugging Face's config class
+/// wants (transformers refuses 256.0).
+fn query_pre_attn_scalar(gguf: &GgufFile, hp: &HParams, default: u64) -> Json {
+    let scalar = match gguf.get_f64(&format!("{}.attention.scale", hp.name)) {
+        Some(scale) if scale > 0.0 => 1.0 / (scale * scale),
+        _ => default as f64,
+    };
+    if scalar.fract() == 0.0 {
+        Json::from(scalar as u64)
+    } else {
+        f32_json(scalar)
+    }
+}
+
 /// Whether a HF tensor name is a normalization gain.
 pub fn is_norm(hf_name: &str) -> bool {
     hf_name.ends_with("norm.weight")
@@ -295,6 +350,19 @@ impl HParams {
                 Some(scaling)
             }
             None => llama3_rope_scaling(gguf, head_dim, rope_theta)?,
+        };
+        let rope_scaling = match longrope_scaling(gguf, arch, head_dim)? {
+            Some(_) if rope_scaling.is_some() => {
+                return Err(Error::Unsupported {
+                    path: gguf.path.clone(),
+                    message: format!(
+                        "both LongRoPE factors ({}) and another RoPE scaling (mlxcel runs one at a time)",
+                        ROPE_FACTORS.join(", ")
+                    ),
+                })
+            }
+            Some(longrope) => Some(longrope),
+            None => rope_scaling,
         };
         Ok(HParams {
             arch,
@@ -420,15 +488,7 @@ fn llama3_rope_scaling(gguf: &GgufFile, head_dim: u64, rope_theta: f64) -> Resul
              original_max_position_embeddings}} for head_dim {head_dim}, rope_theta {rope_theta})"
         ),
     };
-    if info.dims != [pairs as u64] || !crate::dequant::can_dequantize(info.ggml_type) {
-        return Err(refuse(format!(
-            "has shape {:?} and type {} where [{pairs}] floats are expected",
-            info.dims, info.ggml_type
-        )));
-    }
-    let mut factors = vec![0f32; pairs];
-    crate::dequant::dequantize(info.ggml_type, gguf.tensor_data(info), &mut factors)
-        .ok_or_else(|| Error::invalid_file(&gguf.path, format!("tensor `{ROPE_FREQS}`: cannot decode its data")))?;
+    let factors = float_vector(gguf, info, pairs).map_err(refuse)?;
     if factors.iter().all(|&f| f == 1.0) {
         return Ok(None);
     }
@@ -441,6 +501,60 @@ fn llama3_rope_scaling(gguf: &GgufFile, head_dim: u64, rope_theta: f64) -> Resul
         "high_freq_factor": f32_json(s.high_freq_factor as f64),
         "original_max_position_embeddings": s.original_max_position_embeddings as u64,
     })))
+}
+
+/// The `len` floats of a 1-D tensor, or why not (another shape, a type the converter cannot
+/// decode).
+fn float_vector(gguf: &GgufFile, info: &crate::reader::TensorInfo, len: usize) -> std::result::Result<Vec<f32>, String> {
+    if info.dims != [len as u64] || !crate::dequant::can_dequantize(info.ggml_type) {
+        return Err(format!(
+            "has shape {:?} and type {} where [{len}] floats are expected",
+            info.dims, info.ggml_type
+        ));
+    }
+    let mut values = vec![0f32; len];
+    crate::dequant::dequantize(info.ggml_type, gguf.tensor_data(info), &mut values)
+        .ok_or_else(|| "holds data that cannot be decoded".to_string())?;
+    Ok(values)
+}
+
+/// A `longrope` `rope_scaling` from llama.cpp's [`ROPE_FACTORS`] (Phi-3 only; none without
+/// them). mlx-lm's phi3 derives the attention factor from `max_position_embeddings /
+/// original_max_position_embeddings`; a `rope.scaling.attn_factor` that differs is refused.
+fn longrope_scaling(gguf: &GgufFile, arch: Architecture, head_dim: u64) -> Result<Option<Json>> {
+    let [long, short] = ROPE_FACTORS.map(|name| gguf.tensor(name));
+    if long.is_none() && short.is_none() {
+        return Ok(None);
+    }
+    let name = arch.gguf_name();
+    let refuse = |why: String| Error::Unsupported { path: gguf.path.clone(), message: why };
+    if arch != Architecture::Phi3 {
+        return Err(refuse(format!("LongRoPE factors in a `{name}` file (mlxcel converts them for phi3)")));
+    }
+    let (Some(long), Some(short)) = (long, short) else {
+        return Err(Error::invalid_file(&gguf.path, format!("only one of {} is present", ROPE_FACTORS.join(", "))));
+    };
+    let rope_dims = gguf.get_u64(&format!("{name}.rope.dimension_count")).unwrap_or(head_dim);
+    let read = |info| {
+        float_vector(gguf, info, rope_dims as usize / 2).map_err(|why| refuse(format!("tensor `{}` {why}", info.name)))
+    };
+    let (long, short) = (read(long)?, read(short)?);
+    let context = gguf.get_u64(&format!("{name}.context_length")).unwrap_or(2048) as f64;
+    let original_key = format!("{name}.rope.scaling.original_context_length");
+    let original = gguf.get_u64(&original_key).ok_or_else(|| {
+        Error::invalid_file(&gguf.path, format!("LongRoPE factors without `{original_key}`"))
+    })? as f64;
+    let factor = context / original;
+    let derived = if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / original.ln()).sqrt() };
+    let attn_key = format!("{name}.rope.scaling.attn_factor");
+    if let Some(stated) = gguf.get_f64(&attn_key).filter(|v| (v - derived).abs() > 1e-4 * derived) {
+        return Err(refuse(format!(
+            "`{attn_key}` = {stated} (mlx-lm's phi3 derives {derived} from the context lengths)"
+        )));
+    }
+    let list = |v: &[f32]| Json::from(v.iter().map(|&f| f32_json(f as f64)).collect::<Vec<_>>());
+    // `type`, not `rope_type`: mlx-lm's phi3 requires that key.
+    Ok(Some(json!({"type": "longrope", "long_factor": list(&long), "short_factor": list(&short)})))
 }
 
 /// Whether any tensor's name ends with `suffix` (e.g. `attn_q.bias`).
@@ -481,7 +595,8 @@ mod tests {
         assert_eq!(Architecture::from_model_type("mistral"), Some(Architecture::Llama));
         assert_eq!(Architecture::from_gguf_name("gemma3"), Some(Architecture::Gemma3));
         assert_eq!(Architecture::from_model_type("gemma3"), Some(Architecture::Gemma3));
-        assert_eq!(Architecture::from_gguf_name("phi3"), None);
+        assert_eq!(Architecture::from_gguf_name("phi3"), Some(Architecture::Phi3));
+        assert_eq!(Architecture::from_gguf_name("starcoder2"), None);
     }
 
     #[test]

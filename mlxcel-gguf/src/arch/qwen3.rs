@@ -11,20 +11,12 @@ pub(super) const SPEC: ArchSpec = ArchSpec {
     gguf_name: "qwen3",
     hf_class: "Qwen3ForCausalLM",
     permuted_qk: false,
-    block_module,
+    block_module: super::qk_norm_module,
     // Qwen3 has no attention biases (mlx-lm's qwen3 and llama.cpp's read none).
     bias_modules: &[],
     norm_shift: 0.0,
     config,
 };
-
-fn block_module(module: &str) -> Option<&'static str> {
-    match module {
-        "attn_q_norm" => Some("self_attn.q_norm"),
-        "attn_k_norm" => Some("self_attn.k_norm"),
-        _ => None,
-    }
-}
 
 fn config(_: &GgufFile, _: &HParams, c: &mut Map<String, Json>) {
     c.insert("hidden_act".into(), "silu".into());

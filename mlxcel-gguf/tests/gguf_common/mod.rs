@@ -469,6 +469,33 @@ pub fn tiny_model(rng: &mut Rng, arch: &str) -> GgufBuilder {
             .meta("gemma3.attention.value_length", Value::U32(HEAD_DIM as u32));
         g.tensors.retain(|t| t.0 != "output.weight");
     }
+    if arch == "gemma2" {
+        // Gemma's post-norms (no q/k norms in Gemma 2), the window and soft-caps; tied.
+        for name in ["post_attention_norm", "post_ffw_norm"] {
+            g.tensor(&format!("blk.0.{name}.weight"), &[h], t(GgmlType::F32), norm(rng, HIDDEN));
+        }
+        g.meta("gemma2.attention.sliding_window", Value::U32(4))
+            .meta("gemma2.attention.key_length", Value::U32(HEAD_DIM as u32))
+            .meta("gemma2.attn_logit_softcapping", Value::F32(50.0))
+            .meta("gemma2.final_logit_softcapping", Value::F32(30.0));
+        g.tensors.retain(|t| t.0 != "output.weight");
+    }
+    if arch == "olmo2" {
+        // Post-norms only, and q/k norms over the whole projection.
+        g.tensors.retain(|t| t.0 != "blk.0.attn_norm.weight" && t.0 != "blk.0.ffn_norm.weight");
+        for (name, n) in [("post_attention_norm", HIDDEN), ("post_ffw_norm", HIDDEN), ("attn_q_norm", q), ("attn_k_norm", kv)] {
+            g.tensor(&format!("blk.0.{name}.weight"), &[n as u64], t(GgmlType::F32), norm(rng, n));
+        }
+    }
+    if arch == "phi3" {
+        // q, k and v in one matrix; gate and up in one `ffn_up` of 2 * FFN rows.
+        let fused = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"];
+        g.tensors.retain(|t| !fused.contains(&t.0.as_str()));
+        let qkv = q + 2 * kv;
+        g.tensor("blk.0.attn_qkv.weight", &[h, qkv as u64], t(GgmlType::Q4_0), blocks(rng, HIDDEN * qkv, GgmlType::Q4_0, &[0]))
+            .tensor("blk.0.ffn_up.weight", &[h, 2 * FFN as u64], t(GgmlType::Q8_0), blocks(rng, HIDDEN * 2 * FFN, GgmlType::Q8_0, &[0]))
+            .meta("phi3.rope.dimension_count", Value::U32(HEAD_DIM as u32));
+    }
     if arch == "qwen3" || arch == "gemma3" {
         let hd = HEAD_DIM as u64;
         g.tensor(
@@ -537,5 +564,20 @@ pub fn tiny_llama3(rng: &mut Rng, factor: f64) -> GgufBuilder {
     set_meta(&mut g, "llama.rope.freq_base", Value::F32(500_000.0));
     let freqs = llama_cpp_rope_freqs(HEAD_DIM, 500_000.0, factor, 1.0, 4.0, 8192.0);
     g.tensor("rope_freqs.weight", &[HEAD_DIM as u64 / 2], GgmlType::F32.id(), freqs);
+    g
+}
+
+/// A tiny Phi-3 with llama.cpp's LongRoPE factors (long 1, 1.5, 2, ...; short 1, 1.01, ...),
+/// original context 128 (of 512), and `attn_factor` when given.
+pub fn tiny_phi3_longrope(rng: &mut Rng, attn_factor: Option<f32>) -> GgufBuilder {
+    let mut g = tiny_model(rng, "phi3");
+    let half = HEAD_DIM / 2;
+    let factors = |step: f32| (0..half).flat_map(|i| (1.0 + i as f32 * step).to_le_bytes()).collect::<Vec<u8>>();
+    g.tensor("rope_factors_long.weight", &[half as u64], GgmlType::F32.id(), factors(0.5))
+        .tensor("rope_factors_short.weight", &[half as u64], GgmlType::F32.id(), factors(0.01))
+        .meta("phi3.rope.scaling.original_context_length", Value::U32(128));
+    if let Some(f) = attn_factor {
+        g.meta("phi3.rope.scaling.attn_factor", Value::F32(f));
+    }
     g
 }

@@ -1,13 +1,16 @@
 //! The decoder-only transformer that the llama family shares: embeddings,
-//! pre-norm blocks, a final norm and an (optionally tied) lm_head.
+//! pre-norm blocks, a final norm and an (optionally tied) lm_head, in the
+//! shared [`Transformer`].
 
 use mlx_sys::Array;
 use serde::Deserialize;
 
-use crate::cache::{KvCache, StandardKvCache};
+use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::model::{LanguageModel, ModelShape};
+use crate::model::ModelShape;
 use crate::nn::{Attention, AttentionSpec, DecoderBlock, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling, RowKernels};
+use crate::weights::Scope;
+use super::transformer::{Block, Transformer};
 use super::LoadContext;
 
 /// Hugging Face config keys common to llama-style models.
@@ -43,8 +46,21 @@ impl DecoderArgs {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
+    /// The sizes callers see, activations in `dtype`.
+    pub fn shape(&self, dtype: mlx_sys::Dtype) -> ModelShape {
+        ModelShape {
+            num_layers: self.num_hidden_layers as usize,
+            hidden_size: self.hidden_size as usize,
+            kv_heads: self.kv_heads() as usize,
+            head_dim: self.head_dim() as usize,
+            vocab_size: self.vocab_size as usize,
+            dtype,
+            max_position_embeddings: self.max_position_embeddings.map(|n| n as usize),
+        }
+    }
+
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let positive = [
+        check_sizes(&[
             ("hidden_size", self.hidden_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("intermediate_size", self.intermediate_size),
@@ -52,19 +68,24 @@ impl DecoderArgs {
             ("num_key_value_heads", self.kv_heads()),
             ("head_dim", self.head_dim()),
             ("vocab_size", self.vocab_size),
-        ];
-        if let Some((name, value)) = positive.iter().find(|(_, v)| *v <= 0) {
-            return Err(format!("`{name}` must be positive, got {value}"));
-        }
-        if self.num_attention_heads % self.kv_heads() != 0 {
-            return Err(format!(
-                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
-                self.num_attention_heads,
-                self.kv_heads()
-            ));
-        }
-        Ok(())
+        ])
     }
+}
+
+/// Every size in `sizes` (config key, value) positive, and
+/// `num_attention_heads` a multiple of `num_key_value_heads` (when both are
+/// among them); the error names the key.
+pub fn check_sizes(sizes: &[(&str, i32)]) -> std::result::Result<(), String> {
+    if let Some((name, value)) = sizes.iter().find(|(_, v)| *v <= 0) {
+        return Err(format!("`{name}` must be positive, got {value}"));
+    }
+    let size = |key: &str| sizes.iter().find(|(name, _)| *name == key).map(|(_, v)| *v);
+    if let (Some(heads), Some(kv_heads)) = (size("num_attention_heads"), size("num_key_value_heads")) {
+        if heads % kv_heads != 0 {
+            return Err(format!("num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"));
+        }
+    }
+    Ok(())
 }
 
 /// Per-architecture choices on top of [`DecoderArgs`].
@@ -76,12 +97,21 @@ pub struct DecoderOptions {
     pub qk_norm: bool,
 }
 
-pub struct DecoderModel {
-    shape: ModelShape,
-    embed_tokens: Embedding,
-    layers: Vec<DecoderBlock>,
-    norm: RmsNorm,
-    lm_head: Option<Linear>,
+/// The llama family's model: [`DecoderBlock`]s in the shared [`Transformer`].
+pub type DecoderModel = Transformer<DecoderBlock>;
+
+impl Block for DecoderBlock {
+    fn forward(&self, x: &Array, cache: &mut dyn KvCache, kernels: RowKernels) -> Result<Array> {
+        self.forward_with(x, cache, kernels)
+    }
+
+    fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array> {
+        DecoderBlock::forward_batch(self, x, caches)
+    }
+
+    fn chunking_invariant(&self) -> bool {
+        self.is_fused()
+    }
 }
 
 impl DecoderModel {
@@ -117,128 +147,26 @@ impl DecoderModel {
         if tied {
             root.weights.skip("lm_head.");
         }
-        let lm_head = if tied {
-            None
-        } else {
-            Some(Linear::load(&root.pp("lm_head"), args.hidden_size, args.vocab_size, false)?)
-        };
-        Ok(DecoderModel {
-            shape: ModelShape {
-                num_layers: args.num_hidden_layers as usize,
-                hidden_size: args.hidden_size as usize,
-                kv_heads: args.kv_heads() as usize,
-                head_dim: args.head_dim() as usize,
-                vocab_size: args.vocab_size as usize,
-                dtype: root.dtype,
-                max_position_embeddings: args.max_position_embeddings.map(|n| n as usize),
-            },
+        let lm_head = load_lm_head(root, args, tied)?;
+        Ok(Transformer {
+            shape: args.shape(root.dtype),
             embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, args.hidden_size)?,
+            embed_scale: None,
+            windows: vec![None; layers.len()],
             layers,
             norm: RmsNorm::load(&model.pp("norm"), args.hidden_size, args.rms_norm_eps)?,
             lm_head,
+            final_softcap: None,
         })
     }
 }
 
-impl DecoderModel {
-    /// The final hidden states ([B, L, hidden]) after every block.
-    fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
-        if caches.len() != self.layers.len() {
-            return Err(Error::Mlx(format!("{} caches given for {} layers", caches.len(), self.layers.len())));
-        }
-        let mut h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward_with(&h, cache.as_mut(), kernels)?;
-        }
-        Ok(h)
+/// The untied lm_head (None when `tied`).
+pub fn load_lm_head(root: &Scope, args: &DecoderArgs, tied: bool) -> Result<Option<Linear>> {
+    if tied {
+        return Ok(None);
     }
-
-    /// [`hidden`](Self::hidden) for B sequences over their own caches.
-    fn hidden_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
-        if let Some(c) = caches.iter().find(|c| c.len() != self.layers.len()) {
-            return Err(Error::Mlx(format!("{} caches given for {} layers", c.len(), self.layers.len())));
-        }
-        let mut h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mut layer_caches: Vec<&mut Box<dyn KvCache>> = caches.iter_mut().map(|c| &mut c[i]).collect();
-            h = layer.forward_batch(&h, &mut layer_caches)?;
-        }
-        Ok(h)
-    }
-
-    fn logits(&self, h: &Array) -> Result<Array> {
-        let h = self.norm.forward(h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed_tokens.as_linear(&h),
-        }
-    }
-}
-
-impl LanguageModel for DecoderModel {
-    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
-        let h = self.hidden(tokens, caches, RowKernels::ByCount)?;
-        self.logits(&h)
-    }
-
-    fn forward_last(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
-        self.forward_last_with(tokens, caches, RowKernels::ByCount)
-    }
-
-    fn forward_last_with(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
-        let h = self.hidden(tokens, caches, kernels)?;
-        let length = h.dim(1);
-        // The lm_head sees one row either way.
-        self.logits(&h.slice_axis(1, length - 1, length)?)
-    }
-
-    fn chunking_invariant_prefill(&self) -> bool {
-        mlx_sys::Device::default_device() == mlx_sys::Device::Cpu && self.layers.iter().all(|l| l.is_fused())
-    }
-
-    fn reads_paged_kv(&self) -> bool {
-        // The paged prefill attention takes head sizes that are multiples of 16.
-        self.chunking_invariant_prefill()
-            && self.shape.head_dim % 16 == 0
-            && crate::runtime::current().prefill != crate::runtime::PrefillBackend::Mlx
-    }
-
-    fn forward_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
-        if caches.len() != tokens.dim(0) as usize {
-            return Err(Error::Mlx(format!("{} cache sets given for a batch of {}", caches.len(), tokens.dim(0))));
-        }
-        let h = self.hidden_batch(tokens, caches)?;
-        let length = h.dim(1);
-        let h = self.norm.forward(&h.slice_axis(1, length - 1, length)?)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward_per_sequence(&h)?,
-            None => self.embed_tokens.as_linear_per_sequence(&h)?,
-        };
-        Ok(logits.squeeze(1)?)
-    }
-
-    fn forward_batch_all(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
-        if caches.len() != tokens.dim(0) as usize {
-            return Err(Error::Mlx(format!("{} cache sets given for a batch of {}", caches.len(), tokens.dim(0))));
-        }
-        let h = self.hidden_batch(tokens, caches)?;
-        let (batch, length) = (h.dim(0), h.dim(1));
-        // Each position through the lm_head as a sequence of one, as at decode.
-        let h = self.norm.forward(&h)?.reshape(&[batch * length, 1, -1])?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward_per_sequence(&h)?,
-            None => self.embed_tokens.as_linear_per_sequence(&h)?,
-        };
-        Ok(logits.reshape(&[batch, length, -1])?)
-    }
-
-    fn new_caches(&self) -> Vec<Box<dyn KvCache>> {
-        (0..self.layers.len()).map(|_| Box::new(StandardKvCache::new()) as Box<dyn KvCache>).collect()
-    }
-
-    fn shape(&self) -> &ModelShape {
-        &self.shape
-    }
+    Ok(Some(Linear::load(&root.pp("lm_head"), args.hidden_size, args.vocab_size, false)?))
 }
 
 /// Parses an architecture's args from config.json, naming the file on error.

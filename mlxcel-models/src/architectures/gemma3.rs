@@ -12,15 +12,17 @@
 use mlx_sys::{Array, Dtype};
 use serde::Deserialize;
 
-use super::decoder::parse_args;
+use super::decoder::{check_sizes, parse_args};
+use super::transformer::{each_sequence_alone, Block, Transformer};
 use super::LoadContext;
-use crate::cache::{KvCache, StandardKvCache};
+use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelShape};
 use crate::nn::{
     Activation, Attention, AttentionSpec, Embedding, FusedBlock, FusedParts, GatedMlp, Linear, RmsNorm, Rope, RopeScaling,
-    FUSED_MAX_ROWS,
+    RowKernels, FUSED_MAX_ROWS,
 };
+use crate::weights::Scope;
 
 /// Weight prefixes of a multimodal `gemma3` checkpoint that the text model
 /// does not read (as mlx-lm's `gemma3.Model.sanitize` drops them).
@@ -83,7 +85,7 @@ mod defaults {
 
 impl Gemma3Args {
     fn validate(&self) -> std::result::Result<(), String> {
-        let positive = [
+        check_sizes(&[
             ("hidden_size", self.hidden_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("intermediate_size", self.intermediate_size),
@@ -93,16 +95,7 @@ impl Gemma3Args {
             ("vocab_size", self.vocab_size),
             ("sliding_window", self.sliding_window),
             ("sliding_window_pattern", self.sliding_window_pattern),
-        ];
-        if let Some((name, value)) = positive.iter().find(|(_, v)| *v <= 0) {
-            return Err(format!("`{name}` must be positive, got {value}"));
-        }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
-            return Err(format!(
-                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
-                self.num_attention_heads, self.num_key_value_heads
-            ));
-        }
+        ])?;
         if self.query_pre_attn_scalar <= 0.0 {
             return Err(format!("`query_pre_attn_scalar` must be positive, got {}", self.query_pre_attn_scalar));
         }
@@ -111,8 +104,8 @@ impl Gemma3Args {
 
     /// What mlx-lm's gemma3_text does not compute: refused, not ignored.
     fn unsupported(&self) -> Option<String> {
-        if let Some(act) = self.hidden_activation.as_deref().filter(|a| *a != "gelu_pytorch_tanh") {
-            return Some(format!("hidden_activation `{act}` (gemma3 computes gelu_pytorch_tanh)"));
+        if let Some(message) = gelu_tanh_only("gemma3", self.hidden_activation.as_deref()) {
+            return Some(message);
         }
         if let Some(cap) = self.final_logit_softcapping {
             return Some(format!("final_logit_softcapping {cap} (supported: null)"));
@@ -129,22 +122,33 @@ impl Gemma3Args {
     }
 }
 
-/// One Gemma 3 block: pre- and post-norms around attention and the MLP.
-struct Gemma3Block {
-    input_layernorm: RmsNorm,
-    self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    pre_feedforward_layernorm: RmsNorm,
-    mlp: GatedMlp,
-    post_feedforward_layernorm: RmsNorm,
+/// A Gemma `hidden_activation` other than the GELU (tanh) the block computes,
+/// as the reason to refuse the config.
+pub(super) fn gelu_tanh_only(family: &str, activation: Option<&str>) -> Option<String> {
+    let act = activation.filter(|a| *a != "gelu_pytorch_tanh")?;
+    Some(format!("hidden_activation `{act}` ({family} computes gelu_pytorch_tanh)"))
+}
+
+/// One Gemma block (2 and 3): pre- and post-norms around attention and the
+/// MLP.
+pub struct GemmaBlock {
+    pub(super) input_layernorm: RmsNorm,
+    pub(super) self_attn: Attention,
+    pub(super) post_attention_layernorm: RmsNorm,
+    pub(super) pre_feedforward_layernorm: RmsNorm,
+    pub(super) mlp: GatedMlp,
+    pub(super) post_feedforward_layernorm: RmsNorm,
+    /// Residual sums kept within float16's range (Gemma 3's `clip_residual`;
+    /// mlx-lm's Gemma 2 adds plainly).
+    pub(super) clip_residuals: bool,
     /// The block as one kernel node for decode and short prompts (quantized
     /// projections on the CPU), as the llama family's.
-    fused: Option<FusedBlock>,
+    pub(super) fused: Option<FusedBlock>,
 }
 
 /// `x + y`, kept within float16's range when the activations are float16
 /// (mlx-lm's `clip_residual`).
-fn residual(x: &Array, y: &Array) -> Result<Array> {
+fn clipped_residual(x: &Array, y: &Array) -> Result<Array> {
     if x.dtype() != Dtype::Float16 {
         return Ok(x.add(y)?);
     }
@@ -154,16 +158,38 @@ fn residual(x: &Array, y: &Array) -> Result<Array> {
     Ok(clipped.astype(Dtype::Float16)?)
 }
 
-impl Gemma3Block {
-    fn with_fused(mut self) -> Self {
-        self.fused = FusedBlock::new(FusedParts {
-            input_norm: &self.input_layernorm,
-            attn: &self.self_attn,
-            mlp_norm: &self.pre_feedforward_layernorm,
-            mlp: &self.mlp,
-            output_norms: Some((&self.post_attention_layernorm, &self.post_feedforward_layernorm)),
+impl GemmaBlock {
+    /// The block's four norms, attention and GELU (tanh) MLP from `layer`,
+    /// its norms' gains `1 + weight`.
+    pub fn load(layer: &Scope, spec: AttentionSpec, rope: Rope, intermediate: i32, eps: f32, clip_residuals: bool) -> Result<Self> {
+        let hidden = spec.hidden;
+        let norm = |name: &str| RmsNorm::load_with_offset(&layer.pp(name), hidden, eps, 1.0);
+        let mut block = GemmaBlock {
+            input_layernorm: norm("input_layernorm")?,
+            self_attn: Attention::load(&layer.pp("self_attn"), spec, rope)?,
+            post_attention_layernorm: norm("post_attention_layernorm")?,
+            pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
+            mlp: GatedMlp::load_with(&layer.pp("mlp"), hidden, intermediate, false, Activation::GeluTanh)?,
+            post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
+            clip_residuals,
+            fused: None,
+        };
+        block.fused = FusedBlock::new(FusedParts {
+            input_norm: &block.input_layernorm,
+            attn: &block.self_attn,
+            mlp_norm: &block.pre_feedforward_layernorm,
+            mlp: &block.mlp,
+            output_norms: Some((&block.post_attention_layernorm, &block.post_feedforward_layernorm)),
         });
-        self
+        Ok(block)
+    }
+
+    fn residual(&self, x: &Array, y: &Array) -> Result<Array> {
+        if self.clip_residuals {
+            clipped_residual(x, y)
+        } else {
+            Ok(x.add(y)?)
+        }
     }
 
     /// Rows the fused block takes: few f32 rows (decode, short prompts).
@@ -171,54 +197,45 @@ impl Gemma3Block {
         x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32
     }
 
-    fn forward(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+    fn forward_alone(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
         if let Some(fused) = self.fused.as_ref().filter(|_| Self::fused_takes(x) && x.dim(0) == 1) {
             if let Some(out) = fused.forward(x, cache)? {
                 return Ok(out);
             }
         }
         let r = self.self_attn.forward(&self.input_layernorm.forward(x)?, cache, Default::default())?;
-        let h = residual(x, &self.post_attention_layernorm.forward(&r)?)?;
+        let h = self.residual(x, &self.post_attention_layernorm.forward(&r)?)?;
         let r = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
-        residual(&h, &self.post_feedforward_layernorm.forward(&r)?)
+        self.residual(&h, &self.post_feedforward_layernorm.forward(&r)?)
+    }
+}
+
+impl Block for GemmaBlock {
+    fn forward(&self, x: &Array, cache: &mut dyn KvCache, _: RowKernels) -> Result<Array> {
+        self.forward_alone(x, cache)
     }
 
     /// B sequences, each exactly as alone: norms and projections over all
     /// rows, RoPE and attention per sequence.
     fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array> {
         if let [cache] = caches {
-            return self.forward(x, cache.as_mut());
+            return self.forward_alone(x, cache.as_mut());
         }
         if let Some(fused) = self.fused.as_ref().filter(|_| Self::fused_takes(x)) {
             if let Some(out) = fused.forward_batch(x, caches)? {
                 return Ok(out);
             }
             // A cache the kernel cannot write in place: each sequence alone.
-            let rows = caches
-                .iter_mut()
-                .enumerate()
-                .map(|(b, cache)| self.forward(&x.slice_axis(0, b as i32, b as i32 + 1)?, cache.as_mut()))
-                .collect::<Result<Vec<_>>>()?;
-            return Ok(mlx_sys::concatenate(&rows, 0)?);
+            return each_sequence_alone(x, caches, |x, cache| self.forward_alone(x, cache));
         }
         let r = self.self_attn.forward_batch(&self.input_layernorm.forward(x)?, caches)?;
-        let h = residual(x, &self.post_attention_layernorm.forward(&r)?)?;
+        let h = self.residual(x, &self.post_attention_layernorm.forward(&r)?)?;
         let r = self.mlp.forward_per_sequence(&self.pre_feedforward_layernorm.forward(&h)?)?;
-        residual(&h, &self.post_feedforward_layernorm.forward(&r)?)
+        self.residual(&h, &self.post_feedforward_layernorm.forward(&r)?)
     }
 }
 
-pub struct Gemma3Model {
-    shape: ModelShape,
-    embed_tokens: Embedding,
-    /// sqrt(hidden) rounded to bfloat16, as mlx-lm scales the embeddings.
-    embed_scale: f64,
-    layers: Vec<Gemma3Block>,
-    /// The sliding layers' window, None for the global ones.
-    windows: Vec<Option<usize>>,
-    norm: RmsNorm,
-    lm_head: Option<Linear>,
-}
+pub type Gemma3Model = Transformer<GemmaBlock>;
 
 pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
     let multimodal = ctx.config.get("model_type").and_then(|t| t.as_str()) == Some("gemma3");
@@ -243,154 +260,62 @@ pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
         (ctx.config.clone(), ctx.scope.clone())
     };
     let args: Gemma3Args = parse_args(&config, ctx.config_path)?;
-    Ok(Box::new(Gemma3Model::load(&root, ctx.config_path, &args)?))
+    Ok(Box::new(load_model(&root, ctx.config_path, &args)?))
 }
 
-impl Gemma3Model {
-    fn load(root: &crate::weights::Scope, config_path: &std::path::Path, args: &Gemma3Args) -> Result<Self> {
-        args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
-        if let Some(message) = args.unsupported() {
-            return Err(Error::Unsupported { path: config_path.into(), message });
-        }
-        let unsupported = |message: String| Error::Unsupported { path: config_path.into(), message };
-        let local_rope = Rope::new(args.head_dim, args.rope_local_base_freq, false, None).map_err(unsupported)?;
-        let global_rope =
-            Rope::new(args.head_dim, args.rope_theta, false, args.rope_scaling.as_ref()).map_err(unsupported)?;
-        let (hidden, eps) = (args.hidden_size, args.rms_norm_eps);
-        let norm = |scope: &crate::weights::Scope, dims: i32| RmsNorm::load_with_offset(scope, dims, eps, 1.0);
-        let model = root.pp("model");
-        let layers = (0..args.num_hidden_layers)
-            .map(|i| {
-                let layer = model.pp("layers").pp(i);
-                let global = args.is_global(i);
-                let spec = AttentionSpec {
-                    qk_norm_eps: Some(eps),
-                    qk_norm_offset: 1.0,
-                    scale: Some(args.query_pre_attn_scalar.powf(-0.5)),
-                    window: (!global).then_some(args.sliding_window),
-                    ..AttentionSpec::new(hidden, args.num_attention_heads, args.num_key_value_heads, args.head_dim)
-                };
-                let rope = if global { global_rope.clone() } else { local_rope.clone() };
-                Ok(Gemma3Block {
-                    input_layernorm: norm(&layer.pp("input_layernorm"), hidden)?,
-                    self_attn: Attention::load(&layer.pp("self_attn"), spec, rope)?,
-                    post_attention_layernorm: norm(&layer.pp("post_attention_layernorm"), hidden)?,
-                    pre_feedforward_layernorm: norm(&layer.pp("pre_feedforward_layernorm"), hidden)?,
-                    mlp: GatedMlp::load_with(&layer.pp("mlp"), hidden, args.intermediate_size, false, Activation::GeluTanh)?,
-                    post_feedforward_layernorm: norm(&layer.pp("post_feedforward_layernorm"), hidden)?,
-                    fused: None,
-                }
-                .with_fused())
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // mlx-lm's sanitize: tied exactly when the checkpoint has no lm_head.
-        let lm_head = if root.contains("lm_head.weight") {
-            Some(Linear::load(&root.pp("lm_head"), hidden, args.vocab_size, false)?)
-        } else {
-            None
-        };
-        Ok(Gemma3Model {
-            shape: ModelShape {
-                num_layers: args.num_hidden_layers as usize,
-                hidden_size: hidden as usize,
-                kv_heads: args.num_key_value_heads as usize,
-                head_dim: args.head_dim as usize,
-                vocab_size: args.vocab_size as usize,
-                dtype: root.dtype,
-                max_position_embeddings: args.max_position_embeddings.map(|n| n as usize),
-            },
-            embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, hidden)?,
-            embed_scale: half::bf16::from_f32((hidden as f32).sqrt()).to_f32() as f64,
-            windows: (0..args.num_hidden_layers)
-                .map(|i| (!args.is_global(i)).then_some(args.sliding_window as usize))
-                .collect(),
-            layers,
-            norm: norm(&model.pp("norm"), hidden)?,
-            lm_head,
-        })
-    }
-
-    fn embed(&self, tokens: &Array) -> Result<Array> {
-        Ok(self.embed_tokens.forward(tokens, self.shape.dtype)?.mul_scalar(self.embed_scale)?)
-    }
-
-    fn check_caches(&self, caches: usize) -> Result<()> {
-        if caches != self.layers.len() {
-            return Err(Error::Mlx(format!("{caches} caches given for {} layers", self.layers.len())));
-        }
-        Ok(())
-    }
-
-    fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
-        self.check_caches(caches.len())?;
-        let mut h = self.embed(tokens)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, cache.as_mut())?;
-        }
-        Ok(h)
-    }
-
-    fn hidden_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
-        if caches.len() != tokens.dim(0) as usize {
-            return Err(Error::Mlx(format!("{} cache sets given for a batch of {}", caches.len(), tokens.dim(0))));
-        }
-        for c in caches.iter() {
-            self.check_caches(c.len())?;
-        }
-        let mut h = self.embed(tokens)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mut layer_caches: Vec<&mut Box<dyn KvCache>> = caches.iter_mut().map(|c| &mut c[i]).collect();
-            h = layer.forward_batch(&h, &mut layer_caches)?;
-        }
-        Ok(h)
-    }
-
-    fn logits(&self, h: &Array, per_sequence: bool) -> Result<Array> {
-        let h = self.norm.forward(h)?;
-        Ok(match (&self.lm_head, per_sequence) {
-            (Some(head), false) => head.forward(&h)?,
-            (Some(head), true) => head.forward_per_sequence(&h)?,
-            (None, false) => self.embed_tokens.as_linear(&h)?,
-            (None, true) => self.embed_tokens.as_linear_per_sequence(&h)?,
-        })
-    }
+/// Gemma's embedding scale, `sqrt(hidden)`, rounded to bfloat16 as mlx-lm's Gemma 3 rounds it.
+fn bf16_embed_scale(hidden: i32) -> f64 {
+    half::bf16::from_f32((hidden as f32).sqrt()).to_f32() as f64
 }
 
-impl LanguageModel for Gemma3Model {
-    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
-        let h = self.hidden(tokens, caches)?;
-        self.logits(&h, false)
+fn load_model(root: &Scope, config_path: &std::path::Path, args: &Gemma3Args) -> Result<Gemma3Model> {
+    args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
+    if let Some(message) = args.unsupported() {
+        return Err(Error::Unsupported { path: config_path.into(), message });
     }
+    let unsupported = |message: String| Error::Unsupported { path: config_path.into(), message };
+    let local_rope = Rope::new(args.head_dim, args.rope_local_base_freq, false, None).map_err(unsupported)?;
+    let global_rope = Rope::new(args.head_dim, args.rope_theta, false, args.rope_scaling.as_ref()).map_err(unsupported)?;
+    let (hidden, eps) = (args.hidden_size, args.rms_norm_eps);
+    let model = root.pp("model");
+    let layers = (0..args.num_hidden_layers)
+        .map(|i| {
+            let global = args.is_global(i);
+            let spec = AttentionSpec {
+                qk_norm_eps: Some(eps),
+                qk_norm_offset: 1.0,
+                scale: Some(args.query_pre_attn_scalar.powf(-0.5)),
+                window: (!global).then_some(args.sliding_window),
+                ..AttentionSpec::new(hidden, args.num_attention_heads, args.num_key_value_heads, args.head_dim)
+            };
+            let rope = if global { global_rope.clone() } else { local_rope.clone() };
+            GemmaBlock::load(&model.pp("layers").pp(i), spec, rope, args.intermediate_size, eps, true)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Transformer {
+        shape: ModelShape {
+            num_layers: args.num_hidden_layers as usize,
+            hidden_size: hidden as usize,
+            kv_heads: args.num_key_value_heads as usize,
+            head_dim: args.head_dim as usize,
+            vocab_size: args.vocab_size as usize,
+            dtype: root.dtype,
+            max_position_embeddings: args.max_position_embeddings.map(|n| n as usize),
+        },
+        embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, hidden)?,
+        embed_scale: Some(bf16_embed_scale(hidden)),
+        windows: (0..args.num_hidden_layers).map(|i| (!args.is_global(i)).then_some(args.sliding_window as usize)).collect(),
+        layers,
+        norm: RmsNorm::load_with_offset(&model.pp("norm"), hidden, eps, 1.0)?,
+        lm_head: untied_lm_head(root, hidden, args.vocab_size)?,
+        final_softcap: None,
+    })
+}
 
-    fn forward_last(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
-        let h = self.hidden(tokens, caches)?;
-        let length = h.dim(1);
-        self.logits(&h.slice_axis(1, length - 1, length)?, false)
+/// mlx-lm's Gemma sanitize: tied exactly when the checkpoint has no lm_head.
+pub(super) fn untied_lm_head(root: &Scope, hidden: i32, vocab_size: i32) -> Result<Option<Linear>> {
+    if !root.contains("lm_head.weight") {
+        return Ok(None);
     }
-
-    fn forward_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
-        let h = self.hidden_batch(tokens, caches)?;
-        let length = h.dim(1);
-        Ok(self.logits(&h.slice_axis(1, length - 1, length)?, true)?.squeeze(1)?)
-    }
-
-    fn forward_batch_all(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
-        let h = self.hidden_batch(tokens, caches)?;
-        let (batch, length) = (h.dim(0), h.dim(1));
-        // Each position through the lm_head as a sequence of one, as at decode.
-        let logits = self.logits(&h.reshape(&[batch * length, 1, -1])?, true)?;
-        Ok(logits.reshape(&[batch, length, -1])?)
-    }
-
-    fn new_caches(&self) -> Vec<Box<dyn KvCache>> {
-        (0..self.layers.len()).map(|_| Box::new(StandardKvCache::new()) as Box<dyn KvCache>).collect()
-    }
-
-    fn shape(&self) -> &ModelShape {
-        &self.shape
-    }
-
-    fn attention_windows(&self) -> Vec<Option<usize>> {
-        self.windows.clone()
-    }
+    Ok(Some(Linear::load(&root.pp("lm_head"), hidden, vocab_size, false)?))
 }

@@ -3,10 +3,14 @@
 
 pub mod bert;
 pub mod decoder;
+pub mod gemma2;
 pub mod gemma3;
 pub mod llama;
+pub mod olmo2;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
+pub mod transformer;
 
 use std::path::Path;
 
@@ -33,7 +37,10 @@ fn constructor_of(arch: Architecture) -> Constructor {
         Architecture::Llama => llama::load,
         Architecture::Qwen2 => qwen2::load,
         Architecture::Qwen3 => qwen3::load,
+        Architecture::Gemma2 => gemma2::load,
         Architecture::Gemma3 => gemma3::load,
+        Architecture::Olmo2 => olmo2::load,
+        Architecture::Phi3 => phi3::load,
     }
 }
 

@@ -1,0 +1,173 @@
+//! The model around a stack of blocks that every decoder family shares:
+//! token embeddings (optionally scaled), the blocks over their KV caches, a
+//! final norm, and the lm_head or the tied embeddings (optionally
+//! soft-capped). Each family brings its own [`Block`].
+
+use mlx_sys::Array;
+
+use crate::cache::{KvCache, StandardKvCache};
+use crate::error::{Error, Result};
+use crate::model::{LanguageModel, ModelShape};
+use crate::nn::{softcap, Embedding, Linear, RmsNorm, RowKernels};
+
+/// One decoder block as [`Transformer`] runs it.
+pub trait Block: Send + Sync {
+    /// `x` [B, L, hidden] → [B, L, hidden], appending to `cache`, with the
+    /// kernels chosen by `kernels` where the block honours the choice.
+    fn forward(&self, x: &Array, cache: &mut dyn KvCache, kernels: RowKernels) -> Result<Array>;
+    /// `x` [B, L, hidden] as B sequences, `caches[b]` sequence b's cache:
+    /// each sequence's output exactly what [`forward`](Self::forward) gives
+    /// it alone.
+    fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array>;
+    /// Whether prefill with [`RowKernels::Prefill`] computes every position
+    /// the same however the prompt is cut into chunks (on the CPU).
+    fn chunking_invariant(&self) -> bool {
+        false
+    }
+}
+
+/// Embeddings, blocks, final norm and head: a [`LanguageModel`].
+pub struct Transformer<B> {
+    pub shape: ModelShape,
+    pub embed_tokens: Embedding,
+    /// Multiplies the embeddings (Gemma's `sqrt(hidden)`).
+    pub embed_scale: Option<f64>,
+    pub layers: Vec<B>,
+    /// Each layer's sliding window, for [`LanguageModel::attention_windows`]
+    /// (all None: every layer sees every position).
+    pub windows: Vec<Option<usize>>,
+    pub norm: RmsNorm,
+    /// None: the tied embeddings.
+    pub lm_head: Option<Linear>,
+    /// Gemma 2's `final_logit_softcapping`: `cap * tanh(logits / cap)`.
+    pub final_softcap: Option<f32>,
+}
+
+impl<B: Block> Transformer<B> {
+    fn embed(&self, tokens: &Array) -> Result<Array> {
+        let h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
+        Ok(match self.embed_scale {
+            Some(scale) => h.mul_scalar(scale)?,
+            None => h,
+        })
+    }
+
+    fn check_caches(&self, caches: usize) -> Result<()> {
+        if caches != self.layers.len() {
+            return Err(Error::Mlx(format!("{caches} caches given for {} layers", self.layers.len())));
+        }
+        Ok(())
+    }
+
+    /// The final hidden states ([B, L, hidden]) after every block.
+    fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        self.check_caches(caches.len())?;
+        let mut h = self.embed(tokens)?;
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            h = layer.forward(&h, cache.as_mut(), kernels)?;
+        }
+        Ok(h)
+    }
+
+    /// [`hidden`](Self::hidden) for B sequences over their own caches.
+    fn hidden_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        if caches.len() != tokens.dim(0) as usize {
+            return Err(Error::Mlx(format!("{} cache sets given for a batch of {}", caches.len(), tokens.dim(0))));
+        }
+        for c in caches.iter() {
+            self.check_caches(c.len())?;
+        }
+        let mut h = self.embed(tokens)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut layer_caches: Vec<&mut Box<dyn KvCache>> = caches.iter_mut().map(|c| &mut c[i]).collect();
+            h = layer.forward_batch(&h, &mut layer_caches)?;
+        }
+        Ok(h)
+    }
+
+    /// Final norm, head and cap; `per_sequence`: `h` [B, L, hidden] as B
+    /// sequences, each exactly as alone.
+    fn logits(&self, h: &Array, per_sequence: bool) -> Result<Array> {
+        let h = self.norm.forward(h)?;
+        let logits = match (&self.lm_head, per_sequence) {
+            (Some(head), false) => head.forward(&h)?,
+            (Some(head), true) => head.forward_per_sequence(&h)?,
+            (None, false) => self.embed_tokens.as_linear(&h)?,
+            (None, true) => self.embed_tokens.as_linear_per_sequence(&h)?,
+        };
+        match self.final_softcap {
+            Some(cap) => softcap(&logits, cap),
+            None => Ok(logits),
+        }
+    }
+}
+
+impl<B: Block> LanguageModel for Transformer<B> {
+    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let h = self.hidden(tokens, caches, RowKernels::ByCount)?;
+        self.logits(&h, false)
+    }
+
+    fn forward_last(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        self.forward_last_with(tokens, caches, RowKernels::ByCount)
+    }
+
+    fn forward_last_with(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        let h = self.hidden(tokens, caches, kernels)?;
+        let length = h.dim(1);
+        // The lm_head sees one row either way.
+        self.logits(&h.slice_axis(1, length - 1, length)?, false)
+    }
+
+    fn chunking_invariant_prefill(&self) -> bool {
+        mlx_sys::Device::default_device() == mlx_sys::Device::Cpu && self.layers.iter().all(|l| l.chunking_invariant())
+    }
+
+    fn reads_paged_kv(&self) -> bool {
+        // The paged prefill attention takes head sizes that are multiples of 16.
+        self.chunking_invariant_prefill()
+            && self.shape.head_dim % 16 == 0
+            && crate::runtime::current().prefill != crate::runtime::PrefillBackend::Mlx
+    }
+
+    fn forward_batch(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        let h = self.hidden_batch(tokens, caches)?;
+        let length = h.dim(1);
+        Ok(self.logits(&h.slice_axis(1, length - 1, length)?, true)?.squeeze(1)?)
+    }
+
+    fn forward_batch_all(&self, tokens: &Array, caches: &mut [&mut [Box<dyn KvCache>]]) -> Result<Array> {
+        let h = self.hidden_batch(tokens, caches)?;
+        let (batch, length) = (h.dim(0), h.dim(1));
+        // Each position through the lm_head as a sequence of one, as at decode.
+        let logits = self.logits(&h.reshape(&[batch * length, 1, -1])?, true)?;
+        Ok(logits.reshape(&[batch, length, -1])?)
+    }
+
+    fn new_caches(&self) -> Vec<Box<dyn KvCache>> {
+        (0..self.layers.len()).map(|_| Box::new(StandardKvCache::new()) as Box<dyn KvCache>).collect()
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+
+    fn attention_windows(&self) -> Vec<Option<usize>> {
+        self.windows.clone()
+    }
+}
+
+/// Each sequence of `x` [B, L, hidden] through `alone` with its own cache,
+/// concatenated: a batch that a block's shared kernels decline.
+pub fn each_sequence_alone(
+    x: &Array,
+    caches: &mut [&mut Box<dyn KvCache>],
+    alone: impl Fn(&Array, &mut dyn KvCache) -> Result<Array>,
+) -> Result<Array> {
+    let rows = caches
+        .iter_mut()
+        .enumerate()
+        .map(|(b, cache)| alone(&x.slice_axis(0, b as i32, b as i32 + 1)?, cache.as_mut()))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(mlx_sys::concatenate(&rows, 0)?)
+}
