@@ -4,7 +4,7 @@
 //! batch or on other threads, long texts are truncated, bad input is refused.
 //! The checkpoint is fetched into the cache on first use (`mlxcel pull all-MiniLM-L6-v2`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use mlxcel_engine::{Embedder, ErrorKind, Pooling, EMBED_PASS_TOKENS};
@@ -174,4 +174,96 @@ fn a_cross_encoder_matches_mlx_embeddings_bert_with_the_same_head() {
     assert!(error.to_string().contains("load it as a reranker"), "{error}");
     let error = mlxcel_engine::Reranker::load(&model_dir()).err().unwrap();
     assert!(error.to_string().contains("no sequence-classification head"), "{error}");
+}
+
+/// A tiny random model (mlxcel-models/tests/data/tiny/NAME, from
+/// tests/reference/make_{decoder_embedding,tiny_encoder}_goldens.py) with the
+/// `tokenizer.json` of `tokenizer_from`, so it loads as a checkpoint
+/// directory, and its golden.json.
+fn tiny_with_tokenizer(name: &str, tokenizer_from: &Path) -> (PathBuf, Value) {
+    let tiny = repo_root().join("mlxcel-models/tests/data/tiny").join(name);
+    let dir = std::env::temp_dir().join(format!("mlxcel-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(tiny.join(file), dir.join(file)).unwrap();
+    }
+    std::fs::copy(tokenizer_from.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let golden = serde_json::from_str(&std::fs::read_to_string(tiny.join("golden.json")).unwrap()).unwrap();
+    (dir, golden)
+}
+
+fn golden_ids(case: &Value) -> Vec<u32> {
+    case["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// The largest distance of `vectors` from the golden cases' embeddings: (min cosine, max |Δ|).
+fn distance(cases: &[Value], vectors: &[Vec<f32>]) -> (f64, f32) {
+    let (mut worst_cos, mut worst_abs) = (1.0f64, 0.0f32);
+    for (case, vector) in cases.iter().zip(vectors) {
+        let want: Vec<f32> = case["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        worst_cos = worst_cos.min(cosine(vector, &want));
+        worst_abs = vector.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(worst_abs, f32::max);
+    }
+    (worst_cos, worst_abs)
+}
+
+#[test]
+fn a_qwen3_body_embeds_as_mlx_embeddings_does() {
+    // Float32 weights, and 4-bit ones saved without the `model.` prefix (as
+    // Qwen3-Embedding ships): last-token pooling and L2 normalisation, each
+    // sequence in a padded batch in the reference, alone here. Measured on
+    // Intel Sapphire Rapids: f32 max |Δ| 2.5e-7; 4-bit 3.1e-5, the integer
+    // kernels' 16-bit activations (`tiny_parity.rs`).
+    for (name, max_abs) in [("qwen3_embedding", 1e-5f32), ("qwen3_embedding_q4_g32", 2e-4)] {
+        let (dir, golden) = tiny_with_tokenizer(name, &default_model_dir());
+        let embedder = Embedder::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let model = embedder.model();
+        assert_eq!((embedder.dims(), model.pooling(), model.normalizes()), (64, Pooling::LastToken, true));
+        assert_eq!(embedder.max_tokens(), 128, "max_position_embeddings");
+        let cases = golden["cases"].as_array().unwrap();
+        let ids: Vec<Vec<u32>> = cases.iter().map(golden_ids).collect();
+        let sequences: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+        let vectors = model.embed_tokens(&sequences).unwrap();
+        let (worst_cos, worst_abs) = distance(cases, &vectors);
+        eprintln!("{name} vs mlx-embeddings: min cosine {worst_cos:.9}, max |Δ| {worst_abs:.2e}");
+        assert!(worst_cos >= MIN_COSINE && worst_abs <= max_abs, "{name}: cosine {worst_cos}, |Δ| {worst_abs}");
+        // Alone, a sequence gets the same vector.
+        assert_eq!(model.embed_tokens(&sequences[2..3]).unwrap()[0], vectors[2]);
+        // Out-of-vocabulary ids are refused by name (the default tokenizer's
+        // ids run past this tiny vocabulary).
+        let error = model.embed_tokens(&[&[3, 600]]).unwrap_err();
+        assert!(error.to_string().contains("token id 600 is outside the vocabulary of 512"), "{error}");
+    }
+    // The same checkpoint still loads as a language model.
+    assert!(mlxcel_models::model::load_network(&repo_root().join("mlxcel-models/tests/data/tiny/qwen3")).is_ok());
+}
+
+#[test]
+fn xlm_roberta_embeds_and_reranks_as_mlx_embeddings_does() {
+    // Positions from pad_token_id + 1, weights under `roberta.`; mean pooling
+    // and L2 normalisation (the default without modules.json). Measured: max
+    // |Δ| 1.2e-7.
+    let (dir, golden) = tiny_with_tokenizer("xlm_roberta", &model_dir());
+    let embedder = Embedder::load(&dir).unwrap();
+    assert_eq!((embedder.dims(), embedder.max_tokens(), embedder.model().pooling()), (64, 38, Pooling::Mean));
+    let cases = golden["cases"].as_array().unwrap();
+    let ids: Vec<Vec<u32>> = cases.iter().map(golden_ids).collect();
+    let sequences: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+    let vectors = embedder.model().embed_tokens(&sequences).unwrap();
+    let (worst_cos, worst_abs) = distance(cases, &vectors);
+    eprintln!("xlm_roberta vs mlx-embeddings: min cosine {worst_cos:.9}, max |Δ| {worst_abs:.2e}");
+    assert!(worst_cos >= MIN_COSINE && worst_abs <= MAX_ABS, "cosine {worst_cos}, |Δ| {worst_abs}");
+    assert_eq!(embedder.model().embed_tokens(&sequences[3..4]).unwrap()[0], vectors[3]);
+
+    // XLMRobertaForSequenceClassification: out_proj(tanh(dense(h[<s>]))).
+    let (dir, golden) = tiny_with_tokenizer("xlm_roberta_rerank", &model_dir());
+    let reranker = mlxcel_engine::Reranker::load(&dir).unwrap();
+    let cases = golden["cases"].as_array().unwrap();
+    let inputs: Vec<(Vec<u32>, Vec<u32>)> = cases.iter().map(|c| (golden_ids(c), vec![0; golden_ids(c).len()])).collect();
+    let scores = reranker.model().score_tokens(&inputs).unwrap();
+    for (case, score) in cases.iter().zip(&scores) {
+        let want = case["score"].as_f64().unwrap() as f32;
+        assert!((score - want).abs() <= 2e-6, "{score} vs {want}");
+    }
+    assert_eq!(reranker.model().score_tokens(&inputs[1..2]).unwrap()[0], scores[1]);
 }

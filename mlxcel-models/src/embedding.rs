@@ -1,6 +1,7 @@
-//! Sentence-embedding checkpoints: an encoder, its tokenizer and the
-//! sentence-transformers pipeline after it (`modules.json`: pooling, then
-//! L2 normalisation when a `Normalize` module is listed).
+//! Sentence-embedding checkpoints: an encoder (BERT, or a decoder body such
+//! as Qwen3-Embedding's), its tokenizer and the sentence-transformers
+//! pipeline after it (`modules.json`: pooling, then L2 normalisation when a
+//! `Normalize` module is listed).
 
 use std::path::{Path, PathBuf};
 
@@ -9,13 +10,19 @@ use serde::Deserialize;
 use crate::architectures::bert::Bert;
 use crate::architectures::LoadContext;
 use crate::error::{Error, Result};
-use crate::model::open_checkpoint;
+use crate::model::{open_checkpoint, LanguageModel};
 use crate::quantization::QuantizationConfig;
 use crate::weights::{Scope, Weights};
 use mlx_sys::{Array, Dtype};
 
 /// `model_type`s that load as embedding models, not language models.
-pub const EMBEDDING_MODEL_TYPES: &[&str] = &["bert"];
+pub const EMBEDDING_MODEL_TYPES: &[&str] = &["bert", "xlm-roberta"];
+
+/// Decoder `model_type`s that also load as embedders: the final norm's
+/// output pooled (the last token unless `modules.json` says otherwise), as
+/// mlx-embeddings runs them (causal attention; its `gemma3_text` and
+/// `llama_bidirec` are bidirectional models, not these).
+pub const DECODER_EMBEDDING_MODEL_TYPES: &[&str] = &["qwen3"];
 
 /// Whether `config.json` names a sequence-classification model (a cross-encoder).
 pub(crate) fn is_cross_encoder(config: &serde_json::Value) -> bool {
@@ -46,10 +53,18 @@ impl Pooling {
     }
 }
 
+/// What turns token ids into per-token states.
+enum Encoder {
+    /// Bidirectional; sequences run packed in one pass.
+    Bert(Bert),
+    /// A decoder body without its head; each sequence runs alone over fresh caches.
+    Decoder(Box<dyn LanguageModel>),
+}
+
 /// A loaded embedding model. Holds only evaluated arrays and an immutable
 /// tokenizer: share it between threads freely (`Send + Sync`).
 pub struct EmbeddingModel {
-    encoder: Bert,
+    encoder: Encoder,
     tokenizer: tokenizers::Tokenizer,
     pooling: Pooling,
     normalize: bool,
@@ -83,14 +98,14 @@ struct PoolingConfig {
 }
 
 /// Tokens an input keeps: `sentence_bert_config.json`'s `max_seq_length`,
-/// at most the encoder's positions.
-pub(crate) fn max_tokens(dir: &Path, encoder: &Bert) -> Result<usize> {
+/// at most the encoder's `positions`.
+pub(crate) fn max_tokens(dir: &Path, positions: usize) -> Result<usize> {
     #[derive(Deserialize)]
     struct SentenceConfig {
         max_seq_length: Option<usize>,
     }
     let sentence: Option<SentenceConfig> = read_json(&dir.join("sentence_bert_config.json"))?;
-    Ok(sentence.and_then(|s| s.max_seq_length).unwrap_or(usize::MAX).min(encoder.max_positions()))
+    Ok(sentence.and_then(|s| s.max_seq_length).unwrap_or(usize::MAX).min(positions))
 }
 
 /// The checkpoint's `tokenizer.json`, its own padding and truncation (often
@@ -115,16 +130,16 @@ pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<O
     }
 }
 
-/// Pooling and normalisation from `modules.json`; mean pooling and L2
+/// Pooling and normalisation from `modules.json`; `default` pooling and L2
 /// normalisation (mlx-embeddings' `text_embeds`) when the file is absent.
-fn read_pipeline(dir: &Path) -> Result<(Pooling, bool)> {
+fn read_pipeline(dir: &Path, default: Pooling) -> Result<(Pooling, bool)> {
     let modules_path = dir.join("modules.json");
     let Some(modules) = read_json::<Vec<Module>>(&modules_path)? else {
-        return Ok((Pooling::Mean, true));
+        return Ok((default, true));
     };
     let normalize = modules.iter().any(|m| m.kind.ends_with(".Normalize"));
     let Some(pooling_module) = modules.iter().find(|m| m.kind.ends_with(".Pooling")) else {
-        return Ok((Pooling::Mean, normalize));
+        return Ok((default, normalize));
     };
     let path = dir.join(&pooling_module.path).join("config.json");
     let config: PoolingConfig = read_json(&path)?.unwrap_or_default();
@@ -138,7 +153,7 @@ fn read_pipeline(dir: &Path) -> Result<(Pooling, bool)> {
     ];
     let chosen: Vec<_> = modes.iter().filter(|m| m.0).collect();
     match chosen.as_slice() {
-        [] => Ok((Pooling::Mean, normalize)),
+        [] => Ok((default, normalize)),
         [(_, Some(pooling), _)] => Ok((*pooling, normalize)),
         [(_, None, name)] => Err(Error::Unsupported { path, message: format!("pooling_mode_{name} (supported: mean_tokens, cls_token, lasttoken)") }),
         _ => Err(Error::Unsupported {
@@ -154,42 +169,60 @@ fn read_pipeline(dir: &Path) -> Result<(Pooling, bool)> {
 
 impl EmbeddingModel {
     /// Loads an embedding checkpoint (`config.json` of a type in
-    /// [`EMBEDDING_MODEL_TYPES`], safetensors, `tokenizer.json`, and the
-    /// sentence-transformers files when present).
+    /// [`EMBEDDING_MODEL_TYPES`] or [`DECODER_EMBEDDING_MODEL_TYPES`],
+    /// safetensors, `tokenizer.json`, and the sentence-transformers files
+    /// when present).
     pub fn load(dir: &Path) -> Result<EmbeddingModel> {
         let (config, config_path, model_type) = open_checkpoint(dir)?;
-        if !EMBEDDING_MODEL_TYPES.contains(&model_type.as_str()) {
-            return Err(Error::UnknownArchitecture {
-                path: config_path,
-                model_type,
-                supported: format!("{} (embedding models)", EMBEDDING_MODEL_TYPES.join(", ")),
-            });
+        let decoder = DECODER_EMBEDDING_MODEL_TYPES.contains(&model_type.as_str());
+        if !decoder && !EMBEDDING_MODEL_TYPES.contains(&model_type.as_str()) {
+            let supported = [EMBEDDING_MODEL_TYPES, DECODER_EMBEDDING_MODEL_TYPES].concat().join(", ");
+            return Err(Error::UnknownArchitecture { path: config_path, model_type, supported: format!("{supported} (embedding models)") });
         }
         let quantization = QuantizationConfig::from_config(&config, &config_path)?;
-        let weights = Weights::load(dir)?;
+        let mut weights = Weights::load(dir)?;
         if is_cross_encoder(&config) {
             return Err(Error::Unsupported {
                 path: config_path,
                 message: "a cross-encoder (a sequence-classification head): load it as a reranker (`mlxcel rerank`)".into(),
             });
         }
-        let encoder = Bert::load(
-            &LoadContext { config: &config, config_path: &config_path, scope: Scope::root(&weights, &quantization, Dtype::Float32) },
-            false,
-        )?;
+        let (encoder, positions, default_pooling) = if decoder {
+            // The body alone, as mlx-embeddings' qwen3 `sanitize` makes it:
+            // `model.` before unprefixed names, and no lm_head (skipped if
+            // present; the config is read as tied so that none is loaded).
+            weights.prefix_missing("model.", &["lm_head."]);
+            weights.skip("lm_head.");
+            let mut body_config = config.clone();
+            body_config["tie_word_embeddings"] = serde_json::Value::Bool(true);
+            let checkpoint_dtype = config.get("torch_dtype").and_then(serde_json::Value::as_str).and_then(Dtype::from_name);
+            let scope = Scope::root(&weights, &quantization, crate::nn::compute_dtype(checkpoint_dtype));
+            let construct = crate::architectures::constructor(&model_type, &config_path)?;
+            let network = construct(&LoadContext { config: &body_config, config_path: &config_path, scope })?;
+            let positions = network.shape().max_position_embeddings.unwrap_or(usize::MAX);
+            (Encoder::Decoder(network), positions, Pooling::LastToken)
+        } else {
+            let scope = Scope::root(&weights, &quantization, Dtype::Float32);
+            let bert = Bert::load(&LoadContext { config: &config, config_path: &config_path, scope }, false)?;
+            let positions = bert.max_positions();
+            (Encoder::Bert(bert), positions, Pooling::Mean)
+        };
         let unread = weights.unread();
         if !unread.is_empty() {
             return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
         }
-        let (pooling, normalize) = read_pipeline(dir)?;
-        let max_tokens = max_tokens(dir, &encoder)?;
+        let (pooling, normalize) = read_pipeline(dir, default_pooling)?;
+        let max_tokens = max_tokens(dir, positions)?;
         let tokenizer = encoder_tokenizer(dir, max_tokens)?;
         Ok(EmbeddingModel { encoder, tokenizer, pooling, normalize, max_tokens, model_type, dir: dir.to_path_buf() })
     }
 
     /// Length of the vectors.
     pub fn dims(&self) -> usize {
-        self.encoder.args().hidden_size as usize
+        match &self.encoder {
+            Encoder::Bert(bert) => bert.args().hidden_size as usize,
+            Encoder::Decoder(network) => network.shape().hidden_size,
+        }
     }
 
     /// Tokens a text keeps (longer ones are truncated, special tokens kept).
@@ -220,25 +253,43 @@ impl EmbeddingModel {
         Ok(encoding.get_ids().to_vec())
     }
 
-    /// One vector per token sequence, computed in one packed pass: each is
-    /// the same as that sequence's alone.
+    /// One vector per token sequence (BERT: in one packed pass; a decoder:
+    /// each sequence alone), each the same as that sequence's alone.
     pub fn embed_tokens(&self, sequences: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         if sequences.is_empty() {
             return Ok(Vec::new());
         }
-        let hidden = self.encoder.forward(sequences, None)?;
-        let mut pooled = Vec::with_capacity(sequences.len());
-        let mut start = 0i32;
-        for sequence in sequences {
-            let len = sequence.len() as i32;
-            let vector = match self.pooling {
-                Pooling::Mean => hidden.slice_axis(0, start, start + len)?.mean(&[0], false)?,
-                Pooling::Cls => hidden.slice_axis(0, start, start + 1)?.squeeze(0)?,
-                Pooling::LastToken => hidden.slice_axis(0, start + len - 1, start + len)?.squeeze(0)?,
-            };
-            pooled.push(vector);
-            start += len;
-        }
+        let pooled = match &self.encoder {
+            Encoder::Bert(bert) => {
+                let hidden = bert.forward(sequences, None)?;
+                let mut pooled = Vec::with_capacity(sequences.len());
+                let mut start = 0i32;
+                for sequence in sequences {
+                    let len = sequence.len() as i32;
+                    pooled.push(self.pool(&hidden.slice_axis(0, start, start + len)?)?);
+                    start += len;
+                }
+                pooled
+            }
+            Encoder::Decoder(network) => {
+                let vocab = network.shape().vocab_size;
+                sequences
+                    .iter()
+                    .map(|sequence| {
+                        if sequence.is_empty() {
+                            return Err(Error::InvalidInput("an empty token sequence has no state to pool".into()));
+                        }
+                        if let Some(id) = sequence.iter().find(|&&id| id as usize >= vocab) {
+                            return Err(Error::InvalidInput(format!("token id {id} is outside the vocabulary of {vocab}")));
+                        }
+                        let ids: Vec<i32> = sequence.iter().map(|&id| id as i32).collect();
+                        let tokens = Array::from_slice(&ids, &[1, ids.len() as i32])?;
+                        let hidden = network.forward_hidden(&tokens, &mut network.new_caches())?;
+                        self.pool(&hidden.squeeze(0)?.astype(Dtype::Float32)?)
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
         let mut vectors = mlx_sys::stack(&pooled, 0)?;
         if self.normalize {
             let norm = vectors.square()?.sum(&[1], true)?.sqrt()?;
@@ -246,5 +297,15 @@ impl EmbeddingModel {
         }
         let flat: Vec<f32> = vectors.to_vec()?;
         Ok(flat.chunks(self.dims()).map(<[f32]>::to_vec).collect())
+    }
+
+    /// One sequence's states [len, hidden] → its vector [hidden].
+    fn pool(&self, states: &Array) -> Result<Array> {
+        let len = states.dim(0);
+        Ok(match self.pooling {
+            Pooling::Mean => states.mean(&[0], false)?,
+            Pooling::Cls => states.slice_axis(0, 0, 1)?.squeeze(0)?,
+            Pooling::LastToken => states.slice_axis(0, len - 1, len)?.squeeze(0)?,
+        })
     }
 }

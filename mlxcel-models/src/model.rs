@@ -68,6 +68,9 @@ pub trait LanguageModel: Send + Sync {
         }
         Ok(mlx_sys::concatenate(&rows, 0)?)
     }
+    /// `tokens` [B, L] int32 → the final norm's output [B, L, hidden],
+    /// before the head: what decoder-based embedders pool. Appends to `caches`.
+    fn forward_hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array>;
     /// One empty cache per layer.
     fn new_caches(&self) -> Vec<Box<dyn KvCache>>;
     /// Whether this model's kernels read a paged KV pool

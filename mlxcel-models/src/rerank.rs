@@ -1,8 +1,11 @@
-//! Cross-encoders (`BertForSequenceClassification` with one label): a
-//! (query, document) pair runs through the encoder as one input, `[CLS]
-//! query [SEP] document [SEP]` with token types 0 and 1, and the classifier
-//! on the pooler's output gives its relevance score (a raw logit, as
-//! sentence-transformers' `CrossEncoder` returns before its activation).
+//! Cross-encoders (`BertForSequenceClassification` or
+//! `XLMRobertaForSequenceClassification` with one label): a (query,
+//! document) pair runs through the encoder as one input, `[CLS] query [SEP]
+//! document [SEP]` with token types 0 and 1 (XLM-RoBERTa: `<s> query </s></s>
+//! document </s>`, all type 0), and the head gives its relevance score (a raw
+//! logit, as sentence-transformers' `CrossEncoder` returns before its
+//! activation): BERT's classifier on the pooler's output, XLM-RoBERTa's
+//! `out_proj(tanh(dense(h[<s>])))`.
 
 use std::path::{Path, PathBuf};
 
@@ -21,10 +24,18 @@ use crate::weights::{Scope, Weights};
 /// (`Send + Sync`; share it between threads).
 pub struct CrossEncoder {
     encoder: Bert,
-    classifier: Linear,
+    head: Head,
     tokenizer: tokenizers::Tokenizer,
     max_tokens: usize,
     dir: PathBuf,
+}
+
+/// What turns the encoder's states into a score.
+enum Head {
+    /// BERT: `classifier(pooler(h[CLS]))`.
+    Pooled(Linear),
+    /// XLM-RoBERTa: `out_proj(tanh(dense(h[<s>])))`, no pooler.
+    Dense { dense: Linear, out_proj: Linear },
 }
 
 impl CrossEncoder {
@@ -58,16 +69,22 @@ impl CrossEncoder {
         let quantization = QuantizationConfig::from_config(&config, &config_path)?;
         let weights = Weights::load(dir)?;
         let scope = Scope::root(&weights, &quantization, Dtype::Float32);
-        let encoder = Bert::load(&LoadContext { config: &config, config_path: &config_path, scope: scope.clone() }, true)?;
+        let roberta = model_type == "xlm-roberta";
+        let encoder = Bert::load(&LoadContext { config: &config, config_path: &config_path, scope: scope.clone() }, !roberta)?;
         let hidden = encoder.args().hidden_size;
-        let classifier = Linear::load(&scope.pp("classifier"), hidden, 1, true)?;
+        let classifier = scope.pp("classifier");
+        let head = if roberta {
+            Head::Dense { dense: Linear::load(&classifier.pp("dense"), hidden, hidden, true)?, out_proj: Linear::load(&classifier.pp("out_proj"), hidden, 1, true)? }
+        } else {
+            Head::Pooled(Linear::load(&classifier, hidden, 1, true)?)
+        };
         let unread = weights.unread();
         if !unread.is_empty() {
             return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
         }
-        let max_tokens = max_tokens(dir, &encoder)?;
+        let max_tokens = max_tokens(dir, encoder.max_positions())?;
         let tokenizer = encoder_tokenizer(dir, max_tokens)?;
-        Ok(CrossEncoder { encoder, classifier, tokenizer, max_tokens, dir: dir.to_path_buf() })
+        Ok(CrossEncoder { encoder, head, tokenizer, max_tokens, dir: dir.to_path_buf() })
     }
 
     /// Tokens a pair keeps; longer pairs lose tokens from the longer side first.
@@ -94,8 +111,11 @@ impl CrossEncoder {
         let ids: Vec<&[u32]> = pairs.iter().map(|p| p.0.as_slice()).collect();
         let types: Vec<&[u32]> = pairs.iter().map(|p| p.1.as_slice()).collect();
         let hidden = self.encoder.forward(&ids, Some(&types))?;
-        let pooled = self.encoder.pool_cls(&hidden, &ids)?;
-        let scores: Vec<f32> = self.classifier.forward(&pooled)?.to_vec()?;
+        let scores = match &self.head {
+            Head::Pooled(classifier) => classifier.forward(&self.encoder.pool_cls(&hidden, &ids)?)?,
+            Head::Dense { dense, out_proj } => out_proj.forward(&dense.forward(&self.encoder.first_tokens(&hidden, &ids)?)?.tanh()?)?,
+        };
+        let scores: Vec<f32> = scores.to_vec()?;
         Ok(scores[..pairs.len()].to_vec())
     }
 }

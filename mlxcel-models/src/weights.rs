@@ -117,6 +117,23 @@ impl Weights {
         skipped.extend(self.tensors.keys().filter(|n| n.contains(part)).cloned());
     }
 
+    /// Puts `prefix` before every name that lacks it (but names starting
+    /// with one of `except`): checkpoints saved from a base model without its
+    /// task wrapper (Qwen3-Embedding's `layers.0...` for `model.layers.0...`).
+    pub fn prefix_missing(&mut self, prefix: &str, except: &[&str]) {
+        let names: Vec<String> = self
+            .tensors
+            .keys()
+            .filter(|n| !n.starts_with(prefix) && !except.iter().any(|e| n.starts_with(e)))
+            .cloned()
+            .collect();
+        for name in names {
+            if let Some(entry) = self.tensors.remove(&name) {
+                self.tensors.insert(format!("{prefix}{name}"), entry);
+            }
+        }
+    }
+
     /// The tensors neither read nor skipped, sorted: after a model is built,
     /// weights it would otherwise silently ignore.
     pub fn unread(&self) -> Vec<String> {

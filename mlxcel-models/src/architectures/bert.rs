@@ -1,6 +1,8 @@
 //! BERT encoders (sentence-transformers' MiniLM, BGE, E5 and the like), as
 //! mlx-embeddings' `bert` model computes them: token + position + token-type
-//! embeddings, post-norm layers with full (bidirectional) attention.
+//! embeddings, post-norm layers with full (bidirectional) attention. XLM-
+//! RoBERTa (`xlm-roberta`: multilingual E5, BGE-M3 and the like) is the same
+//! network with positions numbered from `pad_token_id + 1`.
 //!
 //! Sequences run packed, never padded: the linear layers see every token of
 //! the batch as one matrix, attention runs per sequence over its own tokens.
@@ -35,6 +37,21 @@ pub struct BertArgs {
     /// Only `absolute` (learned positions) is supported.
     #[serde(default)]
     pub position_embedding_type: Option<String>,
+    pub model_type: String,
+    /// XLM-RoBERTa's positions start after it (default 1).
+    pub pad_token_id: Option<i32>,
+}
+
+impl BertArgs {
+    /// The first position id: 0 for BERT; `pad_token_id + 1` for
+    /// XLM-RoBERTa, which numbers a sequence's tokens after the pad id.
+    pub fn position_offset(&self) -> i32 {
+        if self.model_type == "xlm-roberta" {
+            self.pad_token_id.unwrap_or(1) + 1
+        } else {
+            0
+        }
+    }
 }
 
 fn default_type_vocab_size() -> i32 {
@@ -148,7 +165,8 @@ pub struct Bert {
 
 impl Bert {
     /// Builds the encoder from a checkpoint's tensors, with or without the
-    /// `bert.` prefix that Hugging Face's task models save. The pre-training
+    /// `bert.` (`roberta.` for XLM-RoBERTa) prefix that Hugging Face's task
+    /// models save. The pre-training
     /// heads are skipped, and the pooler too unless `with_pooler` (sentence
     /// embeddings pool the hidden states; a cross-encoder's classifier reads
     /// the pooler's output).
@@ -169,13 +187,24 @@ impl Bert {
         let act = HiddenAct::parse(&args.hidden_act, ctx)?;
         let weights = ctx.scope.weights;
         // Unused by mean/CLS pooling of the hidden states, as in mlx-embeddings.
-        for part in ["embeddings.position_ids", "cls.predictions.", "cls.seq_relationship."] {
+        // (`lm_head.`: XLM-RoBERTa's masked-LM head.)
+        for part in ["embeddings.position_ids", "cls.predictions.", "cls.seq_relationship.", "lm_head."] {
             weights.skip(part);
         }
         if !with_pooler {
             weights.skip("pooler.");
         }
-        let root = if weights.contains("bert.embeddings.word_embeddings.weight") { ctx.scope.pp("bert") } else { ctx.scope.clone() };
+        if args.position_offset() >= args.max_position_embeddings {
+            return Err(Error::InvalidConfig {
+                path: ctx.config_path.into(),
+                message: format!("pad_token_id {:?} leaves no positions below max_position_embeddings {}", args.pad_token_id, args.max_position_embeddings),
+            });
+        }
+        let prefix = ["bert", "roberta"].into_iter().find(|p| weights.contains(&format!("{p}.embeddings.word_embeddings.weight")));
+        let root = match prefix {
+            Some(prefix) => ctx.scope.pp(prefix),
+            None => ctx.scope.clone(),
+        };
         let embeddings = root.pp("embeddings");
         let hidden = args.hidden_size;
         let token_types = embeddings.pp("token_type_embeddings").get("weight", &[args.type_vocab_size, hidden])?;
@@ -205,7 +234,7 @@ impl Bert {
 
     /// Most tokens one sequence may have (the learned positions).
     pub fn max_positions(&self) -> usize {
-        self.args.max_position_embeddings as usize
+        (self.args.max_position_embeddings - self.args.position_offset()) as usize
     }
 
     /// The final hidden states of each sequence, packed: `sequences` of token
@@ -226,7 +255,8 @@ impl Bert {
                 )));
             }
             ids.extend(sequence.iter().map(|&t| t as i32));
-            positions.extend(0..sequence.len() as i32);
+            let first = self.args.position_offset();
+            positions.extend(first..first + sequence.len() as i32);
         }
         ids.resize(rows, 0);
         positions.resize(rows, 0);
@@ -269,15 +299,20 @@ impl Bert {
     /// loaded `with_pooler`.
     pub fn pool_cls(&self, hidden: &Array, sequences: &[&[u32]]) -> Result<Array> {
         let pooler = self.pooler.as_ref().ok_or_else(|| Error::InvalidInput("this encoder was loaded without its pooler".into()))?;
-        let mut starts = Vec::with_capacity(sequences.len());
+        Ok(pooler.forward(&self.first_tokens(hidden, sequences)?)?.tanh()?)
+    }
+
+    /// Each packed sequence's first state (`[CLS]`, `<s>`) from `hidden`,
+    /// `[R, hidden]` with R at least 16 as in [`pool_cls`](Self::pool_cls).
+    pub fn first_tokens(&self, hidden: &Array, sequences: &[&[u32]]) -> Result<Array> {
+        let mut starts = Vec::with_capacity(sequences.len().max(MIN_ROWS));
         let mut start = 0i32;
         for sequence in sequences {
             starts.push(start);
             start += sequence.len() as i32;
         }
         starts.resize(starts.len().max(MIN_ROWS), 0);
-        let first = hidden.take(&Array::from_slice(&starts, &[starts.len() as i32])?, 0)?;
-        Ok(pooler.forward(&first)?.tanh()?)
+        Ok(hidden.take(&Array::from_slice(&starts, &[starts.len() as i32])?, 0)?)
     }
 
     fn layer_forward(&self, layer: &BertLayer, x: &Array, sequences: &[&[u32]], padding: usize) -> Result<Array> {

@@ -144,6 +144,10 @@ impl<B: Block> LanguageModel for Transformer<B> {
         Ok(logits.reshape(&[batch, length, -1])?)
     }
 
+    fn forward_hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        Ok(self.norm.forward(&self.hidden(tokens, caches, RowKernels::ByCount)?)?)
+    }
+
     fn new_caches(&self) -> Vec<Box<dyn KvCache>> {
         (0..self.layers.len()).map(|_| Box::new(StandardKvCache::new()) as Box<dyn KvCache>).collect()
     }
