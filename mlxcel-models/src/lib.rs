@@ -22,4 +22,4 @@ pub use mlxcel_tokenizer::{chat_template, tokenizer};
 pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{Error, Result};
 pub use rerank::CrossEncoder;
-pub use model::{LanguageModel, Model, ModelInfo, ModelShape};
+pub use model::{LanguageModel, Model, ModelInfo, ModelLayout, ModelShape};

@@ -85,6 +85,47 @@ pub trait LanguageModel: Send + Sync {
     fn attention_windows(&self) -> Vec<Option<usize>> {
         vec![None; self.shape().num_layers]
     }
+    /// What each layer is and what makes the logits, in words (`mlxcel inspect`).
+    fn layout(&self) -> ModelLayout;
+}
+
+/// A model's layers and output described in words, one line per layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelLayout {
+    pub layers: Vec<String>,
+    /// How the logits are made: the lm_head or the tied embeddings, any scale or soft-cap.
+    pub head: String,
+}
+
+impl ModelLayout {
+    /// Layers with the same description grouped: (`"0-4, 6-10"`, description),
+    /// in order of first appearance.
+    pub fn grouped(&self) -> Vec<(String, &str)> {
+        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (i, line) in self.layers.iter().enumerate() {
+            match groups.iter_mut().find(|(l, _)| *l == line.as_str()) {
+                Some((_, indices)) => indices.push(i),
+                None => groups.push((line, vec![i])),
+            }
+        }
+        groups
+            .into_iter()
+            .map(|(line, indices)| {
+                let mut ranges: Vec<String> = Vec::new();
+                let mut start = indices[0];
+                for (k, &i) in indices.iter().enumerate() {
+                    let last = indices.get(k + 1).is_none_or(|&next| next != i + 1);
+                    if last {
+                        ranges.push(if start == i { i.to_string() } else { format!("{start}-{i}") });
+                        if let Some(&next) = indices.get(k + 1) {
+                            start = next;
+                        }
+                    }
+                }
+                (ranges.join(", "), line)
+            })
+            .collect()
+    }
 }
 
 /// Sizes that callers need without knowing the architecture.

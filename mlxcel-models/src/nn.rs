@@ -128,6 +128,14 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// The output width (the weight's rows).
+    pub fn out_features(&self) -> i32 {
+        match &self.weight {
+            LinearWeight::Dense(w) => w.dim(0),
+            LinearWeight::Quantized(q) => q.weight.dim(0),
+        }
+    }
+
     pub fn load(scope: &Scope, in_features: i32, out_features: i32, bias: bool) -> Result<Self> {
         let weight = match scope.quant_params(in_features)? {
             Some(params) => LinearWeight::Quantized(QuantizedWeight::load(scope, out_features, in_features, params)?),
@@ -170,7 +178,7 @@ impl Linear {
     }
 
     /// Output features, for quantized weights (None for dense ones).
-    fn out_features(&self) -> Option<i32> {
+    fn quantized_out_features(&self) -> Option<i32> {
         match &self.weight {
             LinearWeight::Quantized(q) => Some(q.weight.dim(0)),
             LinearWeight::Dense(_) => None,
@@ -515,6 +523,15 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
+    /// Its kind and width, for `mlxcel inspect`.
+    pub fn describe(&self) -> String {
+        let activation = match self.activation {
+            Activation::Silu => "SwiGLU",
+            Activation::GeluTanh => "GeGLU (tanh)",
+        };
+        format!("{activation} MLP {}", self.gate_proj.out_features())
+    }
+
     pub fn load(scope: &Scope, hidden: i32, intermediate: i32, bias: bool) -> Result<Self> {
         Self::load_with(scope, hidden, intermediate, bias, Activation::Silu)
     }
@@ -666,6 +683,28 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// Its shape and options, for `mlxcel inspect`.
+    pub fn describe(&self) -> String {
+        let s = &self.spec;
+        let mut parts = vec![format!("attention {} heads × {} ({} KV heads)", s.heads, s.head_dim, s.kv_heads)];
+        if s.qkv_fused {
+            parts.push("fused qkv_proj (split at load)".into());
+        }
+        if s.qkv_bias {
+            parts.push("q/k/v biases".into());
+        }
+        if s.qk_norm_eps.is_some() {
+            parts.push(if s.qk_norm_whole { "q/k norms over the projection" } else { "q/k norms per head" }.into());
+        }
+        if let Some(cap) = s.softcap {
+            parts.push(format!("score soft-cap {cap}"));
+        }
+        if let Some(window) = s.window {
+            parts.push(format!("sliding window {window}"));
+        }
+        parts.join(", ")
+    }
+
     pub fn load(scope: &Scope, spec: AttentionSpec, rope: Rope) -> Result<Self> {
         let AttentionSpec { hidden, heads, kv_heads, head_dim, qkv_bias, o_bias, qk_norm_eps, qk_norm_offset, scale, .. } = spec;
         let (q_rows, kv_rows) = (heads * head_dim, kv_heads * head_dim);
@@ -846,6 +885,12 @@ pub struct DecoderBlock {
 pub(crate) const FUSED_MAX_ROWS: i32 = 32;
 
 impl DecoderBlock {
+    /// Its layout, for `mlxcel inspect`.
+    pub fn describe(&self) -> String {
+        let fused = if self.is_fused() { " [one fused kernel node at decode]" } else { "" };
+        format!("pre-norm: {} → {}{fused}", self.self_attn.describe(), self.mlp.describe())
+    }
+
     pub fn new(input_layernorm: RmsNorm, self_attn: Attention, post_attention_layernorm: RmsNorm, mlp: GatedMlp) -> Self {
         let mut block = DecoderBlock { input_layernorm, self_attn, post_attention_layernorm, mlp, fused: None };
         block.fused = FusedBlock::new(FusedParts {
@@ -990,7 +1035,7 @@ impl FusedBlock {
             heads: attn.spec.heads,
             kv_heads: attn.spec.kv_heads,
             head_dim: attn.spec.head_dim,
-            intermediate: mlp.gate_proj.out_features()?,
+            intermediate: mlp.gate_proj.quantized_out_features()?,
             offset: 0,
             norm_eps: eps,
             rope_dims: attn.rope.dims,

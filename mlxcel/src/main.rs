@@ -568,9 +568,19 @@ fn inspect(dir: &Path) -> AnyResult<()> {
     let (config, _) = read_config(dir)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     print_info(dir, &info, &config, &tokenizer);
+    print_layout(network.as_ref());
     print_layers(network.as_ref());
     print_engine(network.as_ref())?;
     Ok(())
+}
+
+/// Each kind of layer (norms, attention, MLP) with the layers that have it, and the output.
+fn print_layout(network: &dyn mlxcel_models::LanguageModel) {
+    let layout = network.layout();
+    for (layers, line) in layout.grouped() {
+        println!("{:<16} {line}", format!("layers {layers}:"));
+    }
+    println!("output:          {}", layout.head);
 }
 
 /// The attention layout, when some layers slide: which, over how many

@@ -63,6 +63,8 @@ fn inspect_agrees_with_the_files() {
         format!("weight bytes:    {tensor_bytes} "),
         "KV bytes/token:  46080".to_string(),
         "tokenizer:       BPE (byte-level), vocab 49152".to_string(),
+        "layers 0-29:     pre-norm: attention 9 heads × 64 (3 KV heads) → SwiGLU MLP 1536 [one fused kernel node at decode]".to_string(),
+        "output:          tied embeddings".to_string(),
     ] {
         assert!(stdout.contains(&expected), "missing {expected:?} in\n{stdout}");
     }

@@ -112,6 +112,10 @@ impl Block for DecoderBlock {
     fn chunking_invariant(&self) -> bool {
         self.is_fused()
     }
+
+    fn describe(&self) -> String {
+        DecoderBlock::describe(self)
+    }
 }
 
 impl DecoderModel {

@@ -215,6 +215,11 @@ impl Block for GemmaBlock {
         self.forward_alone(x, cache)
     }
 
+    fn describe(&self) -> String {
+        let fused = if self.fused.is_some() { " [one fused kernel node at decode]" } else { "" };
+        format!("pre- and post-norms (1 + w gains): {} → {}{fused}", self.self_attn.describe(), self.mlp.describe())
+    }
+
     /// B sequences, each exactly as alone: norms and projections over all
     /// rows, RoPE and attention per sequence.
     fn forward_batch(&self, x: &Array, caches: &mut [&mut Box<dyn KvCache>]) -> Result<Array> {

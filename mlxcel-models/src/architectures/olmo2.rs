@@ -37,6 +37,10 @@ impl Block for Olmo2Block {
         let h = x.add(&self.post_attention_layernorm.forward(&self.self_attn.forward_batch(x, caches)?)?)?;
         Ok(h.add(&self.post_feedforward_layernorm.forward(&self.mlp.forward_per_sequence(&h)?)?)?)
     }
+
+    fn describe(&self) -> String {
+        format!("post-norm (outputs normed before the residual adds): {} → {}", self.self_attn.describe(), self.mlp.describe())
+    }
 }
 
 pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {

@@ -7,7 +7,7 @@ use mlx_sys::Array;
 
 use crate::cache::{KvCache, StandardKvCache};
 use crate::error::{Error, Result};
-use crate::model::{LanguageModel, ModelShape};
+use crate::model::{LanguageModel, ModelLayout, ModelShape};
 use crate::nn::{softcap, Embedding, Linear, RmsNorm, RowKernels};
 
 /// One decoder block as [`Transformer`] runs it.
@@ -24,6 +24,8 @@ pub trait Block: Send + Sync {
     fn chunking_invariant(&self) -> bool {
         false
     }
+    /// The block's layout in a line (norms, attention, MLP), for `mlxcel inspect`.
+    fn describe(&self) -> String;
 }
 
 /// Embeddings, blocks, final norm and head: a [`LanguageModel`].
@@ -158,6 +160,17 @@ impl<B: Block> LanguageModel for Transformer<B> {
 
     fn attention_windows(&self) -> Vec<Option<usize>> {
         self.windows.clone()
+    }
+
+    fn layout(&self) -> ModelLayout {
+        let mut head = if self.lm_head.is_some() { "lm_head".to_string() } else { "tied embeddings".to_string() };
+        if let Some(scale) = self.embed_scale {
+            head = format!("embeddings × {scale:.2}; {head}");
+        }
+        if let Some(cap) = self.final_softcap {
+            head.push_str(&format!(", logit soft-cap {cap}"));
+        }
+        ModelLayout { layers: self.layers.iter().map(Block::describe).collect(), head }
     }
 }
 
