@@ -58,7 +58,8 @@ pub struct QuantizedWeight {
 }
 
 impl QuantizedWeight {
-    fn load(scope: &Scope, out_features: i32, in_features: i32, params: QuantParams) -> Result<Self> {
+    /// The group count of `in_features`, or an error when they do not fit.
+    fn groups(scope: &Scope, in_features: i32, params: QuantParams) -> Result<i32> {
         let QuantParams { bits, group_size } = params;
         if in_features % group_size != 0 || (in_features * bits) % 32 != 0 {
             return Err(Error::Unsupported {
@@ -66,7 +67,11 @@ impl QuantizedWeight {
                 message: format!("{in_features} input features do not fit {bits}-bit groups of {group_size}"),
             });
         }
-        let groups = in_features / group_size;
+        Ok(in_features / group_size)
+    }
+
+    fn load(scope: &Scope, out_features: i32, in_features: i32, params: QuantParams) -> Result<Self> {
+        let (bits, groups) = (params.bits, Self::groups(scope, in_features, params)?);
         Ok(QuantizedWeight {
             weight: scope.get("weight", &[out_features, in_features * bits / 32])?,
             scales: scope.get_stored("scales", &[out_features, groups])?,
@@ -139,6 +144,38 @@ impl Linear {
         };
         let bias = if bias { Some(scope.get("bias", &[out_features])?) } else { None };
         Ok(Linear { weight, bias })
+    }
+
+    /// One `Linear` per expert from stacked weights (`weight` [E, out, in],
+    /// or quantized `weight`/`scales`/`biases` with a leading expert axis, as
+    /// mlx-lm's `SwitchLinear` stores them). Each is a view of expert e's
+    /// slice of the stacked arrays: nothing is copied.
+    pub fn load_stacked(scope: &Scope, experts: i32, in_features: i32, out_features: i32) -> Result<Vec<Self>> {
+        let expert = |a: &Array, e: i32| -> Result<Array> {
+            let mut shape = a.shape();
+            shape.remove(0);
+            let view = a.slice_axis(0, e, e + 1)?.reshape(&shape)?;
+            view.eval()?;
+            Ok(view)
+        };
+        match scope.quant_params(in_features)? {
+            Some(params) => {
+                let (bits, groups) = (params.bits, QuantizedWeight::groups(scope, in_features, params)?);
+                let weight = scope.get("weight", &[experts, out_features, in_features * bits / 32])?;
+                let scales = scope.get_stored("scales", &[experts, out_features, groups])?;
+                let biases = scope.get_stored("biases", &[experts, out_features, groups])?;
+                (0..experts)
+                    .map(|e| {
+                        let q = QuantizedWeight { weight: expert(&weight, e)?, scales: expert(&scales, e)?, biases: expert(&biases, e)?, params };
+                        Ok(Linear { weight: LinearWeight::Quantized(q), bias: None })
+                    })
+                    .collect()
+            }
+            None => {
+                let weight = scope.get("weight", &[experts, out_features, in_features])?;
+                (0..experts).map(|e| Ok(Linear { weight: LinearWeight::Dense(expert(&weight, e)?), bias: None })).collect()
+            }
+        }
     }
 
     /// Output features, for quantized weights (None for dense ones).
@@ -473,6 +510,11 @@ impl GatedMlp {
             down_proj: Linear::load(&scope.pp("down_proj"), intermediate, hidden, bias)?,
             activation,
         })
+    }
+
+    /// A SiLU-gated MLP of given projections (a mixture-of-experts' expert).
+    pub fn from_parts(gate_proj: Linear, up_proj: Linear, down_proj: Linear) -> Self {
+        GatedMlp { gate_proj, up_proj, down_proj, activation: Activation::Silu }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {

@@ -7,8 +7,10 @@
 
 mod gemma3;
 mod llama;
+mod mixtral;
 mod qwen2;
 mod qwen3;
+mod qwen3_moe;
 
 use serde_json::{json, Map, Value as Json};
 
@@ -26,6 +28,8 @@ pub enum Architecture {
     Qwen2,
     Qwen3,
     Gemma3,
+    Mixtral,
+    Qwen3Moe,
 }
 
 /// What one architecture module declares.
@@ -59,8 +63,15 @@ pub const SUPPORTED_ROPE_SCALING: &[&str] = &["linear", "yarn"];
 pub const ROPE_FREQS: &str = "rope_freqs.weight";
 
 impl Architecture {
-    pub const ALL: [Architecture; 4] =
-        [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3, Architecture::Gemma3];
+    /// Llama before Mixtral: a `llama` GGUF file is Mixtral only when it has experts.
+    pub const ALL: [Architecture; 6] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Gemma3,
+        Architecture::Mixtral,
+        Architecture::Qwen3Moe,
+    ];
 
     fn spec(self) -> &'static ArchSpec {
         match self {
@@ -68,6 +79,8 @@ impl Architecture {
             Architecture::Qwen2 => &qwen2::SPEC,
             Architecture::Qwen3 => &qwen3::SPEC,
             Architecture::Gemma3 => &gemma3::SPEC,
+            Architecture::Mixtral => &mixtral::SPEC,
+            Architecture::Qwen3Moe => &qwen3_moe::SPEC,
         }
     }
 
@@ -111,7 +124,9 @@ impl Architecture {
 
     /// Every convertible `general.architecture` (for error messages).
     pub fn gguf_names() -> Vec<&'static str> {
-        Self::ALL.iter().map(|a| a.gguf_name()).collect()
+        let mut names: Vec<&'static str> = Self::ALL.iter().map(|a| a.gguf_name()).collect();
+        names.dedup();
+        names
     }
 
     /// The architecture of a GGUF file; an unsupported one is an error that lists the supported.
@@ -119,6 +134,9 @@ impl Architecture {
         let name = gguf.get_str("general.architecture").ok_or_else(|| {
             Error::invalid_file(&gguf.path, "missing metadata `general.architecture`")
         })?;
+        if name == "llama" && gguf.get_u64("llama.expert_count").is_some_and(|n| n > 0) {
+            return Ok(Architecture::Mixtral);
+        }
         Architecture::from_gguf_name(name).ok_or_else(|| Error::Unsupported {
             path: gguf.path.clone(),
             message: format!(
@@ -209,6 +227,18 @@ fn common_block_module(module: &str) -> Option<&'static str> {
     })
 }
 
+/// `<arch>.expert_count`, `<arch>.expert_used_count` and the expert FFN width
+/// (`<arch>.expert_feed_forward_length`, else `feed_forward_length`) of an MoE file;
+/// `HParams::from_gguf` checked that they are present.
+fn expert_config(gguf: &GgufFile, hp: &HParams) -> (u64, u64, u64) {
+    let key = |k: &str| gguf.get_u64(&format!("{}.{k}", hp.name));
+    (
+        key("expert_count").unwrap_or(0),
+        key("expert_used_count").unwrap_or(0),
+        key("expert_feed_forward_length").unwrap_or(hp.intermediate_size),
+    )
+}
+
 /// Whether a HF tensor name is a normalization gain.
 pub fn is_norm(hf_name: &str) -> bool {
     hf_name.ends_with("norm.weight")
@@ -255,6 +285,10 @@ impl HParams {
             })
         };
         let hidden_size = req("embedding_length")?;
+        if matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe) {
+            req("expert_count")?;
+            req("expert_used_count")?;
+        }
         let num_heads = req("attention.head_count")?;
         if num_heads == 0 {
             return Err(Error::invalid_file(
@@ -473,7 +507,9 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for arch in Architecture::ALL {
             assert_eq!(Architecture::from_model_type(arch.model_type()), Some(arch));
-            assert_eq!(Architecture::from_gguf_name(arch.gguf_name()), Some(arch));
+            // Mixtral shares llama.cpp's `llama` (told apart by its experts).
+            let by_gguf = Architecture::from_gguf_name(arch.gguf_name()).unwrap();
+            assert!(by_gguf == arch || (arch, by_gguf) == (Architecture::Mixtral, Architecture::Llama));
             for name in std::iter::once(arch.model_type()).chain(arch.aliases().iter().copied()) {
                 assert!(seen.insert(name), "model_type `{name}` is claimed twice");
             }

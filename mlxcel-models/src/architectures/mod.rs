@@ -5,8 +5,10 @@ pub mod bert;
 pub mod decoder;
 pub mod gemma3;
 pub mod llama;
+pub mod mixtral;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_moe;
 
 use std::path::Path;
 
@@ -34,6 +36,8 @@ fn constructor_of(arch: Architecture) -> Constructor {
         Architecture::Qwen2 => qwen2::load,
         Architecture::Qwen3 => qwen3::load,
         Architecture::Gemma3 => gemma3::load,
+        Architecture::Mixtral => mixtral::load,
+        Architecture::Qwen3Moe => qwen3_moe::load,
     }
 }
 

@@ -1,0 +1,296 @@
+//! Mixture-of-experts layers and the decoder built on them (Mixtral, Qwen3-MoE).
+//!
+//! [`SparseMoe`] runs the router on the device, reads the chosen experts and
+//! their weights back (one host sync per MoE layer), groups the rows by
+//! expert and runs each chosen expert once over the rows routed to it, on our
+//! quantized matvec (few rows) or GEMM (many rows) kernels over that
+//! expert's slice of the stacked weights. Unchosen experts are never read.
+
+use mlx_sys::{Array, Dtype};
+
+use crate::architectures::decoder::DecoderArgs;
+use crate::architectures::LoadContext;
+use crate::cache::{KvCache, StandardKvCache};
+use crate::error::{Error, Result};
+use crate::model::{LanguageModel, ModelShape};
+use crate::nn::{Attention, AttentionSpec, Embedding, GatedMlp, Linear, RmsNorm, Rope, RowKernels};
+use crate::weights::Scope;
+
+/// How router logits become the top-k experts' weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// Mixtral: the k largest logits, then a softmax over those k.
+    SoftmaxOfTopK,
+    /// Qwen3-MoE: a softmax over all experts, the k largest probabilities,
+    /// renormalized to sum to 1 when `normalize` (`norm_topk_prob`).
+    TopKOfSoftmax { normalize: bool },
+}
+
+impl Routing {
+    /// The k (expert, weight) pairs of one row of router logits.
+    pub fn route(self, logits: &[f32], k: usize) -> Vec<(usize, f32)> {
+        let softmax = |v: &[f32]| -> Vec<f32> {
+            let max = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exp: Vec<f32> = v.iter().map(|x| (x - max).exp()).collect();
+            let sum: f32 = exp.iter().sum();
+            exp.iter().map(|e| e / sum).collect()
+        };
+        let top_k = |v: &[f32]| -> Vec<usize> {
+            let mut order: Vec<usize> = (0..v.len()).collect();
+            order.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+            order.truncate(k);
+            order
+        };
+        match self {
+            Routing::SoftmaxOfTopK => {
+                let chosen = top_k(logits);
+                let weights = softmax(&chosen.iter().map(|&e| logits[e]).collect::<Vec<_>>());
+                chosen.into_iter().zip(weights).collect()
+            }
+            Routing::TopKOfSoftmax { normalize } => {
+                let probs = softmax(logits);
+                let chosen = top_k(&probs);
+                let sum: f32 = chosen.iter().map(|&e| probs[e]).sum();
+                let scale = if normalize { sum } else { 1.0 };
+                chosen.into_iter().map(|e| (e, probs[e] / scale)).collect()
+            }
+        }
+    }
+}
+
+/// A router plus SiLU-gated experts, top-k of them per token.
+pub struct SparseMoe {
+    router: Linear,
+    experts: Vec<GatedMlp>,
+    top_k: usize,
+    routing: Routing,
+}
+
+/// Shape of a [`SparseMoe`].
+#[derive(Debug, Clone, Copy)]
+pub struct MoeSpec {
+    pub hidden: i32,
+    pub intermediate: i32,
+    pub experts: i32,
+    pub top_k: i32,
+    pub routing: Routing,
+}
+
+impl SparseMoe {
+    /// The router at `router` and the experts either stacked under
+    /// `stacked.{gate_proj,up_proj,down_proj}` (mlx-lm's `switch_mlp`) or,
+    /// when those are absent, one module per expert (Hugging Face's layout:
+    /// `per_expert.<e>.<name>`, `names` the gate, up and down projections).
+    /// mlx-lm's `sanitize` stacks the latter; we load each expert's tensors as
+    /// they are, which computes the same thing without a copy.
+    pub fn load(router: &Scope, stacked: &Scope, per_expert: &Scope, names: [&str; 3],
+        spec: MoeSpec,
+    ) -> Result<Self> {
+        let MoeSpec { hidden, intermediate, experts, top_k, routing } = spec;
+        if experts <= 0 || top_k <= 0 || top_k > experts {
+            return Err(Error::Unsupported {
+                path: router.module_path().into(),
+                message: format!("{top_k} experts per token (`num_experts_per_tok`) of {experts} must be 1..={experts}"),
+            });
+        }
+        let experts = if stacked.pp("gate_proj").contains("weight") {
+            let gate = Linear::load_stacked(&stacked.pp("gate_proj"), experts, hidden, intermediate)?;
+            let up = Linear::load_stacked(&stacked.pp("up_proj"), experts, hidden, intermediate)?;
+            let down = Linear::load_stacked(&stacked.pp("down_proj"), experts, intermediate, hidden)?;
+            gate.into_iter().zip(up).zip(down).map(|((g, u), d)| GatedMlp::from_parts(g, u, d)).collect()
+        } else {
+            (0..experts)
+                .map(|e| {
+                    let scope = per_expert.pp(e);
+                    let [g, u, d] = names;
+                    Ok(GatedMlp::from_parts(
+                        Linear::load(&scope.pp(g), hidden, intermediate, false)?,
+                        Linear::load(&scope.pp(u), hidden, intermediate, false)?,
+                        Linear::load(&scope.pp(d), intermediate, hidden, false)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        Ok(SparseMoe { router: Linear::load(router, hidden, spec.experts, false)?, experts, top_k: top_k as usize, routing })
+    }
+
+    /// `x` [.., hidden] → [.., hidden].
+    pub fn forward_with(&self, x: &Array, kernels: RowKernels) -> Result<Array> {
+        let shape = x.shape();
+        let hidden = *shape.last().unwrap_or(&0);
+        let rows = x.reshape(&[-1, hidden])?;
+        let n = rows.dim(0) as usize;
+        let logits = self.router.forward_with(&rows, kernels)?.astype(Dtype::Float32)?.to_vec::<f32>()?;
+        let experts = self.experts.len();
+        let k = self.top_k;
+        // Rows (and their weights) per expert, and where each (row, slot) lands
+        // in the concatenated expert outputs.
+        let mut routed: Vec<(Vec<i32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); experts];
+        let mut slot_expert = Vec::with_capacity(n * k);
+        for (row, logits) in logits.chunks(experts).enumerate() {
+            for (e, w) in self.routing.route(logits, k) {
+                slot_expert.push((e, routed[e].0.len()));
+                routed[e].0.push(row as i32);
+                routed[e].1.push(w);
+            }
+        }
+        let mut start = vec![0usize; experts];
+        let mut parts = Vec::new();
+        let mut offset = 0;
+        for (e, (rows_e, weights_e)) in routed.iter().enumerate() {
+            if rows_e.is_empty() {
+                continue;
+            }
+            start[e] = offset;
+            offset += rows_e.len();
+            let m = rows_e.len() as i32;
+            let xe = if m as usize == n && rows_e.iter().enumerate().all(|(i, &r)| i as i32 == r) {
+                rows.clone()
+            } else {
+                rows.take(&Array::from_slice(rows_e, &[m])?, 0)?
+            };
+            let ye = self.experts[e].forward_with(&xe, kernels)?;
+            let we = Array::from_slice(weights_e, &[m, 1])?.astype(ye.dtype())?;
+            parts.push(ye.multiply(&we)?);
+        }
+        let order: Vec<i32> = slot_expert.iter().map(|&(e, i)| (start[e] + i) as i32).collect();
+        let all = if parts.len() == 1 { parts.pop().unwrap() } else { mlx_sys::concatenate(&parts, 0)? };
+        let y = all.take(&Array::from_slice(&order, &[(n * k) as i32])?, 0)?.reshape(&[n as i32, k as i32, hidden])?;
+        Ok(y.sum(&[1], false)?.reshape(&shape)?)
+    }
+}
+
+/// The feed-forward part of a block: a dense gated MLP or a sparse MoE.
+pub enum FeedForward {
+    Dense(GatedMlp),
+    Sparse(SparseMoe),
+}
+
+impl FeedForward {
+    fn forward_with(&self, x: &Array, kernels: RowKernels) -> Result<Array> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.forward_with(x, kernels),
+            FeedForward::Sparse(moe) => moe.forward_with(x, kernels),
+        }
+    }
+}
+
+struct MoeBlock {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    ffn: FeedForward,
+}
+
+/// A llama-style pre-norm decoder whose feed-forward parts may be MoEs.
+pub struct MoeModel {
+    shape: ModelShape,
+    embed_tokens: Embedding,
+    layers: Vec<MoeBlock>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+}
+
+impl MoeModel {
+    /// `ffn(layer_scope, i)` loads layer i's feed-forward part; `qk_norm`
+    /// adds Qwen3's per-head q/k norms.
+    pub fn load(
+        ctx: &LoadContext,
+        args: &DecoderArgs,
+        qk_norm: bool,
+        ffn: impl Fn(&Scope, i32) -> Result<FeedForward>,
+    ) -> Result<Self> {
+        let (root, config_path) = (&ctx.scope, ctx.config_path);
+        args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
+        let rope = Rope::new(args.head_dim(), args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref())
+            .map_err(|message| Error::Unsupported { path: config_path.into(), message })?;
+        let model = root.pp("model");
+        let spec = AttentionSpec {
+            qk_norm_eps: qk_norm.then_some(args.rms_norm_eps),
+            ..AttentionSpec::new(args.hidden_size, args.num_attention_heads, args.kv_heads(), args.head_dim())
+        };
+        let layers = (0..args.num_hidden_layers)
+            .map(|i| {
+                let layer = model.pp("layers").pp(i);
+                Ok(MoeBlock {
+                    input_layernorm: RmsNorm::load(&layer.pp("input_layernorm"), args.hidden_size, args.rms_norm_eps)?,
+                    self_attn: Attention::load(&layer.pp("self_attn"), spec.clone(), rope.clone())?,
+                    post_attention_layernorm: RmsNorm::load(
+                        &layer.pp("post_attention_layernorm"),
+                        args.hidden_size,
+                        args.rms_norm_eps,
+                    )?,
+                    ffn: ffn(&layer, i)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let tied = args.tie_word_embeddings.unwrap_or(!root.contains("lm_head.weight"));
+        root.weights.skip("self_attn.rotary_emb.inv_freq");
+        if tied {
+            root.weights.skip("lm_head.");
+        }
+        let lm_head =
+            if tied { None } else { Some(Linear::load(&root.pp("lm_head"), args.hidden_size, args.vocab_size, false)?) };
+        Ok(MoeModel {
+            shape: ModelShape {
+                num_layers: args.num_hidden_layers as usize,
+                hidden_size: args.hidden_size as usize,
+                kv_heads: args.kv_heads() as usize,
+                head_dim: args.head_dim() as usize,
+                vocab_size: args.vocab_size as usize,
+                dtype: root.dtype,
+                max_position_embeddings: args.max_position_embeddings.map(|n| n as usize),
+            },
+            embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, args.hidden_size)?,
+            layers,
+            norm: RmsNorm::load(&model.pp("norm"), args.hidden_size, args.rms_norm_eps)?,
+            lm_head,
+        })
+    }
+
+    fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        if caches.len() != self.layers.len() {
+            return Err(Error::Mlx(format!("{} caches given for {} layers", caches.len(), self.layers.len())));
+        }
+        let mut h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            let a = layer.self_attn.forward(&layer.input_layernorm.forward(&h)?, cache.as_mut(), kernels)?;
+            h = h.add(&a)?;
+            h = h.add(&layer.ffn.forward_with(&layer.post_attention_layernorm.forward(&h)?, kernels)?)?;
+        }
+        Ok(h)
+    }
+
+    fn logits(&self, h: &Array) -> Result<Array> {
+        let h = self.norm.forward(h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed_tokens.as_linear(&h),
+        }
+    }
+}
+
+impl LanguageModel for MoeModel {
+    fn forward(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let h = self.hidden(tokens, caches, RowKernels::ByCount)?;
+        self.logits(&h)
+    }
+
+    fn forward_last_with(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        let h = self.hidden(tokens, caches, kernels)?;
+        let length = h.dim(1);
+        self.logits(&h.slice_axis(1, length - 1, length)?)
+    }
+
+    fn forward_last(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        self.forward_last_with(tokens, caches, RowKernels::ByCount)
+    }
+
+    fn new_caches(&self) -> Vec<Box<dyn KvCache>> {
+        (0..self.layers.len()).map(|_| Box::new(StandardKvCache::new()) as Box<dyn KvCache>).collect()
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+}
