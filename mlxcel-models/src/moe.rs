@@ -134,6 +134,18 @@ impl SparseMoe {
                 routed[e].1.push(w);
             }
         }
+        if n == 1 {
+            // Decode: the k experts' outputs scaled and summed, in slot order.
+            let mut y: Option<Array> = None;
+            for &(e, _) in &slot_expert {
+                let ye = self.experts[e].forward_with(&rows, kernels)?.mul_scalar(routed[e].1[0] as f64)?;
+                y = Some(match y {
+                    Some(y) => y.add(&ye)?,
+                    None => ye,
+                });
+            }
+            return Ok(y.expect("top_k >= 1").reshape(&shape)?);
+        }
         let mut start = vec![0usize; experts];
         let mut parts = Vec::new();
         let mut offset = 0;

@@ -124,8 +124,12 @@ impl Architecture {
 
     /// Every convertible `general.architecture` (for error messages).
     pub fn gguf_names() -> Vec<&'static str> {
-        let mut names: Vec<&'static str> = Self::ALL.iter().map(|a| a.gguf_name()).collect();
-        names.dedup();
+        let mut names: Vec<&'static str> = Vec::new();
+        for name in Self::ALL.iter().map(|a| a.gguf_name()) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
         names
     }
 
@@ -548,5 +552,15 @@ mod tests {
             Some("model.layers.2.post_attention_layernorm.weight")
         );
         assert_eq!(Architecture::Llama.hf_name("blk.2.post_ffw_norm.weight"), None);
+        // Stacked experts and routers.
+        assert_eq!(
+            Architecture::Qwen3Moe.hf_name("blk.1.ffn_up_exps.weight").as_deref(),
+            Some("model.layers.1.mlp.switch_mlp.up_proj.weight")
+        );
+        assert_eq!(
+            Architecture::Mixtral.hf_name("blk.1.ffn_gate_inp.weight").as_deref(),
+            Some("model.layers.1.block_sparse_moe.gate.weight")
+        );
+        assert_eq!(Architecture::Llama.hf_name("blk.1.ffn_gate_exps.weight"), None);
     }
 }
