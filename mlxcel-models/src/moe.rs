@@ -1,10 +1,14 @@
 //! Mixture-of-experts layers and the decoder built on them (Mixtral, Qwen3-MoE).
 //!
-//! [`SparseMoe`] runs the router on the device, reads the chosen experts and
-//! their weights back (one host sync per MoE layer), groups the rows by
-//! expert and runs each chosen expert once over the rows routed to it, on our
-//! quantized matvec (few rows) or GEMM (many rows) kernels over that
-//! expert's slice of the stacked weights. Unchosen experts are never read.
+//! Decode (up to `FUSED_MAX_ROWS` rows) of quantized stacked experts runs
+//! each block as one fused kernel node whose MLP is the mixture (router,
+//! top-k, the chosen experts over their rows; `DecoderLayerSpec::experts`).
+//! Otherwise [`SparseMoe`] runs the router on the device, reads the chosen
+//! experts and their weights back (one host sync per MoE layer), groups the
+//! rows by expert and runs each chosen expert once over the rows routed to
+//! it, on our quantized matvec (few rows) or GEMM (many rows) kernels over
+//! that expert's slice of the stacked weights. Unchosen experts are never
+//! read on either path.
 
 use mlx_sys::{Array, Dtype};
 
@@ -13,7 +17,10 @@ use crate::architectures::LoadContext;
 use crate::cache::{KvCache, StandardKvCache};
 use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelShape};
-use crate::nn::{Attention, AttentionSpec, Embedding, GatedMlp, Linear, RmsNorm, Rope, RowKernels};
+use crate::nn::{
+    Attention, AttentionSpec, Embedding, FusedBlock, FusedParts, GatedMlp, Linear, RmsNorm, Rope, RowKernels, StackedExperts,
+    FUSED_MAX_ROWS,
+};
 use crate::weights::Scope;
 
 /// How router logits become the top-k experts' weights.
@@ -27,6 +34,15 @@ pub enum Routing {
 }
 
 impl Routing {
+    /// `DecoderLayerSpec::routing` of the fused kernel.
+    fn kernel_code(self) -> i32 {
+        match self {
+            Routing::SoftmaxOfTopK => 0,
+            Routing::TopKOfSoftmax { normalize: false } => 1,
+            Routing::TopKOfSoftmax { normalize: true } => 2,
+        }
+    }
+
     /// The k (expert, weight) pairs of one row of router logits.
     pub fn route(self, logits: &[f32], k: usize) -> Vec<(usize, f32)> {
         let softmax = |v: &[f32]| -> Vec<f32> {
@@ -62,6 +78,8 @@ impl Routing {
 pub struct SparseMoe {
     router: Linear,
     experts: Vec<GatedMlp>,
+    /// The quantized experts of a stacked checkpoint, for the fused block.
+    stacked: Option<StackedExperts>,
     top_k: usize,
     routing: Routing,
 }
@@ -93,10 +111,15 @@ impl SparseMoe {
                 message: format!("{top_k} experts per token (`num_experts_per_tok`) of {experts} must be 1..={experts}"),
             });
         }
+        let count = experts;
+        let mut fused_experts = None;
         let experts = if stacked.pp("gate_proj").contains("weight") {
-            let gate = Linear::load_stacked(&stacked.pp("gate_proj"), experts, hidden, intermediate)?;
-            let up = Linear::load_stacked(&stacked.pp("up_proj"), experts, hidden, intermediate)?;
-            let down = Linear::load_stacked(&stacked.pp("down_proj"), experts, intermediate, hidden)?;
+            let (gate, gate_all) = Linear::load_stacked(&stacked.pp("gate_proj"), experts, hidden, intermediate)?;
+            let (up, up_all) = Linear::load_stacked(&stacked.pp("up_proj"), experts, hidden, intermediate)?;
+            let (down, down_all) = Linear::load_stacked(&stacked.pp("down_proj"), experts, intermediate, hidden)?;
+            if let (Some(gate), Some(up), Some(down)) = (gate_all, up_all, down_all) {
+                fused_experts = Some(StackedExperts { count, gate, up, down });
+            }
             gate.into_iter().zip(up).zip(down).map(|((g, u), d)| GatedMlp::from_parts(g, u, d)).collect()
         } else {
             (0..experts)
@@ -111,7 +134,8 @@ impl SparseMoe {
                 })
                 .collect::<Result<Vec<_>>>()?
         };
-        Ok(SparseMoe { router: Linear::load(router, hidden, spec.experts, false)?, experts, top_k: top_k as usize, routing })
+        let router = Linear::load(router, hidden, spec.experts, false)?;
+        Ok(SparseMoe { router, experts, stacked: fused_experts, top_k: top_k as usize, routing })
     }
 
     /// `x` [.., hidden] → [.., hidden].
@@ -192,6 +216,40 @@ struct MoeBlock {
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
     ffn: FeedForward,
+    /// The block as one kernel node for decode (quantized stacked experts,
+    /// or a dense MLP, in layouts the kernel takes).
+    fused: Option<FusedBlock>,
+}
+
+impl MoeBlock {
+    fn new(input_layernorm: RmsNorm, self_attn: Attention, post_attention_layernorm: RmsNorm, ffn: FeedForward) -> Self {
+        let parts = |mlp| FusedParts {
+            input_norm: &input_layernorm,
+            attn: &self_attn,
+            mlp_norm: &post_attention_layernorm,
+            mlp,
+            output_norms: None,
+        };
+        let fused = match &ffn {
+            FeedForward::Dense(mlp) => FusedBlock::new(parts(mlp)),
+            FeedForward::Sparse(moe) => moe.stacked.as_ref().and_then(|stacked| {
+                FusedBlock::new_moe(parts(&moe.experts[0]), &moe.router, stacked, moe.top_k as i32, moe.routing.kernel_code())
+            }),
+        };
+        MoeBlock { input_layernorm, self_attn, post_attention_layernorm, ffn, fused }
+    }
+
+    fn forward(&self, x: &Array, cache: &mut dyn KvCache, kernels: RowKernels) -> Result<Array> {
+        if let (Some(fused), RowKernels::ByCount) = (&self.fused, kernels) {
+            if x.ndim() == 3 && x.dim(0) == 1 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32 {
+                if let Some(out) = fused.forward(x, cache)? {
+                    return Ok(out);
+                }
+            }
+        }
+        let h = x.add(&self.self_attn.forward(&self.input_layernorm.forward(x)?, cache, kernels)?)?;
+        Ok(h.add(&self.ffn.forward_with(&self.post_attention_layernorm.forward(&h)?, kernels)?)?)
+    }
 }
 
 /// A llama-style pre-norm decoder whose feed-forward parts may be MoEs.
@@ -224,16 +282,12 @@ impl MoeModel {
         let layers = (0..args.num_hidden_layers)
             .map(|i| {
                 let layer = model.pp("layers").pp(i);
-                Ok(MoeBlock {
-                    input_layernorm: RmsNorm::load(&layer.pp("input_layernorm"), args.hidden_size, args.rms_norm_eps)?,
-                    self_attn: Attention::load(&layer.pp("self_attn"), spec.clone(), rope.clone())?,
-                    post_attention_layernorm: RmsNorm::load(
-                        &layer.pp("post_attention_layernorm"),
-                        args.hidden_size,
-                        args.rms_norm_eps,
-                    )?,
-                    ffn: ffn(&layer, i)?,
-                })
+                Ok(MoeBlock::new(
+                    RmsNorm::load(&layer.pp("input_layernorm"), args.hidden_size, args.rms_norm_eps)?,
+                    Attention::load(&layer.pp("self_attn"), spec.clone(), rope.clone())?,
+                    RmsNorm::load(&layer.pp("post_attention_layernorm"), args.hidden_size, args.rms_norm_eps)?,
+                    ffn(&layer, i)?,
+                ))
             })
             .collect::<Result<Vec<_>>>()?;
         let tied = args.tie_word_embeddings.unwrap_or(!root.contains("lm_head.weight"));
@@ -266,9 +320,7 @@ impl MoeModel {
         }
         let mut h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let a = layer.self_attn.forward(&layer.input_layernorm.forward(&h)?, cache.as_mut(), kernels)?;
-            h = h.add(&a)?;
-            h = h.add(&layer.ffn.forward_with(&layer.post_attention_layernorm.forward(&h)?, kernels)?)?;
+            h = layer.forward(&h, cache.as_mut(), kernels)?;
         }
         Ok(h)
     }

@@ -176,6 +176,25 @@ fn qwen3_moe_q4_g32() {
     check("qwen3_moe_q4_g32", 1e-4);
 }
 
+/// The 4-bit MoE models run their prompt and decode steps as fused kernel
+/// nodes; this reruns them op by op (`MLXCEL_FUSED=0`: the router read back,
+/// the experts on the quantized matvec over their slices).
+#[test]
+fn moe_quantized_op_by_op() {
+    if std::env::var_os("MLXCEL_TINY_PARITY_CHILD").is_some() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--test-threads=1", "--nocapture", "mixtral_q4", "qwen3_moe_q4"])
+        .env("MLXCEL_FUSED", "0")
+        .env("MLXCEL_TINY_PARITY_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "MLXCEL_FUSED=0:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("2 passed"), "MLXCEL_FUSED=0: expected the 2 MoE models to run:\n{stdout}");
+}
+
 /// Hugging Face's per-expert layout (`experts.<e>.w1/w3/w2`, what mlx-lm's
 /// sanitize stacks) gives the stacked checkpoint's logits exactly.
 #[test]
