@@ -358,3 +358,24 @@ impl LanguageModel for MoeModel {
         &self.shape
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Routing;
+
+    #[test]
+    fn routing_follows_mlx_lm() {
+        let logits = [0.5f32, 2.0, -1.0, 1.0];
+        // Mixtral: the top 2 logits (2.0, 1.0), softmax over those two.
+        let mixtral = Routing::SoftmaxOfTopK.route(&logits, 2);
+        let w = 1.0 / (1.0 + (-1.0f32).exp());
+        assert_eq!(mixtral.iter().map(|r| r.0).collect::<Vec<_>>(), [1, 3]);
+        assert!((mixtral[0].1 - w).abs() < 1e-6 && (mixtral[1].1 - (1.0 - w)).abs() < 1e-6);
+        // Qwen3-MoE: softmax over all four, then the top 2, renormalized or not.
+        let sum: f32 = logits.iter().map(|x| x.exp()).sum();
+        let raw = Routing::TopKOfSoftmax { normalize: false }.route(&logits, 2);
+        assert!((raw[0].1 - 2f32.exp() / sum).abs() < 1e-6 && (raw[1].1 - 1f32.exp() / sum).abs() < 1e-6);
+        let normed = Routing::TopKOfSoftmax { normalize: true }.route(&logits, 2);
+        assert!((normed[0].1 - w).abs() < 1e-6 && (normed[0].1 + normed[1].1 - 1.0).abs() < 1e-6);
+    }
+}
