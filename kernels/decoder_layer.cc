@@ -43,7 +43,7 @@ struct ProjectionSlots {
 struct Slots {
   int x = -1, input_norm = -1, post_norm = -1, keys = -1, values = -1;
   int q_norm = -1, k_norm = -1, freqs = -1, attn_out_norm = -1, mlp_out_norm = -1;
-  ProjectionSlots q, k, v, o, gate, up, down;
+  ProjectionSlots q, k, v, o, gate, up, down, router;
   bool operator==(const Slots&) const = default;
 };
 
@@ -93,6 +93,7 @@ std::vector<mx::array> pack(const DecoderLayerInputs& in, mx::Stream stream, Slo
   put_optional(in.rope_freqs, slots.freqs);
   put_optional(in.attn_out_norm, slots.attn_out_norm);
   put_optional(in.mlp_out_norm, slots.mlp_out_norm);
+  if (in.router) put_projection(*in.router, slots.router);
   return list;
 }
 
@@ -289,7 +290,7 @@ struct Pointers {
   const float* x = nullptr;
   int64_t x_strides[3] = {0, 0, 0};
   VectorRef input_norm, post_norm, q_norm, k_norm, freqs, attn_out_norm, mlp_out_norm;
-  Projection q, k, v, o, gate, up, down;
+  Projection q, k, v, o, gate, up, down, router;
   std::vector<CacheRef> caches;
   // A paged layer's pool, when it is copied rather than written in place
   // (the first cache holds the input pointers).
@@ -891,7 +892,101 @@ void attention_task(void* ctx, int task) {
 
 struct Scratch {
   std::vector<float> x, n, q, k, v, att, o, h, g, u, cs, sn;
+  // Mixture of experts: router logits, each (row, slot)'s weighted expert
+  // output, one expert's gathered rows and their down projections.
+  std::vector<float> logits, slots, rows, y;
 };
+
+// Expert e's rows [e * n, (e + 1) * n) of a stacked projection.
+Projection expert_rows(const Projection& stacked, int e, int n) {
+  Projection p = stacked;
+  const QuantizedView& v = stacked.view;
+  const size_t row_bytes = (size_t)v.k * v.bits / 8;
+  const size_t scale_bytes = v.scale_type == Scalar::F32 ? 4 : 2;
+  const size_t groups = (size_t)(v.k / v.group);
+  p.view.weight = v.weight + (size_t)e * n * row_bytes;
+  p.view.scales = (const uint8_t*)v.scales + (size_t)e * n * groups * scale_bytes;
+  p.view.biases = (const uint8_t*)v.biases + (size_t)e * n * groups * scale_bytes;
+  p.view.n = n;
+  return p;
+}
+
+// The k (expert, weight) pairs of one row of router logits, as mlx-lm's
+// Mixtral (softmax over the top k logits) or Qwen3-MoE (top k of the
+// softmax, optionally renormalized) choose them (moe.rs's Routing::route).
+void route(const float* logits, int E, int k, int routing, int* chosen, float* weights) {
+  std::vector<int> order(E);
+  for (int e = 0; e < E; ++e) order[e] = e;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  auto softmax = [](const float* v, int n, float* out) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int i = 0; i < n; ++i) m = std::max(m, v[i]);
+    for (int i = 0; i < n; ++i) sum += (out[i] = std::exp(v[i] - m));
+    for (int i = 0; i < n; ++i) out[i] /= sum;
+  };
+  for (int j = 0; j < k; ++j) chosen[j] = order[j];
+  if (routing == 0) {
+    std::vector<float> top(k);
+    for (int j = 0; j < k; ++j) top[j] = logits[chosen[j]];
+    softmax(top.data(), k, weights);
+    return;
+  }
+  std::vector<float> probs(E);
+  softmax(logits, E, probs.data());
+  float sum = 0.0f;
+  for (int j = 0; j < k; ++j) sum += probs[chosen[j]];
+  for (int j = 0; j < k; ++j) weights[j] = routing == 2 ? probs[chosen[j]] / sum : probs[chosen[j]];
+}
+
+// The mixture of experts of L normed rows `n` into `out`: the router, then
+// each chosen expert once over the rows that chose it (its slice of the
+// stacked weights; unchosen experts are not read), each (row, slot) output
+// scaled by its weight and the k slots summed in order.
+void run_experts(const Pointers& p, int L, const float* n, float* out) {
+  const DecoderLayerSpec& s = p.spec;
+  const int H = s.hidden, I = s.intermediate, E = s.experts, k = s.top_k;
+  thread_local Scratch moe;
+  moe.logits.resize((size_t)L * E);
+  moe.slots.resize((size_t)L * k * H);
+  moe.rows.resize((size_t)L * H);
+  moe.g.resize((size_t)L * I);
+  moe.u.resize((size_t)L * I);
+  moe.y.resize((size_t)L * H);
+  project(p.router, n, L, moe.logits.data());
+  std::vector<int> chosen((size_t)L * k);
+  std::vector<float> weights((size_t)L * k);
+  for (int l = 0; l < L; ++l) route(&moe.logits[(size_t)l * E], E, k, s.routing, &chosen[(size_t)l * k], &weights[(size_t)l * k]);
+  std::vector<int> picks;  // (row * k + slot) of the current expert
+  for (int e = 0; e < E; ++e) {
+    picks.clear();
+    for (int i = 0; i < L * k; ++i) {
+      if (chosen[i] == e) picks.push_back(i);
+    }
+    if (picks.empty()) continue;
+    const int m = (int)picks.size();
+    for (int r = 0; r < m; ++r) std::memcpy(&moe.rows[(size_t)r * H], n + (size_t)(picks[r] / k) * H, H * sizeof(float));
+    const Projection gate = expert_rows(p.gate, e, I), up = expert_rows(p.up, e, I), down = expert_rows(p.down, e, H);
+    project_many<2>({&gate, &up}, moe.rows.data(), m, {moe.g.data(), moe.u.data()});
+    for (size_t i = 0; i < (size_t)m * I; ++i) {
+      const float a = moe.g[i];
+      moe.g[i] = a * (1.0f / (1.0f + std::exp(-a))) * moe.u[i];
+    }
+    project(down, moe.g.data(), m, moe.y.data());
+    for (int r = 0; r < m; ++r) {
+      const float w = weights[picks[r]];
+      float* slot = &moe.slots[(size_t)picks[r] * H];
+      for (int i = 0; i < H; ++i) slot[i] = moe.y[(size_t)r * H + i] * w;
+    }
+  }
+  for (int l = 0; l < L; ++l) {
+    float* o = out + (size_t)l * H;
+    std::memcpy(o, &moe.slots[(size_t)l * k * H], H * sizeof(float));
+    for (int j = 1; j < k; ++j) {
+      const float* slot = &moe.slots[((size_t)l * k + j) * H];
+      for (int i = 0; i < H; ++i) o[i] += slot[i];
+    }
+  }
+}
 
 void run_layer(const Pointers& p) {
   const DecoderLayerSpec& s = p.spec;
@@ -1013,6 +1108,11 @@ void run_layer(const Pointers& p) {
 
   // MLP.
   for (int l = 0; l < L; ++l) rms_norm(&sc.h[(size_t)l * H], p.post_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
+  if (s.experts > 0) {
+    run_experts(p, L, sc.n.data(), sc.o.data());
+    for (size_t i = 0; i < (size_t)L * H; ++i) p.out[i] = sc.h[i] + sc.o[i];
+    return;
+  }
   project_many<2>({&p.gate, &p.up}, sc.n.data(), L, {sc.g.data(), sc.u.data()});
   if (s.activation == 1) {
     // MLX's gelu_approx: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))).
@@ -1072,9 +1172,11 @@ void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots
   p.k = proj(at.k, spec.kv_heads * D, H);
   p.v = proj(at.v, spec.kv_heads * D, H);
   p.o = proj(at.o, H, spec.heads * D);
-  p.gate = proj(at.gate, spec.intermediate, H);
-  p.up = proj(at.up, spec.intermediate, H);
-  p.down = proj(at.down, H, spec.intermediate);
+  const int E = std::max(spec.experts, 1);
+  p.gate = proj(at.gate, E * spec.intermediate, H);
+  p.up = proj(at.up, E * spec.intermediate, H);
+  p.down = proj(at.down, E * H, spec.intermediate);
+  if (spec.experts > 0) p.router = proj(at.router, spec.experts, H);
 }
 
 // ---------------------------------------------------------------------------
@@ -1208,6 +1310,7 @@ class DecoderLayer : public mx::Primitive {
            a.rope_dims == b.rope_dims && a.rope_base == b.rope_base && a.rope_scale == b.rope_scale &&
            a.rope_traditional == b.rope_traditional && a.attn_scale == b.attn_scale &&
            a.cache_in_place == b.cache_in_place && a.kv_window == b.kv_window && a.kv_keep == b.kv_keep && a.kv_layer == b.kv_layer &&
+           a.experts == b.experts && a.top_k == b.top_k && a.routing == b.routing &&
            slots_ == o->slots_ && offsets_ == o->offsets_ && tables_ == o->tables_ && prepared_ == o->prepared_;
   }
 
@@ -1257,9 +1360,22 @@ void check_weights(const DecoderLayerInputs& in, const DecoderLayerSpec& spec) {
   check_projection(in.k_proj, spec.kv_heads * D, H, "k_proj");
   check_projection(in.v_proj, spec.kv_heads * D, H, "v_proj");
   check_projection(in.o_proj, H, spec.heads * D, "o_proj");
-  check_projection(in.gate_proj, I, H, "gate_proj");
-  check_projection(in.up_proj, I, H, "up_proj");
-  check_projection(in.down_proj, H, I, "down_proj");
+  const int E = std::max(spec.experts, 1);
+  check_projection(in.gate_proj, E * I, H, "gate_proj");
+  check_projection(in.up_proj, E * I, H, "up_proj");
+  check_projection(in.down_proj, E * H, I, "down_proj");
+  if (spec.experts > 0) {
+    if (!in.router) fail("a mixture of experts needs its router");
+    check_projection(*in.router, spec.experts, H, "router");
+    if (spec.top_k < 1 || spec.top_k > spec.experts || spec.routing < 0 || spec.routing > 2) {
+      fail("top_k must be 1..experts and routing 0, 1 or 2");
+    }
+    if (spec.activation != 0 || in.attn_out_norm || in.gate_proj.bias || in.up_proj.bias || in.down_proj.bias) {
+      fail("experts take SiLU, no output norms and no biases");
+    }
+  } else if (in.router) {
+    fail("a router without experts");
+  }
   if (in.q_norm.has_value() != in.k_norm.has_value()) fail("q_norm and k_norm weights come together");
   if (in.q_norm) {
     check_vector(*in.q_norm, D, "q_norm weight");
@@ -1301,7 +1417,8 @@ void check_activations(const mx::array& x, const std::vector<mx::array>& keys, c
 void check_prepared_spec(const PreparedDecoderLayer& weights, const DecoderLayerSpec& spec) {
   const DecoderLayerSpec& w = weights.spec;
   if (spec.hidden != w.hidden || spec.heads != w.heads || spec.kv_heads != w.kv_heads || spec.head_dim != w.head_dim ||
-      spec.intermediate != w.intermediate || spec.rope_dims != w.rope_dims) {
+      spec.intermediate != w.intermediate || spec.rope_dims != w.rope_dims || spec.experts != w.experts ||
+      spec.top_k != w.top_k || spec.routing != w.routing) {
     fail("the spec's dimensions differ from those the weights were prepared for");
   }
   check_spec(spec, weights.slots.freqs >= 0);

@@ -64,6 +64,16 @@ struct DecoderLayerSpec {
   // The MLP gate's activation: 0 SiLU (llama, qwen), 1 GELU's tanh
   // approximation as MLX's nn.gelu_approx computes it (Gemma).
   int activation = 0;
+  // A mixture of experts in place of the MLP when `experts` > 0: `router`
+  // [experts, hidden] scores them; gate_proj and up_proj hold the experts
+  // stacked as [experts * intermediate, hidden], down_proj as
+  // [experts * hidden, intermediate]; each row runs its top_k experts,
+  // weighted by (routing 0) a softmax over their k logits (Mixtral), or by
+  // their softmax probabilities over all experts (1), renormalized to sum to
+  // 1 (2; Qwen3-MoE's norm_topk_prob). SiLU only, no output norms or biases.
+  int experts = 0;
+  int top_k = 0;
+  int routing = 0;
   // The caller owns the cache buffers: nothing reads them at positions
   // >= offset except nodes evaluated after this one, so the new rows can be
   // written into the input buffers even while other references exist (the
@@ -101,6 +111,8 @@ struct DecoderLayerInputs {
   // out = h + rms_norm(down_proj(..), mlp_out_norm); post_attention_norm is
   // then the MLP's input norm.
   std::optional<mlx::core::array> attn_out_norm, mlp_out_norm;  // [hidden]
+  // The router of a mixture of experts (spec.experts > 0).
+  std::optional<QuantizedProjection> router;
 };
 
 // Returns {out [1, L, hidden], keys, values}: the caches with positions

@@ -466,6 +466,9 @@ kernels::DecoderLayerSpec to_kernel_spec(const DecoderLayerSpec& s) {
   k.kv_keep = s.kv_keep;
   k.kv_layer = s.kv_layer;
   k.activation = s.activation;
+  k.experts = s.experts;
+  k.top_k = s.top_k;
+  k.routing = s.routing;
   k.cache_in_place = s.cache_in_place;
   return k;
 }
@@ -497,6 +500,9 @@ kernels::DecoderLayerInputs to_kernel_inputs(const DecoderLayerArrays& a) {
       .rope_freqs = optional_array(a.rope_freqs),
       .attn_out_norm = optional_array(a.attn_out_norm),
       .mlp_out_norm = optional_array(a.mlp_out_norm),
+      .router = a.router_weight ? std::optional<kernels::QuantizedProjection>(kernels::QuantizedProjection{
+                                      .weight = *a.router_weight, .scales = *a.router_scales, .biases = *a.router_biases, .bias = std::nullopt})
+                                : std::nullopt,
   };
 }
 }  // namespace

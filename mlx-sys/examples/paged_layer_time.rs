@@ -44,6 +44,7 @@ fn main() -> mlx_sys::Result<()> {
         rope_freqs: None,
         attn_out_norm: None,
         mlp_out_norm: None,
+        router: None,
     };
     let spec = DecoderLayerSpec {
         hidden,
@@ -64,6 +65,9 @@ fn main() -> mlx_sys::Result<()> {
         kv_keep: 0,
         kv_layer: 0,
         activation: 0,
+        experts: 0,
+        top_k: 0,
+        routing: 0,
     };
     let layer = PreparedDecoderLayer::new(&weights, &spec)?;
     let key = random::key(9)?;

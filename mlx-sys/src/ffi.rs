@@ -32,6 +32,12 @@ mod bridge {
         kv_layer: i32,
         /// The MLP gate's activation: 0 SiLU, 1 GELU (tanh approximation).
         activation: i32,
+        /// A mixture of experts in place of the MLP when > 0 (`kernels/decoder_layer.h`):
+        /// experts, experts per token, routing (0 softmax of the top k, 1 top k of the
+        /// softmax, 2 the same renormalized).
+        experts: i32,
+        top_k: i32,
+        routing: i32,
     }
 
     /// One quantized projection of a fused decoder block; `bias` may be null.
@@ -62,6 +68,10 @@ mod bridge {
         rope_freqs: *const MlxArray,
         attn_out_norm: *const MlxArray,
         mlp_out_norm: *const MlxArray,
+        /// The router of a mixture of experts (all three or none).
+        router_weight: *const MlxArray,
+        router_scales: *const MlxArray,
+        router_biases: *const MlxArray,
     }
 
     #[namespace = "mlx::core"]

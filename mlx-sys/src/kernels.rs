@@ -156,6 +156,10 @@ pub struct DecoderLayerWeights {
     /// MLP's input norm.
     pub attn_out_norm: Option<Array>,
     pub mlp_out_norm: Option<Array>,
+    /// A mixture of experts' router `[experts, hidden]` (`spec.experts` > 0);
+    /// gate_proj and up_proj then hold the experts stacked as `[experts *
+    /// intermediate, hidden]`, down_proj as `[experts * hidden, intermediate]`.
+    pub router: Option<QuantizedProjection>,
 }
 
 /// One pre-norm decoder block (the llama / mistral / qwen2 / qwen3 layout)
@@ -426,6 +430,9 @@ fn layer_arrays<'a>(x: &'a Array, weights: &'a DecoderLayerWeights, keys: &'a Ar
         rope_freqs: optional(&w.rope_freqs),
         attn_out_norm: optional(&w.attn_out_norm),
         mlp_out_norm: optional(&w.mlp_out_norm),
+        router_weight: w.router.as_ref().map_or(std::ptr::null(), |r| &*r.weight.raw as *const ffi::MlxArray),
+        router_scales: w.router.as_ref().map_or(std::ptr::null(), |r| &*r.scales.raw as *const ffi::MlxArray),
+        router_biases: w.router.as_ref().map_or(std::ptr::null(), |r| &*r.biases.raw as *const ffi::MlxArray),
     }
 }
 

@@ -255,6 +255,9 @@ impl Layer {
                 kv_keep: 0,
                 kv_layer: 0,
                 activation: 0,
+                experts: 0,
+                top_k: 0,
+                routing: 0,
             },
             input_norm: norm(1, h),
             post_norm: norm(2, h),
@@ -304,6 +307,7 @@ impl Layer {
             rope_freqs: self.freqs.clone(),
             attn_out_norm: None,
             mlp_out_norm: None,
+            router: None,
         }
     }
 

@@ -9,6 +9,7 @@ pub mod cache;
 pub mod embedding;
 pub mod error;
 pub mod model;
+pub mod moe;
 pub mod nn;
 pub mod paged;
 pub mod quantization;

@@ -58,7 +58,8 @@ pub struct QuantizedWeight {
 }
 
 impl QuantizedWeight {
-    fn load(scope: &Scope, out_features: i32, in_features: i32, params: QuantParams) -> Result<Self> {
+    /// The group count of `in_features`, or an error when they do not fit.
+    fn groups(scope: &Scope, in_features: i32, params: QuantParams) -> Result<i32> {
         let QuantParams { bits, group_size } = params;
         if in_features % group_size != 0 || (in_features * bits) % 32 != 0 {
             return Err(Error::Unsupported {
@@ -66,7 +67,11 @@ impl QuantizedWeight {
                 message: format!("{in_features} input features do not fit {bits}-bit groups of {group_size}"),
             });
         }
-        let groups = in_features / group_size;
+        Ok(in_features / group_size)
+    }
+
+    fn load(scope: &Scope, out_features: i32, in_features: i32, params: QuantParams) -> Result<Self> {
+        let (bits, groups) = (params.bits, Self::groups(scope, in_features, params)?);
         Ok(QuantizedWeight {
             weight: scope.get("weight", &[out_features, in_features * bits / 32])?,
             scales: scope.get_stored("scales", &[out_features, groups])?,
@@ -102,6 +107,15 @@ impl QuantizedWeight {
         }
         Ok(kernels::quantized_matmul(x, &self.weight, &self.scales, &self.biases, p.group_size, p.bits)?)
     }
+}
+
+/// A mixture's quantized experts as the fused block takes them: gate and up
+/// `[count * intermediate, ..]`, down `[count * hidden, ..]`.
+pub struct StackedExperts {
+    pub count: i32,
+    pub gate: QuantizedWeight,
+    pub up: QuantizedWeight,
+    pub down: QuantizedWeight,
 }
 
 #[derive(Clone)]
@@ -175,6 +189,49 @@ impl Linear {
             start += rows;
         }
         Ok(parts)
+    }
+
+    /// One `Linear` per expert from stacked weights (`weight` [E, out, in],
+    /// or quantized `weight`/`scales`/`biases` with a leading expert axis, as
+    /// mlx-lm's `SwitchLinear` stores them). Each is a view of expert e's
+    /// slice of the stacked arrays: nothing is copied.
+    pub fn load_stacked(scope: &Scope, experts: i32, in_features: i32, out_features: i32) -> Result<(Vec<Self>, Option<QuantizedWeight>)> {
+        let expert = |a: &Array, e: i32| -> Result<Array> {
+            let mut shape = a.shape();
+            shape.remove(0);
+            let view = a.slice_axis(0, e, e + 1)?.reshape(&shape)?;
+            view.eval()?;
+            Ok(view)
+        };
+        match scope.quant_params(in_features)? {
+            Some(params) => {
+                let (bits, groups) = (params.bits, QuantizedWeight::groups(scope, in_features, params)?);
+                let weight = scope.get("weight", &[experts, out_features, in_features * bits / 32])?;
+                let scales = scope.get_stored("scales", &[experts, out_features, groups])?;
+                let biases = scope.get_stored("biases", &[experts, out_features, groups])?;
+                let each = (0..experts)
+                    .map(|e| {
+                        let q = QuantizedWeight { weight: expert(&weight, e)?, scales: expert(&scales, e)?, biases: expert(&biases, e)?, params };
+                        Ok(Linear { weight: LinearWeight::Quantized(q), bias: None })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                // The experts as one [experts * out, ..] matrix each (views).
+                let rows = |a: &Array| -> Result<Array> {
+                    let flat = a.reshape(&[experts * out_features, a.dim(2)])?;
+                    flat.eval()?;
+                    Ok(flat)
+                };
+                let stacked = QuantizedWeight { weight: rows(&weight)?, scales: rows(&scales)?, biases: rows(&biases)?, params };
+                Ok((each, Some(stacked)))
+            }
+            None => {
+                let weight = scope.get("weight", &[experts, out_features, in_features])?;
+                let each = (0..experts)
+                    .map(|e| Ok(Linear { weight: LinearWeight::Dense(expert(&weight, e)?), bias: None }))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((each, None))
+            }
+        }
     }
 
     /// Output features, for quantized weights (None for dense ones).
@@ -553,6 +610,11 @@ impl GatedMlp {
             fused.split_rows(&[intermediate, intermediate])?.try_into().unwrap_or_else(|_| unreachable!("two sizes"));
         let down_proj = Linear::load(&scope.pp("down_proj"), intermediate, hidden, false)?;
         Ok(GatedMlp { gate_proj, up_proj, down_proj, activation })
+    }
+
+    /// A SiLU-gated MLP of given projections (a mixture-of-experts' expert).
+    pub fn from_parts(gate_proj: Linear, up_proj: Linear, down_proj: Linear) -> Self {
+        GatedMlp { gate_proj, up_proj, down_proj, activation: Activation::Silu }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -988,6 +1050,43 @@ impl FusedBlock {
     /// The block as one kernel node, or None when the kernel cannot run it
     /// (a dense projection, norms with different eps, partial RoPE).
     pub(crate) fn new(parts: FusedParts) -> Option<Self> {
+        let (weights, spec) = Self::layer(parts)?;
+        Self::prepare(weights, spec)
+    }
+
+    /// A block whose MLP is a mixture of `experts` (quantized, stacked as
+    /// the kernel takes them; `parts.mlp` is one of the experts, for the
+    /// shapes) routed by `router` to `top_k` experts a token (`routing` as
+    /// `DecoderLayerSpec::routing`).
+    pub(crate) fn new_moe(parts: FusedParts, router: &Linear, experts: &StackedExperts, top_k: i32, routing: i32) -> Option<Self> {
+        let (mut weights, mut spec) = Self::layer(parts)?;
+        let quantized = |q: &QuantizedWeight| {
+            kernels::supports(q.params.group_size, q.params.bits).then(|| QuantizedProjection {
+                weight: q.weight.clone(),
+                scales: q.scales.clone(),
+                biases: q.biases.clone(),
+                bias: None,
+            })
+        };
+        let LinearWeight::Quantized(r) = &router.weight else { return None };
+        weights.router = Some(quantized(r)?);
+        weights.gate_proj = quantized(&experts.gate)?;
+        weights.up_proj = quantized(&experts.up)?;
+        weights.down_proj = quantized(&experts.down)?;
+        spec.experts = experts.count;
+        spec.top_k = top_k;
+        spec.routing = routing;
+        Self::prepare(weights, spec)
+    }
+
+    // Prepared once: each step's node then has x and the caches as its only
+    // graph inputs. A layout the kernel rejects stays on MLX's ops.
+    fn prepare(weights: DecoderLayerWeights, spec: DecoderLayerSpec) -> Option<Self> {
+        let weights = PreparedDecoderLayer::new(&weights, &spec).ok()?;
+        Some(FusedBlock { spec, weights })
+    }
+
+    fn layer(parts: FusedParts) -> Option<(DecoderLayerWeights, DecoderLayerSpec)> {
         if !crate::runtime::current().fused_decode_active() {
             return None;
         }
@@ -1028,6 +1127,7 @@ impl FusedBlock {
             rope_freqs: attn.rope.freqs.clone(),
             attn_out_norm: output_norms.map(|(a, _)| a.weight.clone()),
             mlp_out_norm: output_norms.map(|(_, m)| m.weight.clone()),
+            router: None,
         };
         let window = attn.spec.kv_window();
         let spec = DecoderLayerSpec {
@@ -1053,11 +1153,11 @@ impl FusedBlock {
                 Activation::Silu => 0,
                 Activation::GeluTanh => 1,
             },
+            experts: 0,
+            top_k: 0,
+            routing: 0,
         };
-        // Prepared once: each step's node then has x and the caches as its
-        // only graph inputs. A layout the kernel rejects stays on MLX's ops.
-        let weights = PreparedDecoderLayer::new(&weights, &spec).ok()?;
-        Some(FusedBlock { spec, weights })
+        Some((weights, spec))
     }
 
     /// The block for `x` ([1, L, hidden]), or None when the cache cannot be

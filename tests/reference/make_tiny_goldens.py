@@ -102,6 +102,35 @@ GEMMA3 = {
     "hidden_activation": "gelu_pytorch_tanh",
 }
 del GEMMA3["tie_word_embeddings"]
+# MoE: 4 experts, top 2, expert FFN 64 (hidden 64, so the 4-bit g32 variants quantize every
+# projection; mlx-lm's qwen3_moe quant_predicate makes its router 8-bit g64).
+MIXTRAL = {
+    **BASE,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "rope_theta": 1000000.0,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 64,
+    "hidden_act": "silu",
+}
+del MIXTRAL["head_dim"]
+QWEN3_MOE = {
+    **BASE,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 3,
+    "rope_theta": 1000000.0,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    # Layer 1 dense (mlp_only_layers), layers 0 and 2 sparse.
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+    "attention_bias": False,
+    "hidden_act": "silu",
+}
 
 # Gemma 2: Gemma's four norms per block with 1 + weight gains, GELU (tanh),
 # the sqrt(hidden) embedding scale, always tied; soft-caps low enough to bend
@@ -274,6 +303,19 @@ def variants():
         desc="phi3 with su rope scaling (long factors, attention factor 1.5, original context 16)",
     )
     v["phi3_q4_g32"] = dict(config=PHI3, quant=(32, 4), desc="phi3, fused projections quantized: affine 4-bit, group 32")
+    # Mixtures of experts (explicit seeds: independent of the variants' order).
+    v["mixtral"] = dict(config=MIXTRAL, seed=1700, desc="mixtral: 4 experts top-2 (softmax over the top 2), float32")
+    v["mixtral_q4_g32"] = dict(
+        config=MIXTRAL, seed=1800, quant=(32, 4), desc="mixtral, affine 4-bit g32 (experts and router)"
+    )
+    v["qwen3_moe"] = dict(
+        config=QWEN3_MOE, seed=1900,
+        desc="qwen3_moe: q/k norms, 4 experts top-2 renormalized, layer 1 dense (mlp_only_layers), float32",
+    )
+    v["qwen3_moe_q4_g32"] = dict(
+        config=QWEN3_MOE, seed=2000, quant=(32, 4),
+        desc="qwen3_moe, affine 4-bit g32 (router 8-bit g64 by mlx-lm's quant_predicate)",
+    )
     for i, name in enumerate(v):
         v[name].setdefault("seed", 1000 + i)
     return v

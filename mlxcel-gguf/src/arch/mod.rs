@@ -8,10 +8,12 @@
 mod gemma2;
 mod gemma3;
 mod llama;
+mod mixtral;
 mod olmo2;
 mod phi3;
 mod qwen2;
 mod qwen3;
+mod qwen3_moe;
 
 use serde_json::{json, Map, Value as Json};
 
@@ -32,6 +34,8 @@ pub enum Architecture {
     Gemma3,
     Olmo2,
     Phi3,
+    Mixtral,
+    Qwen3Moe,
 }
 
 /// What one architecture module declares.
@@ -69,7 +73,8 @@ pub const ROPE_FREQS: &str = "rope_freqs.weight";
 pub const ROPE_FACTORS: [&str; 2] = ["rope_factors_long.weight", "rope_factors_short.weight"];
 
 impl Architecture {
-    pub const ALL: [Architecture; 7] = [
+    /// Llama before Mixtral: a `llama` GGUF file is Mixtral only when it has experts.
+    pub const ALL: [Architecture; 9] = [
         Architecture::Llama,
         Architecture::Qwen2,
         Architecture::Qwen3,
@@ -77,6 +82,8 @@ impl Architecture {
         Architecture::Gemma3,
         Architecture::Olmo2,
         Architecture::Phi3,
+        Architecture::Mixtral,
+        Architecture::Qwen3Moe,
     ];
 
     fn spec(self) -> &'static ArchSpec {
@@ -88,6 +95,8 @@ impl Architecture {
             Architecture::Gemma3 => &gemma3::SPEC,
             Architecture::Olmo2 => &olmo2::SPEC,
             Architecture::Phi3 => &phi3::SPEC,
+            Architecture::Mixtral => &mixtral::SPEC,
+            Architecture::Qwen3Moe => &qwen3_moe::SPEC,
         }
     }
 
@@ -131,7 +140,13 @@ impl Architecture {
 
     /// Every convertible `general.architecture` (for error messages).
     pub fn gguf_names() -> Vec<&'static str> {
-        Self::ALL.iter().map(|a| a.gguf_name()).collect()
+        let mut names: Vec<&'static str> = Vec::new();
+        for name in Self::ALL.iter().map(|a| a.gguf_name()) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        names
     }
 
     /// The architecture of a GGUF file; an unsupported one is an error that lists the supported.
@@ -139,6 +154,9 @@ impl Architecture {
         let name = gguf.get_str("general.architecture").ok_or_else(|| {
             Error::invalid_file(&gguf.path, "missing metadata `general.architecture`")
         })?;
+        if name == "llama" && gguf.get_u64("llama.expert_count").is_some_and(|n| n > 0) {
+            return Ok(Architecture::Mixtral);
+        }
         Architecture::from_gguf_name(name).ok_or_else(|| Error::Unsupported {
             path: gguf.path.clone(),
             message: format!(
@@ -264,6 +282,18 @@ fn query_pre_attn_scalar(gguf: &GgufFile, hp: &HParams, default: u64) -> Json {
     }
 }
 
+/// `<arch>.expert_count`, `<arch>.expert_used_count` and the expert FFN width
+/// (`<arch>.expert_feed_forward_length`, else `feed_forward_length`) of an MoE file;
+/// `HParams::from_gguf` checked that they are present.
+fn expert_config(gguf: &GgufFile, hp: &HParams) -> (u64, u64, u64) {
+    let key = |k: &str| gguf.get_u64(&format!("{}.{k}", hp.name));
+    (
+        key("expert_count").unwrap_or(0),
+        key("expert_used_count").unwrap_or(0),
+        key("expert_feed_forward_length").unwrap_or(hp.intermediate_size),
+    )
+}
+
 /// Whether a HF tensor name is a normalization gain.
 pub fn is_norm(hf_name: &str) -> bool {
     hf_name.ends_with("norm.weight")
@@ -310,6 +340,10 @@ impl HParams {
             })
         };
         let hidden_size = req("embedding_length")?;
+        if matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe) {
+            req("expert_count")?;
+            req("expert_used_count")?;
+        }
         let num_heads = req("attention.head_count")?;
         if num_heads == 0 {
             return Err(Error::invalid_file(
@@ -587,7 +621,9 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for arch in Architecture::ALL {
             assert_eq!(Architecture::from_model_type(arch.model_type()), Some(arch));
-            assert_eq!(Architecture::from_gguf_name(arch.gguf_name()), Some(arch));
+            // Mixtral shares llama.cpp's `llama` (told apart by its experts).
+            let by_gguf = Architecture::from_gguf_name(arch.gguf_name()).unwrap();
+            assert!(by_gguf == arch || (arch, by_gguf) == (Architecture::Mixtral, Architecture::Llama));
             for name in std::iter::once(arch.model_type()).chain(arch.aliases().iter().copied()) {
                 assert!(seen.insert(name), "model_type `{name}` is claimed twice");
             }
@@ -627,5 +663,15 @@ mod tests {
             Some("model.layers.2.post_attention_layernorm.weight")
         );
         assert_eq!(Architecture::Llama.hf_name("blk.2.post_ffw_norm.weight"), None);
+        // Stacked experts and routers.
+        assert_eq!(
+            Architecture::Qwen3Moe.hf_name("blk.1.ffn_up_exps.weight").as_deref(),
+            Some("model.layers.1.mlp.switch_mlp.up_proj.weight")
+        );
+        assert_eq!(
+            Architecture::Mixtral.hf_name("blk.1.ffn_gate_inp.weight").as_deref(),
+            Some("model.layers.1.block_sparse_moe.gate.weight")
+        );
+        assert_eq!(Architecture::Llama.hf_name("blk.1.ffn_gate_exps.weight"), None);
     }
 }

@@ -524,6 +524,37 @@ pub fn tiny_model(rng: &mut Rng, arch: &str) -> GgufBuilder {
     g
 }
 
+/// [`tiny_model`] with a mixture of experts for its FFN, as llama.cpp stores one: 4
+/// experts, 2 per token, stacked `ffn_{gate,up,down}_exps` (f16) and an f32 router
+/// `ffn_gate_inp`. `llama` is Mixtral's layout; `qwen3moe` adds q/k norms and an expert
+/// width (`expert_feed_forward_length`, 128) of its own.
+pub fn tiny_moe(rng: &mut Rng, arch: &str) -> GgufBuilder {
+    const EXPERTS: usize = 4;
+    let mut g = tiny_model(rng, arch);
+    g.tensors.retain(|t| !matches!(t.0.as_str(), "blk.0.ffn_gate.weight" | "blk.0.ffn_up.weight" | "blk.0.ffn_down.weight"));
+    let ffn = if arch == "qwen3moe" { 128 } else { FFN };
+    g.meta(&format!("{arch}.expert_count"), Value::U32(EXPERTS as u32))
+        .meta(&format!("{arch}.expert_used_count"), Value::U32(2));
+    if arch == "qwen3moe" {
+        g.meta("qwen3moe.expert_feed_forward_length", Value::U32(ffn as u32));
+        for name in ["attn_q_norm", "attn_k_norm"] {
+            let gains = (0..HEAD_DIM).flat_map(|_| rng.uniform(0.5, 1.5).to_le_bytes()).collect();
+            g.tensor(&format!("blk.0.{name}.weight"), &[HEAD_DIM as u64], GgmlType::F32.id(), gains);
+        }
+    }
+    let f16s = |rng: &mut Rng, n: usize, range: f32| -> Vec<u8> {
+        (0..n).flat_map(|_| f16::from_f32(rng.uniform(-range, range)).to_le_bytes()).collect()
+    };
+    let (h, f, e) = (HIDDEN as u64, ffn as u64, EXPERTS as u64);
+    let router = (0..HIDDEN * EXPERTS).flat_map(|_| rng.uniform(-0.5, 0.5).to_le_bytes()).collect();
+    g.tensor("blk.0.ffn_gate_inp.weight", &[h, e], GgmlType::F32.id(), router);
+    for (name, dims) in [("ffn_gate_exps", [h, f, e]), ("ffn_up_exps", [h, f, e]), ("ffn_down_exps", [f, h, e])] {
+        let data = f16s(rng, HIDDEN * ffn * EXPERTS, 0.1);
+        g.tensor(&format!("blk.0.{name}.weight"), &dims, GgmlType::F16.id(), data);
+    }
+    g
+}
+
 pub fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     let path = dir.join(name);
     std::fs::write(&path, bytes).unwrap();

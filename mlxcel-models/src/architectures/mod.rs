@@ -6,10 +6,12 @@ pub mod decoder;
 pub mod gemma2;
 pub mod gemma3;
 pub mod llama;
+pub mod mixtral;
 pub mod olmo2;
 pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_moe;
 pub mod transformer;
 
 use std::path::Path;
@@ -41,6 +43,8 @@ fn constructor_of(arch: Architecture) -> Constructor {
         Architecture::Gemma3 => gemma3::load,
         Architecture::Olmo2 => olmo2::load,
         Architecture::Phi3 => phi3::load,
+        Architecture::Mixtral => mixtral::load,
+        Architecture::Qwen3Moe => qwen3_moe::load,
     }
 }
 
