@@ -27,6 +27,14 @@ fn each_family_describes_its_blocks() {
     assert!(gemma2.layers[0].starts_with("pre- and post-norms (1 + w gains)") && gemma2.layers[0].contains("score soft-cap"), "{gemma2:?}");
     assert!(gemma2.layers[0].contains("GeGLU (tanh) MLP"));
     assert!(gemma2.head.starts_with("embeddings × 8.00; tied embeddings, logit soft-cap"), "{}", gemma2.head);
+    // Mixture of experts: the experts and routing; qwen3_moe's dense layer apart.
+    let mixtral = layout("mixtral");
+    assert!(mixtral.layers[0].contains("MoE: 4 experts, top 2 (softmax over the top k), each a SwiGLU MLP 64"), "{mixtral:?}");
+    let qwen3_moe = layout("qwen3_moe_q4_g32");
+    let qwen3_moe = qwen3_moe.grouped();
+    assert_eq!(qwen3_moe.len(), 2, "{qwen3_moe:?}");
+    assert!(qwen3_moe[0].0 == "0, 2" && qwen3_moe[0].1.contains("top k of the softmax, renormalized") && qwen3_moe[0].1.ends_with("[one fused kernel node at decode]"));
+    assert!(qwen3_moe[1].0 == "1" && !qwen3_moe[1].1.contains("MoE"));
     // Gemma 3: sliding layers grouped apart from the global ones.
     let gemma3 = layout("gemma3_text");
     let groups = gemma3.grouped();
