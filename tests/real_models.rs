@@ -72,11 +72,18 @@ const QWEN25_Q4: Case = Case {
     llama_cpp: None,
     tolerance: 2e-3,
 };
-// The slow suite's 1.5B (1.1 GB of wheels; 4-bit on conversion).
+// The slow suite's 1.5B (1.1 GB of wheels; 4- and 8-bit on conversion).
 const QWEN25_15B_Q4: Case = Case {
     model: &mlxcel_hub::QWEN25_CODER_15B,
     q_bits: Some(4),
     goldens: "qwen25_coder_15b_q4.json",
+    llama_cpp: None,
+    tolerance: 2e-3,
+};
+const QWEN25_15B_Q8: Case = Case {
+    model: &mlxcel_hub::QWEN25_CODER_15B,
+    q_bits: Some(8),
+    goldens: "qwen25_coder_15b_q8.json",
     llama_cpp: None,
     tolerance: 2e-3,
 };
@@ -163,7 +170,14 @@ fn check(case: &Case) {
             ..GenerationRequest::new(golden_prompt(golden))
         };
         let got = engine.generate(&request, |_| true).unwrap().tokens;
-        match got.iter().zip(&want).position(|(a, b)| a != b) {
+        let first_difference = got.iter().zip(&want).position(|(a, b)| a != b);
+        eprintln!(
+            "{}: {name:?}: same greedy tokens as mlx-lm for {} of {}",
+            case.model.name,
+            first_difference.unwrap_or(got.len().min(want.len())),
+            want.len()
+        );
+        match first_difference {
             None => assert_eq!(got.len(), want.len(), "{}: {name}", case.model.name),
             Some(step) => {
                 assert!(
@@ -299,6 +313,12 @@ fn qwen25_coder_05b_8_bit_matches_mlx_lm() {
 #[ignore = "slow suite: downloads 1.1 GB (Qwen2.5-Coder-1.5B-Instruct)"]
 fn qwen25_coder_15b_4_bit_matches_mlx_lm() {
     check(&QWEN25_15B_Q4);
+}
+
+#[test]
+#[ignore = "slow suite: downloads 1.1 GB (Qwen2.5-Coder-1.5B-Instruct)"]
+fn qwen25_coder_15b_8_bit_matches_mlx_lm() {
+    check(&QWEN25_15B_Q8);
 }
 
 /// The real draft/target pair (slow suite): Qwen2.5-Coder-0.5B drafting for the 1.5B, both
