@@ -40,12 +40,12 @@
 // function's signature or a struct's layout changes incompatibly; a program
 // must only run against a library with the same major version. It is also
 // the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
-#define MLXCEL_ABI_VERSION_MAJOR 6
+#define MLXCEL_ABI_VERSION_MAJOR 7
 
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
 // same major version and minor >= N.
-#define MLXCEL_ABI_VERSION_MINOR 1
+#define MLXCEL_ABI_VERSION_MINOR 0
 
 // The named values of `mlxcel_status`. Functions return `mlxcel_status`
 // (an `int32_t`), not this enum, so that the ABI does not depend on the
@@ -202,6 +202,17 @@ typedef struct mlxcel_model_params {
     // with `MLXCEL_ERR_INVALID_ARGUMENT` naming `draft_model`. Only read
     // during `mlxcel_model_load`. Since ABI 5.0.
     const char *draft_model;
+    // Quantize a dense (f32/f16/bf16) checkpoint as it loads, to 2, 3, 4,
+    // 5, 6 or 8 bits, exactly as `mlx_lm.convert -q` would (no converted
+    // copy is written); 0 (the default) loads the checkpoint as stored.
+    // Another value is `MLXCEL_ERR_INVALID_ARGUMENT` naming `q_bits`; an
+    // already quantized checkpoint fails the load. The draft model stays as
+    // stored. Since ABI 7.0.
+    uint32_t q_bits;
+    // The group size for `q_bits`: 32, 64 or 128; 0 (the default) means 64,
+    // mlx-lm's. Not 0 without `q_bits` is `MLXCEL_ERR_INVALID_ARGUMENT`
+    // naming `q_group_size`. Since ABI 7.0.
+    uint32_t q_group_size;
 } mlxcel_model_params;
 
 // A summary of a loaded model. Strings are NUL-terminated (truncated if

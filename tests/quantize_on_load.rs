@@ -198,3 +198,36 @@ fn quantized_checkpoints_and_unsupported_params_are_refused() {
         assert!(err.contains(name), "{err}");
     }
 }
+
+#[test]
+fn the_engine_checks_q_bits_and_q_group_size_once_for_every_surface() {
+    use mlxcel_engine::{Error, LimitOptions};
+    let resolve = |q_bits, q_group_size| LimitOptions { q_bits, q_group_size, ..Default::default() }.resolve();
+    assert_eq!(resolve(None, None).unwrap().quantize, None);
+    assert_eq!(resolve(Some(4), None).unwrap().quantize, Some(QuantParams { bits: 4, group_size: 64 }));
+    assert_eq!(resolve(Some(3), Some(128)).unwrap().quantize, Some(QuantParams { bits: 3, group_size: 128 }));
+    for (bits, group, name) in
+        [(Some(7), None, "q_bits"), (Some(1), None, "q_bits"), (Some(16), None, "q_bits"), (Some(4), Some(48), "q_group_size"), (Some(4), Some(0), "q_group_size"), (None, Some(64), "q_group_size")]
+    {
+        match resolve(bits, group) {
+            Err(Error::InvalidParameter { name: got, .. }) => assert_eq!(got, name, "{bits:?} {group:?}"),
+            other => panic!("{bits:?} {group:?}: {other:?}"),
+        }
+    }
+    // The engine's loaders read it: the MiniLM-size dense llama loads 8-bit.
+    let config = goldens()["minilm"]["config"].clone();
+    let dir = temp_dir("engine");
+    write_checkpoint(&dir, &config, &minilm_dense(&config));
+    for entry in std::fs::read_dir(default_model_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap().to_string_lossy().starts_with("tokenizer") {
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let engine = mlxcel_engine::Engine::load_with(&dir, resolve(Some(8), Some(32)).unwrap()).unwrap();
+    let info = engine.model().info();
+    assert_eq!(info.quantized_at_load, Some(QuantParams { bits: 8, group_size: 32 }));
+    assert_eq!(info.main_weight_bits(), 8);
+    assert_eq!(engine.summary().main_quantization.map(|q| (q.bits, q.group_size)), Some((8, 32)));
+    let _ = std::fs::remove_dir_all(&dir);
+}

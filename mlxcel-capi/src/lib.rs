@@ -157,6 +157,17 @@ pub struct mlxcel_model_params {
     /// with `MLXCEL_ERR_INVALID_ARGUMENT` naming `draft_model`. Only read
     /// during `mlxcel_model_load`. Since ABI 5.0.
     pub draft_model: *const c_char,
+    /// Quantize a dense (f32/f16/bf16) checkpoint as it loads, to 2, 3, 4,
+    /// 5, 6 or 8 bits, exactly as `mlx_lm.convert -q` would (no converted
+    /// copy is written); 0 (the default) loads the checkpoint as stored.
+    /// Another value is `MLXCEL_ERR_INVALID_ARGUMENT` naming `q_bits`; an
+    /// already quantized checkpoint fails the load. The draft model stays as
+    /// stored. Since ABI 7.0.
+    pub q_bits: u32,
+    /// The group size for `q_bits`: 32, 64 or 128; 0 (the default) means 64,
+    /// mlx-lm's. Not 0 without `q_bits` is `MLXCEL_ERR_INVALID_ARGUMENT`
+    /// naming `q_group_size`. Since ABI 7.0.
+    pub q_group_size: u32,
 }
 
 /// How to generate. Get the defaults from `mlxcel_generate_default_params()`
@@ -779,6 +790,8 @@ pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
         kv_keep: mlxcel_engine::DEFAULT_KV_KEEP as u32,
         kv_bits: 0,
         draft_model: std::ptr::null(),
+        q_bits: 0,
+        q_group_size: 0,
     }
 }
 
@@ -817,6 +830,8 @@ pub unsafe extern "C" fn mlxcel_model_load(
             kv_keep: (params.max_kv_size != 0).then_some(params.kv_keep.into()),
             kv_bits: (params.kv_bits != 0).then_some(params.kv_bits.into()),
             max_rows: None,
+            q_bits: (params.q_bits != 0).then_some(params.q_bits.into()),
+            q_group_size: (params.q_group_size != 0).then_some(params.q_group_size.into()),
         }
         .resolve()?;
         let draft = (!params.draft_model.is_null()).then(|| path_from_c(params.draft_model));

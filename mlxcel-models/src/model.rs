@@ -225,7 +225,12 @@ pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
 /// dense weight replaced by its packed form as it loads. A checkpoint that is
 /// already quantized is refused.
 pub fn load_network_quantizing(dir: &Path, quantize: Option<QuantParams>) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
-    let (network, info, _) = load_parts(dir, quantize)?;
+    let (network, info, weights) = load_parts(dir, quantize)?;
+    drop(weights);
+    if quantize.is_some() {
+        // The dense weights are free now, but held by MLX's cache and the heap.
+        mlx_sys::memory::release_free_memory()?;
+    }
     Ok((network, info))
 }
 
