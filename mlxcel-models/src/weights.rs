@@ -100,6 +100,14 @@ impl Weights {
                 let shape: Vec<i32> = view.shape().iter().map(|&d| d as i32).collect();
                 let array = Array::from_bytes(view.data(), &shape, dtype)
                     .map_err(|e| Error::invalid_file(&path, format!("tensor `{name}`: {e}")))?;
+                // The copy is made: drop the file's pages from this process,
+                // so that loading holds about one copy of the weights, not two.
+                #[cfg(unix)]
+                // SAFETY: a read-only file mapping; a page touched again is re-read from the file.
+                unsafe {
+                    let offset = view.data().as_ptr() as usize - mmap.as_ptr() as usize;
+                    let _ = mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, view.data().len());
+                }
                 tensors.insert(name, Entry { array, file: shared.clone() });
             }
         }
