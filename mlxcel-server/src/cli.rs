@@ -328,6 +328,15 @@ mod tests {
     }
 
     #[test]
+    fn q_bits_and_q_group_size_quantize_at_load() {
+        let a = args(&["-m", "dir", "--q-bits", "4", "--q-group-size", "32"]).unwrap();
+        assert_eq!((a.q_bits, a.q_group_size), (Some(4), Some(32)));
+        let a = args(&["-m", "dir"]).unwrap();
+        assert_eq!((a.q_bits, a.q_group_size), (None, None));
+        assert!(args(&["-m", "dir", "--q-group-size", "64"]).is_err(), "a group size needs --q-bits");
+    }
+
+    #[test]
     fn short_forms_reach_their_long_flags() {
         let a = args(&["-m", "dir", "-np", "8", "-c", "4096", "-ub", "256", "-t", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-kvu", "-cb", "-ngl=99"]).unwrap();
         assert_eq!(a.model.as_deref(), Some(std::path::Path::new("dir")));
