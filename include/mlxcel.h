@@ -40,12 +40,12 @@
 // function's signature or a struct's layout changes incompatibly; a program
 // must only run against a library with the same major version. It is also
 // the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
-#define MLXCEL_ABI_VERSION_MAJOR 6
+#define MLXCEL_ABI_VERSION_MAJOR 7
 
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
 // same major version and minor >= N.
-#define MLXCEL_ABI_VERSION_MINOR 1
+#define MLXCEL_ABI_VERSION_MINOR 0
 
 // The named values of `mlxcel_status`. Functions return `mlxcel_status`
 // (an `int32_t`), not this enum, so that the ABI does not depend on the
@@ -140,7 +140,7 @@ typedef struct mlxcel_context mlxcel_context;
 // threads at once: each `mlxcel_embed` call runs on its caller's thread,
 // and a text's vector is the same whatever it is embedded with, on any
 // thread. Handles are opaque values, not pointers to readable memory.
-// Since ABI 6.1.
+// Since ABI 7.0.
 typedef struct mlxcel_embedder mlxcel_embedder;
 
 // A loaded model: weights, tokenizer and chat template. Opaque.
@@ -155,7 +155,7 @@ typedef struct mlxcel_model mlxcel_model;
 //
 // Immutable once loaded: any number of threads may call `mlxcel_rerank` on
 // one reranker at once, each on its own thread, and a pair's score is the
-// same whatever it is scored with. Since ABI 6.1.
+// same whatever it is scored with. Since ABI 7.0.
 typedef struct mlxcel_reranker mlxcel_reranker;
 
 // The status every fallible function returns: `MLXCEL_OK` (0), a positive
@@ -202,6 +202,17 @@ typedef struct mlxcel_model_params {
     // with `MLXCEL_ERR_INVALID_ARGUMENT` naming `draft_model`. Only read
     // during `mlxcel_model_load`. Since ABI 5.0.
     const char *draft_model;
+    // Quantize a dense (f32/f16/bf16) checkpoint as it loads, to 2, 3, 4,
+    // 5, 6 or 8 bits, exactly as `mlx_lm.convert -q` would (no converted
+    // copy is written); 0 (the default) loads the checkpoint as stored.
+    // Another value is `MLXCEL_ERR_INVALID_ARGUMENT` naming `q_bits`; an
+    // already quantized checkpoint fails the load. The draft model stays as
+    // stored. Since ABI 7.0.
+    uint32_t q_bits;
+    // The group size for `q_bits`: 32, 64 or 128; 0 (the default) means 64,
+    // mlx-lm's. Not 0 without `q_bits` is `MLXCEL_ERR_INVALID_ARGUMENT`
+    // naming `q_group_size`. Since ABI 7.0.
+    uint32_t q_group_size;
 } mlxcel_model_params;
 
 // A summary of a loaded model. Strings are NUL-terminated (truncated if
@@ -684,20 +695,20 @@ mlxcel_status mlxcel_context_tokens(const struct mlxcel_context *ctx,
 // checkpoint; the message names the file and what is wrong). On failure
 // `*out_embedder` is set to NULL (if out_embedder is not NULL) and nothing
 // is allocated. May take seconds (and download the model on first use).
-// Thread-safe. Since ABI 6.1.
+// Thread-safe. Since ABI 7.0.
 mlxcel_status mlxcel_embedder_load(const char *path,
                                    struct mlxcel_embedder **out_embedder);
 
 // Releases the caller's handle to an embedder. The handle is invalid
 // afterwards (using or freeing it again gives `MLXCEL_ERR_INVALID_HANDLE`);
 // `mlxcel_embed` calls still running on it keep the model alive until they
-// return. NULL is a no-op returning `MLXCEL_OK`. Thread-safe. Since ABI 6.1.
+// return. NULL is a no-op returning `MLXCEL_OK`. Thread-safe. Since ABI 7.0.
 mlxcel_status mlxcel_embedder_free(struct mlxcel_embedder *embedder);
 
 // Stores the length of every vector of `embedder` (384 for
 // all-MiniLM-L6-v2) in `*out_dims`. Fails with `MLXCEL_ERR_NULL_POINTER`
 // or `MLXCEL_ERR_INVALID_HANDLE`, leaving `*out_dims` unchanged.
-// Thread-safe. Since ABI 6.1.
+// Thread-safe. Since ABI 7.0.
 mlxcel_status mlxcel_embedder_dims(const struct mlxcel_embedder *embedder,
                                    size_t *out_dims);
 
@@ -705,7 +716,7 @@ mlxcel_status mlxcel_embedder_dims(const struct mlxcel_embedder *embedder,
 // all-MiniLM-L6-v2), in `*out_max_tokens`: a longer text is truncated to
 // that many (its special tokens kept). Fails with `MLXCEL_ERR_NULL_POINTER`
 // or `MLXCEL_ERR_INVALID_HANDLE`, leaving `*out_max_tokens` unchanged.
-// Thread-safe. Since ABI 6.1.
+// Thread-safe. Since ABI 7.0.
 mlxcel_status mlxcel_embedder_max_tokens(const struct mlxcel_embedder *embedder,
                                          size_t *out_max_tokens);
 
@@ -731,7 +742,7 @@ mlxcel_status mlxcel_embedder_max_tokens(const struct mlxcel_embedder *embedder,
 //
 // Blocking: returns when every vector is computed, on the calling thread.
 // Thread-safe: any number of threads may embed on one embedder at once.
-// Since ABI 6.1.
+// Since ABI 7.0.
 mlxcel_status mlxcel_embed(const struct mlxcel_embedder *embedder,
                            const char *const *texts,
                            size_t n_texts,
@@ -749,13 +760,13 @@ mlxcel_status mlxcel_embed(const struct mlxcel_embedder *embedder,
 // `MLXCEL_ERR_MODEL_LOAD` (no such directory, not a cross-encoder, such as
 // an embedding model without a classifier; the message names the file and
 // what is wrong). On failure `*out_reranker` is set to NULL (if
-// out_reranker is not NULL). Thread-safe. Since ABI 6.1.
+// out_reranker is not NULL). Thread-safe. Since ABI 7.0.
 mlxcel_status mlxcel_reranker_load(const char *path,
                                    struct mlxcel_reranker **out_reranker);
 
 // Releases the caller's handle to a reranker, as `mlxcel_embedder_free`
 // does for embedders. NULL is a no-op returning `MLXCEL_OK`. Thread-safe.
-// Since ABI 6.1.
+// Since ABI 7.0.
 mlxcel_status mlxcel_reranker_free(struct mlxcel_reranker *reranker);
 
 // Scores `n_documents` NUL-terminated UTF-8 documents against `query`:
@@ -770,7 +781,7 @@ mlxcel_status mlxcel_reranker_free(struct mlxcel_reranker *reranker);
 // BUFFER_TOO_SMALL (`out_cap` < `n_documents`; nothing is computed),
 // INVALID_ARGUMENT (no documents, or more than 4096; the message names
 // `documents`), TOKENIZER, MLX. On failure the outputs are left unchanged.
-// Blocking, on the calling thread. Thread-safe. Since ABI 6.1.
+// Blocking, on the calling thread. Thread-safe. Since ABI 7.0.
 mlxcel_status mlxcel_rerank(const struct mlxcel_reranker *reranker,
                             const char *query,
                             const char *const *documents,

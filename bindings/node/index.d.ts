@@ -244,6 +244,14 @@ export interface LoadOptions {
    * for `speculation: 'draft'`. One with another tokenizer rejects with INVALID_PARAMETER.
    */
   draftModel?: string
+  /**
+   * Quantize a dense (f32/f16/bf16) checkpoint as it loads to this many bits (2, 3, 4, 5, 6
+   * or 8), bit-identically to `mlx_lm.convert -q`; nothing is written. Another value throws
+   * INVALID_PARAMETER; an already quantized checkpoint rejects with MODEL_LOAD.
+   */
+  qBits?: number
+  /** The group size for `qBits`: 32, 64 or 128 (default 64, mlx-lm's). */
+  qGroupSize?: number
 }
 
 /** The engine's defaults of the generation options: what an absent option means (the same in C and Python). */

@@ -488,12 +488,12 @@ async function loadModel(modelPath, opts) {
   for (const [key, value] of Object.entries(opts)) {
     if (key === 'progress') {
       if (value !== undefined && typeof value !== 'boolean') throw argumentError('option `progress` must be a boolean')
-    } else if (key === 'kvPoolBytes' || key === 'maxKvSize' || key === 'kvKeep' || key === 'kvBits') {
+    } else if (key === 'kvPoolBytes' || key === 'maxKvSize' || key === 'kvKeep' || key === 'kvBits' || key === 'qBits' || key === 'qGroupSize') {
       if (value !== undefined && typeof value !== 'number') throw argumentError(`option \`${key}\` must be a number`)
     } else if (key === 'draftModel') {
       if (value !== undefined && value !== null && typeof value !== 'string') throw argumentError('option `draftModel` must be a string')
     } else {
-      throw argumentError(`unknown loadModel option \`${key}\` (known: progress, kvPoolBytes, maxKvSize, kvKeep, kvBits, draftModel)`)
+      throw argumentError(`unknown loadModel option \`${key}\` (known: progress, kvPoolBytes, maxKvSize, kvKeep, kvBits, draftModel, qBits, qGroupSize)`)
     }
   }
   let task
@@ -507,6 +507,8 @@ async function loadModel(modelPath, opts) {
       opts.kvKeep,
       opts.kvBits,
       opts.draftModel ?? undefined,
+      opts.qBits,
+      opts.qGroupSize,
     )
   } catch (error) {
     throw fromNative(error)

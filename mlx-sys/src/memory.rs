@@ -34,3 +34,19 @@ pub fn set_memory_limit(limit: usize) -> crate::Result<usize> {
 pub fn clear_cache() -> crate::Result<()> {
     Ok(ffi::clear_cache()?)
 }
+
+/// [`clear_cache`], then hands the C heap's free pages back to the system
+/// (glibc's `malloc_trim`; MLX's CPU buffers come from malloc, and freed
+/// ones below the top of the heap would otherwise stay resident).
+pub fn release_free_memory() -> crate::Result<()> {
+    clear_cache()?;
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> std::ffi::c_int;
+        }
+        // SAFETY: malloc_trim only returns free memory to the system.
+        unsafe { malloc_trim(0) };
+    }
+    Ok(())
+}

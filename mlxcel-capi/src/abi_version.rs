@@ -6,8 +6,8 @@
 /// function's signature or a struct's layout changes incompatibly; a program
 /// must only run against a library with the same major version. It is also
 /// the version in the shared library's SONAME, `libmlxcel.so.<MAJOR>`.
-pub const MLXCEL_ABI_VERSION_MAJOR: u32 = 6;
+pub const MLXCEL_ABI_VERSION_MAJOR: u32 = 7;
 /// The minor version of the ABI: it grows when functions or constants are
 /// added; a program built against minor N runs against any library of the
 /// same major version and minor >= N.
-pub const MLXCEL_ABI_VERSION_MINOR: u32 = 1;
+pub const MLXCEL_ABI_VERSION_MINOR: u32 = 0;

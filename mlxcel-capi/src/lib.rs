@@ -80,7 +80,7 @@ pub struct mlxcel_context {
 /// threads at once: each `mlxcel_embed` call runs on its caller's thread,
 /// and a text's vector is the same whatever it is embedded with, on any
 /// thread. Handles are opaque values, not pointers to readable memory.
-/// Since ABI 6.1.
+/// Since ABI 7.0.
 pub struct mlxcel_embedder {
     _opaque: [u8; 0],
 }
@@ -90,7 +90,7 @@ pub struct mlxcel_embedder {
 ///
 /// Immutable once loaded: any number of threads may call `mlxcel_rerank` on
 /// one reranker at once, each on its own thread, and a pair's score is the
-/// same whatever it is scored with. Since ABI 6.1.
+/// same whatever it is scored with. Since ABI 7.0.
 pub struct mlxcel_reranker {
     _opaque: [u8; 0],
 }
@@ -157,6 +157,17 @@ pub struct mlxcel_model_params {
     /// with `MLXCEL_ERR_INVALID_ARGUMENT` naming `draft_model`. Only read
     /// during `mlxcel_model_load`. Since ABI 5.0.
     pub draft_model: *const c_char,
+    /// Quantize a dense (f32/f16/bf16) checkpoint as it loads, to 2, 3, 4,
+    /// 5, 6 or 8 bits, exactly as `mlx_lm.convert -q` would (no converted
+    /// copy is written); 0 (the default) loads the checkpoint as stored.
+    /// Another value is `MLXCEL_ERR_INVALID_ARGUMENT` naming `q_bits`; an
+    /// already quantized checkpoint fails the load. The draft model stays as
+    /// stored. Since ABI 7.0.
+    pub q_bits: u32,
+    /// The group size for `q_bits`: 32, 64 or 128; 0 (the default) means 64,
+    /// mlx-lm's. Not 0 without `q_bits` is `MLXCEL_ERR_INVALID_ARGUMENT`
+    /// naming `q_group_size`. Since ABI 7.0.
+    pub q_group_size: u32,
 }
 
 /// How to generate. Get the defaults from `mlxcel_generate_default_params()`
@@ -779,6 +790,8 @@ pub extern "C" fn mlxcel_model_default_params() -> mlxcel_model_params {
         kv_keep: mlxcel_engine::DEFAULT_KV_KEEP as u32,
         kv_bits: 0,
         draft_model: std::ptr::null(),
+        q_bits: 0,
+        q_group_size: 0,
     }
 }
 
@@ -817,6 +830,8 @@ pub unsafe extern "C" fn mlxcel_model_load(
             kv_keep: (params.max_kv_size != 0).then_some(params.kv_keep.into()),
             kv_bits: (params.kv_bits != 0).then_some(params.kv_bits.into()),
             max_rows: None,
+            q_bits: (params.q_bits != 0).then_some(params.q_bits.into()),
+            q_group_size: (params.q_group_size != 0).then_some(params.q_group_size.into()),
         }
         .resolve()?;
         let draft = (!params.draft_model.is_null()).then(|| path_from_c(params.draft_model));
@@ -1449,7 +1464,7 @@ pub unsafe extern "C" fn mlxcel_context_tokens(
 /// checkpoint; the message names the file and what is wrong). On failure
 /// `*out_embedder` is set to NULL (if out_embedder is not NULL) and nothing
 /// is allocated. May take seconds (and download the model on first use).
-/// Thread-safe. Since ABI 6.1.
+/// Thread-safe. Since ABI 7.0.
 #[no_mangle]
 pub unsafe extern "C" fn mlxcel_embedder_load(
     path: *const c_char,
@@ -1476,7 +1491,7 @@ pub unsafe extern "C" fn mlxcel_embedder_load(
 /// Releases the caller's handle to an embedder. The handle is invalid
 /// afterwards (using or freeing it again gives `MLXCEL_ERR_INVALID_HANDLE`);
 /// `mlxcel_embed` calls still running on it keep the model alive until they
-/// return. NULL is a no-op returning `MLXCEL_OK`. Thread-safe. Since ABI 6.1.
+/// return. NULL is a no-op returning `MLXCEL_OK`. Thread-safe. Since ABI 7.0.
 #[no_mangle]
 pub extern "C" fn mlxcel_embedder_free(embedder: *mut mlxcel_embedder) -> mlxcel_status {
     EMBEDDERS.free(embedder as usize)
@@ -1485,7 +1500,7 @@ pub extern "C" fn mlxcel_embedder_free(embedder: *mut mlxcel_embedder) -> mlxcel
 /// Stores the length of every vector of `embedder` (384 for
 /// all-MiniLM-L6-v2) in `*out_dims`. Fails with `MLXCEL_ERR_NULL_POINTER`
 /// or `MLXCEL_ERR_INVALID_HANDLE`, leaving `*out_dims` unchanged.
-/// Thread-safe. Since ABI 6.1.
+/// Thread-safe. Since ABI 7.0.
 #[no_mangle]
 pub unsafe extern "C" fn mlxcel_embedder_dims(
     embedder: *const mlxcel_embedder,
@@ -1505,7 +1520,7 @@ pub unsafe extern "C" fn mlxcel_embedder_dims(
 /// all-MiniLM-L6-v2), in `*out_max_tokens`: a longer text is truncated to
 /// that many (its special tokens kept). Fails with `MLXCEL_ERR_NULL_POINTER`
 /// or `MLXCEL_ERR_INVALID_HANDLE`, leaving `*out_max_tokens` unchanged.
-/// Thread-safe. Since ABI 6.1.
+/// Thread-safe. Since ABI 7.0.
 #[no_mangle]
 pub unsafe extern "C" fn mlxcel_embedder_max_tokens(
     embedder: *const mlxcel_embedder,
@@ -1543,7 +1558,7 @@ pub unsafe extern "C" fn mlxcel_embedder_max_tokens(
 ///
 /// Blocking: returns when every vector is computed, on the calling thread.
 /// Thread-safe: any number of threads may embed on one embedder at once.
-/// Since ABI 6.1.
+/// Since ABI 7.0.
 #[no_mangle]
 pub unsafe extern "C" fn mlxcel_embed(
     embedder: *const mlxcel_embedder,
@@ -1596,7 +1611,7 @@ pub unsafe extern "C" fn mlxcel_embed(
 /// `MLXCEL_ERR_MODEL_LOAD` (no such directory, not a cross-encoder, such as
 /// an embedding model without a classifier; the message names the file and
 /// what is wrong). On failure `*out_reranker` is set to NULL (if
-/// out_reranker is not NULL). Thread-safe. Since ABI 6.1.
+/// out_reranker is not NULL). Thread-safe. Since ABI 7.0.
 #[no_mangle]
 pub unsafe extern "C" fn mlxcel_reranker_load(
     path: *const c_char,
@@ -1619,7 +1634,7 @@ pub unsafe extern "C" fn mlxcel_reranker_load(
 
 /// Releases the caller's handle to a reranker, as `mlxcel_embedder_free`
 /// does for embedders. NULL is a no-op returning `MLXCEL_OK`. Thread-safe.
-/// Since ABI 6.1.
+/// Since ABI 7.0.
 #[no_mangle]
 pub extern "C" fn mlxcel_reranker_free(reranker: *mut mlxcel_reranker) -> mlxcel_status {
     RERANKERS.free(reranker as usize)
@@ -1637,7 +1652,7 @@ pub extern "C" fn mlxcel_reranker_free(reranker: *mut mlxcel_reranker) -> mlxcel
 /// BUFFER_TOO_SMALL (`out_cap` < `n_documents`; nothing is computed),
 /// INVALID_ARGUMENT (no documents, or more than 4096; the message names
 /// `documents`), TOKENIZER, MLX. On failure the outputs are left unchanged.
-/// Blocking, on the calling thread. Thread-safe. Since ABI 6.1.
+/// Blocking, on the calling thread. Thread-safe. Since ABI 7.0.
 #[no_mangle]
 pub unsafe extern "C" fn mlxcel_rerank(
     reranker: *const mlxcel_reranker,

@@ -10,7 +10,8 @@ use std::time::Duration;
 use crossbeam_channel::Receiver;
 use mlx_sys::kernels::KvWindow;
 use mlxcel_models::chat_template::Message;
-use mlxcel_models::{runtime, KvFormat, KvPool, Model};
+use mlxcel_models::quantization::{check_quantize_params, DEFAULT_GROUP_SIZE};
+use mlxcel_models::{runtime, KvFormat, KvPool, Model, QuantParams};
 
 use crate::batch::{validate_prompt, BatchEngine, RowEvent, RowRequest};
 use crate::error::{Error, Result};
@@ -205,6 +206,11 @@ pub struct EngineLimits {
     /// Most rows decoding at once (llama-server's `--parallel` slots; default
     /// and largest [`MAX_ROWS`](crate::scheduler::MAX_ROWS)); later requests wait.
     pub max_rows: usize,
+    /// Quantize a dense checkpoint as it loads (affine, as `mlx_lm.convert
+    /// -q`; see [`Model::load_quantizing`]): the loaders
+    /// ([`load_with`](Engine::load_with) and the like) read it; an engine
+    /// over an already loaded model ignores it. The draft model stays as stored.
+    pub quantize: Option<QuantParams>,
 }
 
 /// mlx-lm's `RotatingKVCache` keep.
@@ -219,6 +225,7 @@ impl Default for EngineLimits {
             kv_keep: DEFAULT_KV_KEEP,
             kv_format: KvFormat::F32,
             max_rows: crate::scheduler::MAX_ROWS,
+            quantize: None,
         }
     }
 }
@@ -237,6 +244,10 @@ pub struct LimitOptions {
     pub kv_bits: Option<i128>,
     /// In [1, 32].
     pub max_rows: Option<i128>,
+    /// Quantize a dense checkpoint at load: 2, 3, 4, 5, 6 or 8 bits.
+    pub q_bits: Option<i128>,
+    /// Its group size: 32, 64 or 128 (default 64, mlx-lm's); only with `q_bits`.
+    pub q_group_size: Option<i128>,
 }
 
 impl LimitOptions {
@@ -259,6 +270,20 @@ impl LimitOptions {
         if let Some(rows) = self.max_rows {
             limits.max_rows = Options::integer("max_rows", rows)?;
         }
+        limits.quantize = match (self.q_bits, self.q_group_size) {
+            (None, None) => None,
+            (None, Some(_)) => {
+                return Err(Error::InvalidParameter { name: "q_group_size", message: "needs q_bits (the quantization it groups)".into() })
+            }
+            (Some(bits), group_size) => {
+                let params = QuantParams {
+                    bits: Options::integer("q_bits", bits)?,
+                    group_size: group_size.map_or(Ok(DEFAULT_GROUP_SIZE), |g| Options::integer("q_group_size", g))?,
+                };
+                check_quantize_params(params).map_err(|(name, message)| Error::InvalidParameter { name, message })?;
+                Some(params)
+            }
+        };
         limits.window()?;
         Ok(limits)
     }
@@ -335,7 +360,7 @@ impl Engine {
     /// [`load_with`](Self::load_with) plus a draft model from `draft_dir`
     /// (see [`with_draft`](Self::with_draft)).
     pub fn load_with_draft(dir: &Path, limits: EngineLimits, draft_dir: Option<&Path>) -> Result<Self> {
-        let model = Engine::load_model(dir)?;
+        let model = Engine::load_model_quantizing(dir, limits.quantize)?;
         let draft = draft_dir.map(Engine::load_model).transpose()?;
         Engine::with_draft(model, limits, draft)
     }
@@ -346,13 +371,19 @@ impl Engine {
     /// `gemma-3-270m` or `Qwen2.5-Coder-0.5B-Instruct-q4`), fetched and
     /// converted into the cache on first use.
     pub fn load_model(dir: &Path) -> Result<Arc<Model>> {
+        Engine::load_model_quantizing(dir, None)
+    }
+
+    /// [`load_model`](Self::load_model), quantizing a dense checkpoint as it
+    /// loads ([`EngineLimits::quantize`]).
+    pub fn load_model_quantizing(dir: &Path, quantize: Option<QuantParams>) -> Result<Arc<Model>> {
         let resolved = mlxcel_hub::resolve_model(dir, &Default::default(), &mut |_| {}).map_err(Error::load)?;
         let dir = resolved.as_path();
         if !dir.is_dir() {
             let what = if dir.exists() { "not a directory" } else { "no such model directory" };
             return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
         }
-        Ok(Arc::new(Model::load(dir).map_err(Error::load)?))
+        Ok(Arc::new(Model::load_quantizing(dir, quantize).map_err(Error::load)?))
     }
 
     pub fn model(&self) -> &Arc<Model> {

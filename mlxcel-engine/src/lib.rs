@@ -36,6 +36,7 @@ pub use options::{GenerationOptions, DEFAULT_PREFILL_CHUNK};
 pub use mlxcel_tokenizer::Message;
 pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
 pub use mlxcel_models::KvFormat;
+pub use mlxcel_models::QuantParams;
 pub use sampling::{SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use speculative::{Speculation, MAX_DRAFT_TOKENS};
 pub use scheduler::shutdown;

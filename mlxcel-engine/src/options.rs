@@ -113,7 +113,7 @@ fn shortest(x: f32) -> f64 {
 }
 
 /// The integer options: name, smallest and largest value, and the range as the message states it.
-const INTEGER_RANGES: [(&str, i128, i128, &str); 17] = [
+const INTEGER_RANGES: [(&str, i128, i128, &str); 19] = [
     ("max_tokens", 1, i64::MAX as i128, "an integer >= 1"),
     ("top_k", 0, u32::MAX as i128, "an integer in [0, 2**32) (0 = off)"),
     ("repetition_context_size", 0, i64::MAX as i128, "an integer >= 0"),
@@ -132,6 +132,8 @@ const INTEGER_RANGES: [(&str, i128, i128, &str); 17] = [
     ("kv_keep", 0, i32::MAX as i128 - 1, "an integer in [0, 2**31 - 1)"),
     ("max_rows", 1, crate::scheduler::MAX_ROWS as i128, "an integer in [1, 32]"),
     ("kv_bits", 8, 8, "8 (8-bit keys and values, group 64, as mlx-lm's kv_bits), or unset for f32"),
+    ("q_bits", 2, 8, "one of [2, 3, 4, 5, 6, 8]"),
+    ("q_group_size", 32, 128, "one of [32, 64, 128]"),
 ];
 
 fn integer_range(name: &str) -> (i128, i128, &'static str) {

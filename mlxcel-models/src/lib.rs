@@ -24,3 +24,4 @@ pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{Error, Result};
 pub use rerank::CrossEncoder;
 pub use model::{LanguageModel, Model, ModelInfo, ModelLayout, ModelShape};
+pub use quantization::QuantParams;

@@ -10,9 +10,9 @@ use crate::architectures::{self, LoadContext};
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::nn::{compute_dtype, RowKernels};
-use crate::quantization::{QuantParams, QuantizationConfig};
+use crate::quantization::{check_quantize_params, QuantParams, QuantizationConfig};
 use mlxcel_tokenizer::Tokenizer;
-use crate::weights::{Scope, Weights};
+use crate::weights::{QuantizeAtLoad, Scope, Weights};
 
 /// A network that maps token ids to next-token logits over borrowed caches.
 ///
@@ -169,6 +169,8 @@ pub struct ModelInfo {
     pub shape: ModelShape,
     pub tokenizer_kind: String,
     pub tokenizer_vocab_size: usize,
+    /// Set when a dense checkpoint was quantized while loading.
+    pub quantized_at_load: Option<QuantParams>,
 }
 
 impl ModelInfo {
@@ -206,8 +208,14 @@ pub fn read_config(dir: &Path) -> Result<(Value, PathBuf)> {
 impl Model {
     /// Loads a checkpoint in the MLX / Hugging Face layout.
     pub fn load(dir: &Path) -> Result<Model> {
+        Model::load_quantizing(dir, None)
+    }
+
+    /// [`load`](Self::load), quantizing a dense checkpoint with `quantize`
+    /// as it loads (see [`load_network_quantizing`]).
+    pub fn load_quantizing(dir: &Path, quantize: Option<QuantParams>) -> Result<Model> {
         let tokenizer = Tokenizer::from_dir(dir)?;
-        let (network, mut info) = load_network(dir)?;
+        let (network, mut info) = load_network_quantizing(dir, quantize)?;
         info.tokenizer_kind = tokenizer.kind().to_string();
         info.tokenizer_vocab_size = tokenizer.vocab_size();
         Ok(Model { network, tokenizer, info, dir: dir.to_path_buf() })
@@ -252,6 +260,53 @@ pub(crate) fn open_checkpoint(dir: &Path) -> Result<(Value, PathBuf, String)> {
 /// Loads only the network of a checkpoint (no tokenizer needed); the
 /// tokenizer fields of the returned info are left empty.
 pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
+    load_network_quantizing(dir, None)
+}
+
+/// [`load_network`], quantizing a dense checkpoint with `quantize` as
+/// `mlx_lm.convert -q --q-bits B --q-group-size G` would (see
+/// [`QuantizeAtLoad`]: the same arrays, so the same kernels and tokens), each
+/// dense weight replaced by its packed form as it loads. A checkpoint that is
+/// already quantized is refused.
+pub fn load_network_quantizing(dir: &Path, quantize: Option<QuantParams>) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
+    let (network, info, weights) = load_parts(dir, quantize)?;
+    drop(weights);
+    if quantize.is_some() {
+        // The dense weights are free now, but held by MLX's cache and the heap.
+        mlx_sys::memory::release_free_memory()?;
+    }
+    Ok((network, info))
+}
+
+/// Every tensor of the checkpoint in `dir` after loading it quantized with
+/// `quantize`, each as `mlx_lm.convert -q` would save it (floating tensors
+/// in config.json's `torch_dtype`): what the model runs, for comparisons
+/// with a converted copy.
+pub fn load_tensors_quantizing(dir: &Path, quantize: QuantParams) -> Result<BTreeMap<String, Array>> {
+    let (_, _, weights) = load_parts(dir, Some(quantize))?;
+    let (config, _) = read_config(dir)?;
+    let convert_dtype = convert_dtype(&config);
+    weights
+        .all()
+        .into_iter()
+        .map(|(name, array)| {
+            let array = match convert_dtype {
+                Some(dtype) if array.dtype().is_floating() => array.astype(dtype)?,
+                _ => array,
+            };
+            array.eval()?;
+            Ok((name, array))
+        })
+        .collect()
+}
+
+/// The dtype `mlx_lm.convert` casts floating tensors to: config.json's `torch_dtype`.
+fn convert_dtype(config: &Value) -> Option<Dtype> {
+    let dtype = config.get("torch_dtype").and_then(Value::as_str).and_then(Dtype::from_name)?;
+    matches!(dtype, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32).then_some(dtype)
+}
+
+fn load_parts(dir: &Path, quantize: Option<QuantParams>) -> Result<(Box<dyn LanguageModel>, ModelInfo, Weights)> {
     let (config, config_path, model_type) = open_checkpoint(dir)?;
     if crate::embedding::EMBEDDING_MODEL_TYPES.contains(&model_type.as_str()) {
         return Err(Error::Unsupported {
@@ -260,21 +315,38 @@ pub fn load_network(dir: &Path) -> Result<(Box<dyn LanguageModel>, ModelInfo)> {
         });
     }
     let construct = architectures::constructor(&model_type, &config_path)?;
-    let quantization = QuantizationConfig::from_config(&config, &config_path)?;
+    let mut quantization = QuantizationConfig::from_config(&config, &config_path)?;
     let checkpoint_dtype = config.get("torch_dtype").and_then(Value::as_str).and_then(Dtype::from_name);
+    if let Some(params) = quantize {
+        check_quantize_params(params).map_err(|(name, message)| Error::InvalidInput(format!("{name} {message}")))?;
+    }
     let weights = Weights::load(dir)?;
+    let at_load = match quantize {
+        None => None,
+        Some(params) => {
+            if quantization.default.is_some() || weights.all().iter().any(|(name, _)| name.ends_with(".scales")) {
+                return Err(Error::Unsupported {
+                    path: config_path,
+                    message: "the checkpoint is already quantized; q_bits quantizes dense (f32/f16/bf16) checkpoints at load".into(),
+                });
+            }
+            quantization.default = Some(params);
+            Some(QuantizeAtLoad { params, convert_dtype: convert_dtype(&config) })
+        }
+    };
     let dtype = compute_dtype(checkpoint_dtype);
     let network = construct(&LoadContext {
         config: &config,
         config_path: &config_path,
-        scope: Scope::root(&weights, &quantization, dtype),
+        scope: Scope::root(&weights, &quantization, dtype).quantizing(at_load),
     })?;
     let unread = weights.unread();
     if !unread.is_empty() {
         return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
     }
-    let info = summarize(&model_type, &weights, &quantization, network.shape().clone());
-    Ok((network, info))
+    let mut info = summarize(&model_type, &weights, &quantization, network.shape().clone());
+    info.quantized_at_load = quantize;
+    Ok((network, info, weights))
 }
 
 fn summarize(
@@ -285,7 +357,8 @@ fn summarize(
 ) -> ModelInfo {
     let mut groups: BTreeMap<(String, Option<QuantParams>, Dtype), (usize, u64)> = BTreeMap::new();
     let (mut parameters, mut weight_bytes) = (0u64, 0u64);
-    for (name, array) in weights.iter() {
+    for (name, array) in weights.all() {
+        let name = name.as_str();
         weight_bytes += array.nbytes() as u64;
         let Some(module) = name.strip_suffix(".weight").or_else(|| name.strip_suffix(".bias")) else {
             continue; // scales and biases of quantized modules
@@ -321,6 +394,7 @@ fn summarize(
         shape,
         tokenizer_kind: String::new(),
         tokenizer_vocab_size: 0,
+        quantized_at_load: None,
     }
 }
 

@@ -17,6 +17,22 @@ pub struct QuantParams {
 pub const SUPPORTED_BITS: [i32; 6] = [2, 3, 4, 5, 6, 8];
 pub const SUPPORTED_GROUP_SIZES: [i32; 3] = [32, 64, 128];
 
+/// mlx-lm's default group size (`mlx_lm.convert -q` without `--q-group-size`).
+pub const DEFAULT_GROUP_SIZE: i32 = 64;
+
+/// Whether MLX's affine kernels take `params` for quantizing at load; the
+/// error is the option's name (`q_bits`, `q_group_size`) and what is wrong.
+pub fn check_quantize_params(params: QuantParams) -> Result<(), (&'static str, String)> {
+    let bad = |name: &'static str, value: i32, allowed: &[i32]| (name, format!("must be one of {allowed:?}, got {value}"));
+    if !SUPPORTED_BITS.contains(&params.bits) {
+        return Err(bad("q_bits", params.bits, &SUPPORTED_BITS));
+    }
+    if !SUPPORTED_GROUP_SIZES.contains(&params.group_size) {
+        return Err(bad("q_group_size", params.group_size, &SUPPORTED_GROUP_SIZES));
+    }
+    Ok(())
+}
+
 /// The `quantization` (or `quantization_config`) block: defaults plus
 /// per-module overrides, each a params dict or `false` (left unquantized).
 #[derive(Debug, Clone, Default)]

@@ -21,7 +21,9 @@ struct Entry {
 /// which of them the model has read (a tensor no layer reads is an error,
 /// [`Weights::unread`], unless its architecture skips it on purpose).
 pub struct Weights {
-    tensors: HashMap<String, Entry>,
+    /// Behind a lock so that quantizing at load can swap a dense weight for
+    /// its packed form (freeing the dense copy as it goes).
+    tensors: Mutex<HashMap<String, Entry>>,
     /// What a missing tensor is reported against: the index or the one file.
     origin: PathBuf,
     read: Mutex<HashSet<String>>,
@@ -98,10 +100,22 @@ impl Weights {
                 let shape: Vec<i32> = view.shape().iter().map(|&d| d as i32).collect();
                 let array = Array::from_bytes(view.data(), &shape, dtype)
                     .map_err(|e| Error::invalid_file(&path, format!("tensor `{name}`: {e}")))?;
+                // The copy is made: drop the file's pages from this process,
+                // so that loading holds about one copy of the weights, not two.
+                #[cfg(unix)]
+                // SAFETY: a read-only file mapping; a page touched again is re-read from the file.
+                unsafe {
+                    let offset = view.data().as_ptr() as usize - mmap.as_ptr() as usize;
+                    let _ = mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, view.data().len());
+                }
                 tensors.insert(name, Entry { array, file: shared.clone() });
             }
         }
-        Ok(Weights { tensors, origin, read: Mutex::new(HashSet::new()), skipped: Mutex::new(HashSet::new()) })
+        Ok(Weights { tensors: Mutex::new(tensors), origin, read: Mutex::new(HashSet::new()), skipped: Mutex::new(HashSet::new()) })
+    }
+
+    fn tensors(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.tensors.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn mark_read(&self, name: &str) {
@@ -114,22 +128,19 @@ impl Weights {
     /// calls this.
     pub fn skip(&self, part: &str) {
         let mut skipped = self.skipped.lock().unwrap_or_else(|e| e.into_inner());
-        skipped.extend(self.tensors.keys().filter(|n| n.contains(part)).cloned());
+        skipped.extend(self.tensors().keys().filter(|n| n.contains(part)).cloned());
     }
 
     /// Puts `prefix` before every name that lacks it (but names starting
     /// with one of `except`): checkpoints saved from a base model without its
     /// task wrapper (Qwen3-Embedding's `layers.0...` for `model.layers.0...`).
     pub fn prefix_missing(&mut self, prefix: &str, except: &[&str]) {
-        let names: Vec<String> = self
-            .tensors
-            .keys()
-            .filter(|n| !n.starts_with(prefix) && !except.iter().any(|e| n.starts_with(e)))
-            .cloned()
-            .collect();
+        let tensors = self.tensors.get_mut().unwrap_or_else(|e| e.into_inner());
+        let names: Vec<String> =
+            tensors.keys().filter(|n| !n.starts_with(prefix) && !except.iter().any(|e| n.starts_with(e))).cloned().collect();
         for name in names {
-            if let Some(entry) = self.tensors.remove(&name) {
-                self.tensors.insert(format!("{prefix}{name}"), entry);
+            if let Some(entry) = tensors.remove(&name) {
+                tensors.insert(format!("{prefix}{name}"), entry);
             }
         }
     }
@@ -140,7 +151,7 @@ impl Weights {
         let read = self.read.lock().unwrap_or_else(|e| e.into_inner());
         let skipped = self.skipped.lock().unwrap_or_else(|e| e.into_inner());
         let mut names: Vec<String> =
-            self.tensors.keys().filter(|n| !read.contains(*n) && !skipped.contains(*n)).cloned().collect();
+            self.tensors().keys().filter(|n| !read.contains(*n) && !skipped.contains(*n)).cloned().collect();
         names.sort();
         names
     }
@@ -151,23 +162,38 @@ impl Weights {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.tensors().contains_key(name)
     }
 
     /// Every tensor but the skipped ones.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Array)> {
+    pub fn all(&self) -> Vec<(String, Array)> {
         let skipped = self.skipped.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        self.tensors.iter().filter(move |(k, _)| !skipped.contains(*k)).map(|(k, e)| (k.as_str(), &e.array))
+        self.tensors().iter().filter(|(k, _)| !skipped.contains(*k)).map(|(k, e)| (k.clone(), e.array.clone())).collect()
+    }
+
+    /// Replaces the dense `{module}.weight` with its quantized form
+    /// (`weight`, `scales`, `biases`), all counted as read.
+    fn store_quantized(&self, module: &str, q: [Array; 3]) {
+        let names = ["weight", "scales", "biases"].map(|part| format!("{module}.{part}"));
+        {
+            let mut tensors = self.tensors();
+            let file = tensors[&names[0]].file.clone();
+            for (name, array) in names.iter().zip(q) {
+                tensors.insert(name.clone(), Entry { array, file: file.clone() });
+            }
+        }
+        names.iter().for_each(|name| self.mark_read(name));
     }
 
     /// The tensor `name`, or an error naming the checkpoint file and tensor.
     pub fn get(&self, name: &str) -> Result<Array> {
-        let entry = self
-            .tensors
+        let array = self
+            .tensors()
             .get(name)
+            .map(|entry| entry.array.clone())
             .ok_or_else(|| Error::MissingTensor { path: self.origin.clone(), tensor: name.into() })?;
         self.mark_read(name);
-        Ok(entry.array.clone())
+        Ok(array)
     }
 
     /// [`get`](Self::get), checking the shape.
@@ -175,7 +201,7 @@ impl Weights {
         let array = self.get(name)?;
         if array.shape() != shape {
             return Err(Error::ShapeMismatch {
-                path: self.tensors[name].file.as_ref().clone(),
+                path: self.tensors()[name].file.as_ref().clone(),
                 tensor: name.into(),
                 expected: shape.iter().map(|&d| d as i64).collect(),
                 actual: array.shape().iter().map(|&d| d as i64).collect(),
@@ -193,11 +219,38 @@ pub struct Scope<'a> {
     pub quantization: &'a QuantizationConfig,
     pub dtype: Dtype,
     prefix: String,
+    at_load: Option<QuantizeAtLoad>,
+}
+
+/// Quantizing a dense checkpoint while it loads, as `mlx_lm.convert -q`
+/// would have: every floating tensor first rounded to `convert_dtype`
+/// (config.json's `torch_dtype`, as convert casts), then each module that
+/// loads as a [`Linear`](crate::nn::Linear) or
+/// [`Embedding`](crate::nn::Embedding) quantized with MLX's `quantize` when
+/// its weight's last dimension is a multiple of the group size
+/// (mlx-lm's `quantize_model` predicate); the others stay dense.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantizeAtLoad {
+    pub params: QuantParams,
+    pub convert_dtype: Option<Dtype>,
 }
 
 impl<'a> Scope<'a> {
     pub fn root(weights: &'a Weights, quantization: &'a QuantizationConfig, dtype: Dtype) -> Self {
-        Scope { weights, quantization, dtype, prefix: String::new() }
+        Scope { weights, quantization, dtype, prefix: String::new(), at_load: None }
+    }
+
+    /// This scope, quantizing dense modules as they load (see [`QuantizeAtLoad`]).
+    pub fn quantizing(self, at_load: Option<QuantizeAtLoad>) -> Self {
+        Scope { at_load, ..self }
+    }
+
+    /// A floating tensor as convert would have saved it.
+    fn as_converted(&self, array: Array) -> Result<Array> {
+        Ok(match self.at_load.and_then(|q| q.convert_dtype) {
+            Some(dtype) if array.dtype().is_floating() && array.dtype() != dtype => array.astype(dtype)?,
+            _ => array,
+        })
     }
 
     /// The scope one level down: `pp("layers").pp(3)`.
@@ -220,7 +273,7 @@ impl<'a> Scope<'a> {
 
     /// A floating-point tensor of the given shape, in the compute dtype.
     pub fn get(&self, name: &str, shape: &[i32]) -> Result<Array> {
-        let array = self.weights.get_shaped(&self.path(name), shape)?;
+        let array = self.as_converted(self.weights.get_shaped(&self.path(name), shape)?)?;
         let array = if array.dtype().is_floating() { array.astype(self.dtype)? } else { array };
         // Models hold only evaluated arrays, so threads never share graph nodes.
         array.eval()?;
@@ -236,10 +289,11 @@ impl<'a> Scope<'a> {
         Ok(array)
     }
 
-    /// Quantization of this module: present exactly when `scales` exists.
+    /// Quantization of this module: present exactly when `scales` exists,
+    /// or once [`QuantizeAtLoad`] has made it.
     pub fn quant_params(&self, in_features: i32) -> Result<Option<QuantParams>> {
         if !self.contains("scales") {
-            return Ok(None);
+            return self.quantize_at_load();
         }
         let module = self.module_path();
         let params = self.quantization.for_module(module).or_else(|| self.infer_params(in_features));
@@ -247,6 +301,25 @@ impl<'a> Scope<'a> {
             path: self.weights.origin.clone(),
             message: format!("`{module}.scales` exists but config.json gives no quantization for `{module}`"),
         })
+    }
+
+    /// Quantizes this module's dense `weight` in place when loading with
+    /// [`QuantizeAtLoad`] and its last dimension takes whole groups.
+    fn quantize_at_load(&self) -> Result<Option<QuantParams>> {
+        let Some(QuantizeAtLoad { params, .. }) = self.at_load else { return Ok(None) };
+        let name = self.path("weight");
+        let Ok(dense) = self.weights.get(&name) else { return Ok(None) };
+        if dense.shape().last().is_none_or(|&k| k % params.group_size != 0) || !dense.dtype().is_floating() {
+            return Ok(None);
+        }
+        let dense = self.as_converted(dense)?;
+        let (w, scales, biases) = mlx_sys::quantize(&dense, params.group_size, params.bits)
+            .map_err(|e| Error::invalid_file(self.weights.origin(), format!("quantizing `{name}`: {e}")))?;
+        for array in [&w, &scales, &biases] {
+            array.eval()?;
+        }
+        self.weights.store_quantized(self.module_path(), [w, scales, biases]);
+        Ok(Some(params))
     }
 
     /// Bits and group size from the tensor shapes, when config.json is silent.

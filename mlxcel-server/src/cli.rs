@@ -77,6 +77,13 @@ pub struct ServeArgs {
     pub cache_type_k: String,
     #[arg(long = "cache-type-v", env = "LLAMA_ARG_CACHE_TYPE_V", default_value = "f16")]
     pub cache_type_v: String,
+    /// Quantize a dense (f32/f16/bf16) checkpoint as it loads to this many
+    /// bits (2, 3, 4, 5, 6 or 8), exactly as `mlx_lm.convert -q` would (mlxcel's own flag).
+    #[arg(long = "q-bits", value_name = "BITS")]
+    pub q_bits: Option<u32>,
+    /// Group size for --q-bits (32, 64 or 128; default 64).
+    #[arg(long = "q-group-size", value_name = "G", requires = "q_bits")]
+    pub q_group_size: Option<u32>,
     /// An embedding checkpoint (or a packaged one's name, e.g. all-MiniLM-L6-v2) that
     /// /v1/embeddings runs, beside the generative model (an mlxcel extension).
     #[arg(long = "embedding-model", env = "MLXCEL_EMBEDDING_MODEL", value_name = "PATH")]
@@ -318,6 +325,15 @@ mod tests {
 
     fn args(list: &[&str]) -> Result<ServeArgs, String> {
         parse(list.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn q_bits_and_q_group_size_quantize_at_load() {
+        let a = args(&["-m", "dir", "--q-bits", "4", "--q-group-size", "32"]).unwrap();
+        assert_eq!((a.q_bits, a.q_group_size), (Some(4), Some(32)));
+        let a = args(&["-m", "dir"]).unwrap();
+        assert_eq!((a.q_bits, a.q_group_size), (None, None));
+        assert!(args(&["-m", "dir", "--q-group-size", "64"]).is_err(), "a group size needs --q-bits");
     }
 
     #[test]

@@ -295,7 +295,15 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
     let dir = resolve_model(args, source)?;
     let kv_bits = args.kv_bits()?;
     let context_shift = args.context_shift && !args.no_context_shift;
-    let model = Engine::load_model(&dir).map_err(|e| e.to_string())?;
+    let quantize = LimitOptions {
+        q_bits: args.q_bits.map(i128::from),
+        q_group_size: args.q_group_size.map(i128::from),
+        ..Default::default()
+    }
+    .resolve()
+    .map_err(|e| e.to_string())?
+    .quantize;
+    let model = Engine::load_model_quantizing(&dir, quantize).map_err(|e| e.to_string())?;
     let draft = args.model_draft.as_deref().map(Engine::load_model).transpose().map_err(|e| e.to_string())?;
     let summary = ModelSummary::new(&model);
     let n_ctx = match args.ctx_size {
@@ -309,6 +317,7 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
         kv_keep: None,
         kv_bits,
         max_rows: Some(args.parallel as i128),
+        ..Default::default()
     }
     .resolve()
     .map_err(|e| e.to_string())?;

@@ -57,6 +57,8 @@ pub struct BenchArgs {
     pub kv_pool_mib: Option<u64>,
     #[command(flatten)]
     pub kv: crate::KvArgs,
+    #[command(flatten)]
+    pub quant: crate::QuantArgs,
     /// Bench this text, as one user message through the model's chat
     /// template, instead of --prompt-tokens of benches/prompt.txt (e.g.
     /// benches/rewrite.txt: a passage to rewrite, where prompt lookup pays).
@@ -154,7 +156,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
     // The runtime's own footprint (binary, libmlx, BLAS) before any model.
     let baseline_rss = rss_bytes("VmRSS:");
     let loaded = Instant::now();
-    let limits = args.kv.limits(args.kv_pool_mib.map(|m| m.saturating_mul(1 << 20)))?;
+    let limits = args.kv.limits(args.kv_pool_mib.map(|m| m.saturating_mul(1 << 20)), &args.quant)?;
     let (engine, speculation) = args.spec.load(dir, limits)?;
     let params = args.spec.apply(SamplingParams { temperature: args.temp, seed: Some(0), max_tokens: args.gen_tokens, ..SamplingParams::default() }, speculation);
     let params = args.constraint.apply(params)?;
@@ -293,6 +295,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "weight_bytes": weight_bytes,
             "kv_bytes": kv_bytes,
             "kv_bits": engine.kv_pool().format().bits(),
+            "quantized_at_load": engine.model().info().quantized_at_load.map(|q| serde_json::json!({"bits": q.bits, "group_size": q.group_size})),
             "max_kv_size": engine.limits().max_kv_size,
             "kernel_threads": kernel_threads,
             "blas": mlx_sys::BLAS_BACKEND,

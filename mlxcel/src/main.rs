@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use mlxcel_engine::{Engine, GenerationRequest, Message, Prompt, SamplingParams, Speculation};
 use mlxcel_gguf::ConvertOptions;
-use mlxcel_models::model::{load_network, read_config, ModelInfo};
+use mlxcel_models::model::{load_network_quantizing, read_config, ModelInfo};
 use mlxcel_tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -31,6 +31,8 @@ enum Command {
     Inspect {
         /// Checkpoint directory or packaged model name (default: the default model).
         dir: Option<PathBuf>,
+        #[command(flatten)]
+        quant: QuantArgs,
     },
     /// Measure prefill and decode speed, time to first token and peak memory.
     Bench(bench::BenchArgs),
@@ -139,6 +141,8 @@ struct GenerateArgs {
     chain: ChainArgs,
     #[command(flatten)]
     kv: KvArgs,
+    #[command(flatten)]
+    quant: QuantArgs,
     #[command(flatten)]
     spec: SpecArgs,
     #[command(flatten)]
@@ -318,16 +322,44 @@ pub struct KvArgs {
 }
 
 impl KvArgs {
-    /// The engine's limits with these options and a pool of `kv_pool_bytes`.
-    pub fn limits(&self, kv_pool_bytes: Option<u64>) -> Result<mlxcel_engine::EngineLimits, mlxcel_engine::Error> {
+    /// The engine's limits with these options, a pool of `kv_pool_bytes`
+    /// and the load-time quantization `quant`.
+    pub fn limits(&self, kv_pool_bytes: Option<u64>, quant: &QuantArgs) -> Result<mlxcel_engine::EngineLimits, mlxcel_engine::Error> {
         mlxcel_engine::LimitOptions {
             kv_pool_bytes: kv_pool_bytes.map(i128::from),
             max_kv_size: self.max_kv_size.map(i128::from),
             kv_keep: Some(self.kv_keep.into()),
             kv_bits: self.kv_bits.map(i128::from),
             max_rows: None,
+            q_bits: quant.q_bits.map(i128::from),
+            q_group_size: quant.q_group_size.map(i128::from),
         }
         .resolve()
+    }
+}
+
+/// Quantizing a dense checkpoint as it loads (`generate`, `bench`, `inspect`).
+#[derive(Args, Debug, Clone, Copy, Default)]
+pub struct QuantArgs {
+    /// Quantize a dense (f32/f16/bf16) checkpoint at load to this many bits
+    /// (2, 3, 4, 5, 6 or 8), exactly as `mlx_lm.convert -q` would, without
+    /// writing a converted copy.
+    #[arg(long, value_name = "BITS")]
+    pub q_bits: Option<u32>,
+    /// Group size for --q-bits (32, 64 or 128; default 64, mlx-lm's).
+    #[arg(long, value_name = "G", requires = "q_bits")]
+    pub q_group_size: Option<u32>,
+}
+
+impl QuantArgs {
+    /// The checked quantization (the engine's rules and messages).
+    pub fn params(&self) -> Result<Option<mlxcel_engine::QuantParams>, mlxcel_engine::Error> {
+        let options = mlxcel_engine::LimitOptions {
+            q_bits: self.q_bits.map(i128::from),
+            q_group_size: self.q_group_size.map(i128::from),
+            ..Default::default()
+        };
+        Ok(options.resolve()?.quantize)
     }
 }
 
@@ -368,7 +400,7 @@ fn run(cli: Cli) -> AnyResult<()> {
             eprintln!("wrote {} ({} tensors, {})", args.out.display(), report.tensors, human_bytes(report.bytes_written));
             Ok(())
         }
-        Command::Inspect { dir } => inspect(&model_dir(dir)?),
+        Command::Inspect { dir, quant } => inspect(&model_dir(dir)?, &quant),
         Command::Bench(args) => {
             args.validate()?;
             let dir = model_dir(args.model.clone())?;
@@ -491,7 +523,7 @@ fn embed(args: EmbedArgs) -> AnyResult<()> {
 
 fn generate(args: GenerateArgs) -> AnyResult<()> {
     let dir = model_dir(args.model)?;
-    let (engine, speculation) = args.spec.load(&dir, args.kv.limits(None)?)?;
+    let (engine, speculation) = args.spec.load(&dir, args.kv.limits(None, &args.quant)?)?;
     let prompt = if args.chat || args.system.is_some() {
         let mut messages = Vec::new();
         if let Some(system) = args.system {
@@ -563,8 +595,8 @@ fn generate(args: GenerateArgs) -> AnyResult<()> {
     Ok(())
 }
 
-fn inspect(dir: &Path) -> AnyResult<()> {
-    let (network, info) = load_network(dir)?;
+fn inspect(dir: &Path, quant: &QuantArgs) -> AnyResult<()> {
+    let (network, info) = load_network_quantizing(dir, quant.params()?)?;
     let (config, _) = read_config(dir)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     print_info(dir, &info, &config, &tokenizer);
@@ -658,7 +690,10 @@ fn print_info(dir: &Path, info: &ModelInfo, config: &serde_json::Value, tokenize
         "kernels:         {} threads, {} matvec (decode), {} GEMM (prefill); MLXCEL_KERNELS and MLXCEL_NUM_THREADS change them",
         loops.threads, loops.matvec, loops.gemm
     );
-    println!("quantization per module group:");
+    match info.quantized_at_load {
+        Some(q) => println!("quantization per module group (quantized at load, {}-bit affine, group {}):", q.bits, q.group_size),
+        None => println!("quantization per module group:"),
+    }
     for group in &info.groups {
         let quant = match group.quantization {
             Some(q) => format!("{}-bit affine, group {}", q.bits, q.group_size),

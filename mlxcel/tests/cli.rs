@@ -308,3 +308,45 @@ fn rerank_ranks_documents_and_prints_json_lines() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("no sequence-classification head"), "{}", text(&out.stderr));
 }
+
+#[test]
+fn q_bits_quantizes_a_dense_checkpoint_at_load() {
+    // The tiny random llama (f32, hidden 64) with the default model's tokenizer.
+    let dir = scratch("dense");
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../mlxcel-models/tests/data/tiny/llama");
+    for name in ["config.json", "model.safetensors", "model.safetensors.index.json"] {
+        std::fs::copy(tiny.join(name), dir.join(name)).unwrap();
+    }
+    for entry in std::fs::read_dir(default_model()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap().to_string_lossy().starts_with("tokenizer") {
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let d = dir.to_str().unwrap();
+    let dense = text(&mlxcel(&["inspect", d]).stdout);
+    assert!(dense.lines().any(|l| l.contains("self_attn.q_proj") && l.contains("not quantized")), "{dense}");
+    let out = mlxcel(&["inspect", d, "--q-bits", "4", "--q-group-size", "32"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(stdout.contains("quantized at load, 4-bit affine, group 32"), "{stdout}");
+    assert!(stdout.lines().any(|l| l.contains("self_attn.q_proj") && l.contains("4-bit affine, group 32")), "{stdout}");
+    assert!(stdout.lines().any(|l| l.contains("embed_tokens") && l.contains("4-bit affine, group 32")), "{stdout}");
+
+    // Its vocabulary is the tokenizer's first 512 ids.
+    let out = mlxcel(&["generate", "--model", d, "--q-bits", "8", "--prompt", "a b c", "--max-tokens", "3"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("generation: 3 tokens"), "{}", text(&out.stderr));
+
+    for (args, message) in [
+        (vec!["--q-bits", "7"], "invalid parameter `q_bits`: must be one of [2, 3, 4, 5, 6, 8], got 7"),
+        (vec!["--q-bits", "4", "--q-group-size", "16"], "invalid parameter `q_group_size`: must be one of [32, 64, 128], got 16"),
+    ] {
+        let out = mlxcel(&[&["generate", "--model", d, "--prompt", "hi"][..], &args[..]].concat());
+        assert!(!out.status.success());
+        assert!(text(&out.stderr).contains(message), "{}", text(&out.stderr));
+    }
+    let out = mlxcel(&["generate", "--q-bits", "4", "--prompt", "hi"]);
+    assert!(text(&out.stderr).contains("already quantized"), "{}", text(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}

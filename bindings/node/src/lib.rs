@@ -120,8 +120,10 @@ impl Task for LoadTask {
 /// The limits (whole numbers: `kv_pool_bytes` at least 1 MiB, `max_kv_size`
 /// larger than `kv_keep`, `kv_bits` 8) are checked before the load starts: a bad one
 /// throws INVALID_PARAMETER. `draft_model`: a checkpoint directory loaded
-/// beside the model, drafting for `speculation: "draft"`.
+/// beside the model, drafting for `speculation: "draft"`. `q_bits` /
+/// `q_group_size`: quantize a dense checkpoint as it loads.
 #[napi(ts_return_type = "Promise<NativeModel>")]
+#[allow(clippy::too_many_arguments)]
 pub fn load_model(
     path: Option<String>,
     progress: Option<bool>,
@@ -130,6 +132,8 @@ pub fn load_model(
     kv_keep: Option<f64>,
     kv_bits: Option<f64>,
     draft_model: Option<String>,
+    q_bits: Option<f64>,
+    q_group_size: Option<f64>,
 ) -> Result<AsyncTask<LoadTask>, Code> {
     let whole = |name, v: Option<f64>| v.map(|v| GenerationOptions::whole_number(name, v)).transpose().map_err(coded);
     let limits = LimitOptions {
@@ -138,6 +142,8 @@ pub fn load_model(
         kv_keep: whole("kv_keep", kv_keep)?,
         kv_bits: whole("kv_bits", kv_bits)?,
         max_rows: None,
+        q_bits: whole("q_bits", q_bits)?,
+        q_group_size: whole("q_group_size", q_group_size)?,
     }
     .resolve()
     .map_err(coded)?;

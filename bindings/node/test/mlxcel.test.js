@@ -425,6 +425,29 @@ describe('bad input', () => {
     assert.equal(small.kvCacheBytes * 256, full.kvCacheBytes * 72, JSON.stringify(stats))
   })
 
+  test('quantizing at load: bad bits and groups are refused, a dense checkpoint loads quantized', async () => {
+    await rejectsWith(loadModel({ qBits: 7 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ qBits: 4, qGroupSize: 48 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ qGroupSize: 64 }), 'INVALID_PARAMETER')
+    await rejectsWith(loadModel({ qBits: '4' }), 'INVALID_ARGUMENT')
+    await rejectsWith(loadModel({ qBits: 4, progress: false }), 'MODEL_LOAD') // already quantized
+    // The tiny random llama (f32, hidden 64) with the default model's tokenizer.
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'mlxcel-node-dense-'))
+    const tiny = path.join(__dirname, '../../../mlxcel-models/tests/data/tiny/llama')
+    for (const name of ['config.json', 'model.safetensors', 'model.safetensors.index.json']) {
+      fs.copyFileSync(path.join(tiny, name), path.join(dir, name))
+    }
+    for (const name of fs.readdirSync(model.info.path).filter((n) => n.startsWith('tokenizer'))) {
+      fs.copyFileSync(path.join(model.info.path, name), path.join(dir, name))
+    }
+    const dense = await loadModel(dir)
+    const quantized = await loadModel(dir, { qBits: 4, qGroupSize: 32 })
+    assert.equal(dense.info.quantization, undefined)
+    assert.deepEqual(quantized.info.quantization, { bits: 4, groupSize: 32 })
+    assert.equal(typeof (await quantized.generate('a b c', { maxTokens: 4 })), 'string')
+    fs.rmSync(dir, { recursive: true })
+  })
+
   test('a bad model path rejects with MODEL_LOAD', async () => {
     await rejectsWith(loadModel('/nonexistent/model/dir'), 'MODEL_LOAD')
     await rejectsWith(loadModel(__dirname), 'MODEL_LOAD')

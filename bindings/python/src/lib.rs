@@ -462,8 +462,9 @@ impl Model {
     /// Loads a model directory (MLX / Hugging Face layout); `None` loads the
     /// default model (SmolLM2-135M-Instruct, fetched and converted on first use).
     /// `draft_model`: a checkpoint with the same tokenizer, for `speculation="draft"`.
+    /// `q_bits` / `q_group_size`: quantize a dense checkpoint as it loads.
     #[new]
-    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None, kv_bits=None, draft_model=None))]
+    #[pyo3(signature = (path=None, *, prefill_chunk=None, progress=true, kv_pool_bytes=None, max_kv_size=None, kv_keep=None, kv_bits=None, draft_model=None, q_bits=None, q_group_size=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -475,10 +476,14 @@ impl Model {
         kv_keep: Option<i128>,
         kv_bits: Option<i128>,
         draft_model: Option<PathBuf>,
+        q_bits: Option<i128>,
+        q_group_size: Option<i128>,
     ) -> PyResult<Self> {
         // Checked now, so a bad value fails the load rather than the first generation.
         Sampling::default().options(py, prefill_chunk)?;
-        let limits = LimitOptions { kv_pool_bytes, max_kv_size, kv_keep, kv_bits, max_rows: None }.resolve().map_err(|e| engine_error(py, e))?;
+        let limits = LimitOptions { kv_pool_bytes, max_kv_size, kv_keep, kv_bits, max_rows: None, q_bits, q_group_size }
+            .resolve()
+            .map_err(|e| engine_error(py, e))?;
         let dir = model_dir(py, progress, path.as_deref())?;
         let engine = py.detach(|| Engine::load_with_draft(&dir, limits, draft_model.as_deref())).map_err(|e| engine_error(py, e))?;
         Ok(Model { engine, prefill_chunk })

@@ -1,6 +1,9 @@
 """Bad input: clear exceptions of the right class."""
 
 import json
+import os
+import pathlib
+import shutil
 
 import pytest
 
@@ -321,3 +324,33 @@ def test_eight_bit_kv_cache(model):
     # 72 bytes per position and head instead of 256, over the same blocks.
     assert eight["kv_cache_bytes"] * 256 == full["kv_cache_bytes"] * 72, stats
     assert texts[1].strip(), texts
+
+
+def dense_tiny_llama(model, out):
+    """The tiny random llama (f32, hidden 64) with the default model's tokenizer."""
+    tiny = pathlib.Path(__file__).resolve().parents[3] / "mlxcel-models/tests/data/tiny/llama"
+    for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+        shutil.copy(tiny / name, out / name)
+    for name in os.listdir(model.path):
+        if name.startswith("tokenizer"):
+            shutil.copy(f"{model.path}/{name}", out / name)
+    return out
+
+
+def test_quantize_at_load(model, tmp_path):
+    for kwargs, name in [
+        (dict(q_bits=7), "q_bits"),
+        (dict(q_bits=4, q_group_size=48), "q_group_size"),
+        (dict(q_group_size=64), "q_group_size"),
+    ]:
+        with pytest.raises(InvalidParameter, match=name) as err:
+            mlxcel.load(**kwargs)
+        assert err.value.name == name
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        mlxcel.load(q_bits=4)
+    dense = mlxcel.load(dense_tiny_llama(model, tmp_path))
+    quantized = mlxcel.load(tmp_path, q_bits=4, q_group_size=32)
+    assert dense.info.quantization is None
+    assert quantized.info.quantization == {"bits": 4, "group_size": 32}
+    assert quantized.info.bytes < dense.info.bytes / 4
+    assert isinstance(quantized.generate("a b c", max_tokens=4, temperature=0.0), str)

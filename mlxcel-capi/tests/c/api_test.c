@@ -737,6 +737,27 @@ static void test_pool(void) {
         CHECK_STATUS(mlxcel_context_free(ctx[0]), MLXCEL_OK);
         CHECK_STATUS(mlxcel_model_free(model), MLXCEL_OK);
     }
+
+    /* Quantizing at load (ABI 7.0): off by default; bad bits or groups, or a
+       group without bits, are refused by name; the default model is already
+       quantized, which fails the load. */
+    mp = mlxcel_model_default_params();
+    CHECK(mp.q_bits == 0 && mp.q_group_size == 0);
+    const struct { uint32_t bits, group; const char *name; } bad[] = {
+        {7, 0, "q_bits"}, {1, 64, "q_bits"}, {4, 48, "q_group_size"}, {0, 64, "q_group_size"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        mp.q_bits = bad[i].bits;
+        mp.q_group_size = bad[i].group;
+        CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_ERR_INVALID_ARGUMENT);
+        CHECK_ERROR_MENTIONS(bad[i].name);
+        CHECK(model == NULL);
+    }
+    mp.q_bits = 4;
+    mp.q_group_size = 32;
+    CHECK_STATUS(mlxcel_model_load(mp, &model), MLXCEL_ERR_MODEL_LOAD);
+    CHECK_ERROR_MENTIONS("already quantized");
+    CHECK(model == NULL);
     printf("pool: ok\n");
 }
 

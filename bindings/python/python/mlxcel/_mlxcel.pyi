@@ -145,6 +145,8 @@ class Model:
         kv_keep: Optional[int] = None,
         kv_bits: Optional[int] = None,
         draft_model: Union[str, os.PathLike[str], None] = None,
+        q_bits: Optional[int] = None,
+        q_group_size: Optional[int] = None,
     ) -> None:
         """Loads a model directory (MLX / Hugging Face layout).
 
@@ -167,10 +169,15 @@ class Model:
         (the paged KV pool); 8 bits also a head size that is a multiple of 64.
         ``draft_model`` loads a second, smaller checkpoint with the same
         tokenizer that drafts tokens for ``speculation="draft"``.
+        ``q_bits`` (2, 3, 4, 5, 6 or 8) quantizes a dense (f32/f16/bf16)
+        checkpoint as it loads, in groups of ``q_group_size`` (32, 64 or 128;
+        None: 64), bit-identically to ``mlx_lm.convert -q``; nothing is written.
 
-        Raises ModelLoadError (also for the draft model), or InvalidParameter
-        for a bad ``prefill_chunk``, ``kv_pool_bytes``, ``max_kv_size``,
-        ``kv_keep`` or ``kv_bits``, or a ``draft_model`` with another tokenizer.
+        Raises ModelLoadError (also for the draft model, and for ``q_bits`` on
+        an already quantized checkpoint), or InvalidParameter for a bad
+        ``prefill_chunk``, ``kv_pool_bytes``, ``max_kv_size``, ``kv_keep``,
+        ``kv_bits``, ``q_bits`` or ``q_group_size``, or a ``draft_model`` with
+        another tokenizer.
         """
     def generate(
         self,
