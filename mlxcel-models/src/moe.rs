@@ -12,13 +12,13 @@
 
 use mlx_sys::{Array, Dtype};
 
-use crate::architectures::decoder::{load_lm_head, DecoderArgs};
+use crate::architectures::decoder::{load_pre_norm, DecoderArgs};
 use crate::architectures::transformer::{each_sequence_alone, Block, Transformer};
 use crate::architectures::LoadContext;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::nn::{
-    Attention, AttentionSpec, Embedding, FusedBlock, FusedParts, GatedMlp, Linear, RmsNorm, Rope, RowKernels, StackedExperts,
+    Attention, AttentionSpec, FusedBlock, FusedParts, GatedMlp, Linear, RmsNorm, RowKernels, StackedExperts,
     FUSED_MAX_ROWS,
 };
 use crate::weights::Scope;
@@ -291,41 +291,12 @@ impl MoeModel {
         qk_norm: bool,
         ffn: impl Fn(&Scope, i32) -> Result<FeedForward>,
     ) -> Result<Self> {
-        let (root, config_path) = (&ctx.scope, ctx.config_path);
-        args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
-        let rope = Rope::new(args.head_dim(), args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref())
-            .map_err(|message| Error::Unsupported { path: config_path.into(), message })?;
-        let model = root.pp("model");
         let spec = AttentionSpec {
             qk_norm_eps: qk_norm.then_some(args.rms_norm_eps),
             ..AttentionSpec::new(args.hidden_size, args.num_attention_heads, args.kv_heads(), args.head_dim())
         };
-        let layers = (0..args.num_hidden_layers)
-            .map(|i| {
-                let layer = model.pp("layers").pp(i);
-                Ok(MoeBlock::new(
-                    RmsNorm::load(&layer.pp("input_layernorm"), args.hidden_size, args.rms_norm_eps)?,
-                    Attention::load(&layer.pp("self_attn"), spec.clone(), rope.clone())?,
-                    RmsNorm::load(&layer.pp("post_attention_layernorm"), args.hidden_size, args.rms_norm_eps)?,
-                    ffn(&layer, i)?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let tied = args.tie_word_embeddings.unwrap_or(!root.contains("lm_head.weight"));
-        // What mlx-lm's sanitize drops, as for the llama family.
-        root.weights.skip("self_attn.rotary_emb.inv_freq");
-        if tied {
-            root.weights.skip("lm_head.");
-        }
-        Ok(Transformer {
-            shape: args.shape(root.dtype),
-            embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, args.hidden_size)?,
-            embed_scale: None,
-            windows: vec![None; layers.len()],
-            layers,
-            norm: RmsNorm::load(&model.pp("norm"), args.hidden_size, args.rms_norm_eps)?,
-            lm_head: load_lm_head(root, args, tied)?,
-            final_softcap: None,
+        load_pre_norm(ctx, args, spec, |parts, layer, i| {
+            Ok(MoeBlock::new(parts.input_layernorm, parts.self_attn, parts.post_attention_layernorm, ffn(layer, i)?))
         })
     }
 }

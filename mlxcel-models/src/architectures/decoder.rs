@@ -120,49 +120,70 @@ impl Block for DecoderBlock {
 
 impl DecoderModel {
     pub fn load(ctx: &LoadContext, args: &DecoderArgs, options: DecoderOptions) -> Result<Self> {
-        let (root, config_path) = (&ctx.scope, ctx.config_path);
-        args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
-        let rope = Rope::new(args.head_dim(), args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref())
-            .map_err(|message| Error::Unsupported { path: config_path.into(), message })?;
-        let model = root.pp("model");
         let spec = AttentionSpec {
             qkv_bias: options.qkv_bias,
             o_bias: options.o_bias,
             qk_norm_eps: options.qk_norm.then_some(args.rms_norm_eps),
             ..AttentionSpec::new(args.hidden_size, args.num_attention_heads, args.kv_heads(), args.head_dim())
         };
-        let layers = (0..args.num_hidden_layers)
-            .map(|i| {
-                let layer = model.pp("layers").pp(i);
-                Ok(DecoderBlock::new(
-                    RmsNorm::load(&layer.pp("input_layernorm"), args.hidden_size, args.rms_norm_eps)?,
-                    Attention::load(&layer.pp("self_attn"), spec.clone(), rope.clone())?,
-                    RmsNorm::load(&layer.pp("post_attention_layernorm"), args.hidden_size, args.rms_norm_eps)?,
-                    GatedMlp::load(&layer.pp("mlp"), args.hidden_size, args.intermediate_size, options.mlp_bias)?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // Tied exactly when the config says so, or, when it is silent, when
-        // the checkpoint has no lm_head.
-        let tied = args.tie_word_embeddings.unwrap_or(!root.contains("lm_head.weight"));
-        // What mlx-lm's llama, qwen2 and qwen3 `sanitize` drop: precomputed RoPE
-        // frequencies, and an lm_head the config ties to the embeddings.
-        root.weights.skip("self_attn.rotary_emb.inv_freq");
-        if tied {
-            root.weights.skip("lm_head.");
-        }
-        let lm_head = load_lm_head(root, args, tied)?;
-        Ok(Transformer {
-            shape: args.shape(root.dtype),
-            embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, args.hidden_size)?,
-            embed_scale: None,
-            windows: vec![None; layers.len()],
-            layers,
-            norm: RmsNorm::load(&model.pp("norm"), args.hidden_size, args.rms_norm_eps)?,
-            lm_head,
-            final_softcap: None,
+        load_pre_norm(ctx, args, spec, |parts, layer, _| {
+            let mlp = GatedMlp::load(&layer.pp("mlp"), args.hidden_size, args.intermediate_size, options.mlp_bias)?;
+            Ok(DecoderBlock::new(parts.input_layernorm, parts.self_attn, parts.post_attention_layernorm, mlp))
         })
     }
+}
+
+/// What every llama-style pre-norm block loads before its MLP.
+pub struct PreNormParts {
+    pub input_layernorm: RmsNorm,
+    pub self_attn: Attention,
+    pub post_attention_layernorm: RmsNorm,
+}
+
+/// A llama-style pre-norm decoder (`model.layers.N.{input_layernorm,
+/// self_attn, post_attention_layernorm}`, `model.embed_tokens`,
+/// `model.norm`, `lm_head`): `block(parts, layer_scope, i)` completes layer
+/// i with its MLP. The head is tied exactly when the config says so, or,
+/// when it is silent, when the checkpoint has no lm_head.
+pub fn load_pre_norm<B: Block>(
+    ctx: &LoadContext,
+    args: &DecoderArgs,
+    spec: AttentionSpec,
+    block: impl Fn(PreNormParts, &Scope, i32) -> Result<B>,
+) -> Result<Transformer<B>> {
+    let (root, config_path) = (&ctx.scope, ctx.config_path);
+    args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
+    let rope = Rope::new(args.head_dim(), args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref())
+        .map_err(|message| Error::Unsupported { path: config_path.into(), message })?;
+    let model = root.pp("model");
+    let layers = (0..args.num_hidden_layers)
+        .map(|i| {
+            let layer = model.pp("layers").pp(i);
+            let parts = PreNormParts {
+                input_layernorm: RmsNorm::load(&layer.pp("input_layernorm"), args.hidden_size, args.rms_norm_eps)?,
+                self_attn: Attention::load(&layer.pp("self_attn"), spec.clone(), rope.clone())?,
+                post_attention_layernorm: RmsNorm::load(&layer.pp("post_attention_layernorm"), args.hidden_size, args.rms_norm_eps)?,
+            };
+            block(parts, &layer, i)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let tied = args.tie_word_embeddings.unwrap_or(!root.contains("lm_head.weight"));
+    // What mlx-lm's llama-family `sanitize` drops: precomputed RoPE
+    // frequencies, and an lm_head the config ties to the embeddings.
+    root.weights.skip("self_attn.rotary_emb.inv_freq");
+    if tied {
+        root.weights.skip("lm_head.");
+    }
+    Ok(Transformer {
+        shape: args.shape(root.dtype),
+        embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, args.hidden_size)?,
+        embed_scale: None,
+        windows: vec![None; layers.len()],
+        layers,
+        norm: RmsNorm::load(&model.pp("norm"), args.hidden_size, args.rms_norm_eps)?,
+        lm_head: load_lm_head(root, args, tied)?,
+        final_softcap: None,
+    })
 }
 
 /// The untied lm_head (None when `tied`).
