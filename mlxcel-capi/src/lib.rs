@@ -1450,6 +1450,14 @@ pub unsafe extern "C" fn mlxcel_context_tokens(
 // ---------------------------------------------------------------------------
 // Embeddings
 
+/// Copies `counts` to the caller's `out` (skipped when `out` is NULL),
+/// which holds at least `counts.len()` values.
+unsafe fn write_counts(out: *mut usize, counts: &[usize]) {
+    if !out.is_null() {
+        std::slice::from_raw_parts_mut(out, counts.len()).copy_from_slice(counts);
+    }
+}
+
 /// Loads a sentence-embedding model. `path` (NUL-terminated) is a checkpoint
 /// directory (sentence-transformers layout: `config.json`, safetensors
 /// weights, `tokenizer.json`, the pooling settings) or the name of a packaged
@@ -1589,11 +1597,7 @@ pub unsafe extern "C" fn mlxcel_embed(
                 row.copy_from_slice(vector);
             }
         }
-        if !token_counts.is_null() {
-            for (i, &count) in embeddings.token_counts.iter().enumerate() {
-                *token_counts.add(i) = count;
-            }
-        }
+        write_counts(token_counts, &embeddings.token_counts);
         Ok(MLXCEL_OK)
     })
 }
@@ -1676,11 +1680,7 @@ pub unsafe extern "C" fn mlxcel_rerank(
         }
         let scores = reranker.rerank(query, &documents)?;
         std::slice::from_raw_parts_mut(out_scores, n_documents).copy_from_slice(&scores.scores);
-        if !token_counts.is_null() {
-            for (i, &count) in scores.token_counts.iter().enumerate() {
-                *token_counts.add(i) = count;
-            }
-        }
+        write_counts(token_counts, &scores.token_counts);
         Ok(MLXCEL_OK)
     })
 }

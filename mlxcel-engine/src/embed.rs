@@ -48,10 +48,7 @@ impl Embedder {
     /// [`load`](Self::load) of a directory that exists (a front end that
     /// resolved a packaged name itself, with its own progress display).
     pub fn load_resolved(dir: &Path) -> Result<Embedder> {
-        if !dir.is_dir() {
-            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
-            return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
-        }
+        existing_dir(dir)?;
         Ok(Embedder { model: Arc::new(EmbeddingModel::load(dir).map_err(Error::load)?) })
     }
 
@@ -73,15 +70,7 @@ impl Embedder {
     /// Errors: no texts, or more than [`MAX_EMBED_TEXTS`], are
     /// [`InvalidParameter`](crate::ErrorKind::InvalidParameter) `input`.
     pub fn embed<S: AsRef<str>>(&self, texts: &[S]) -> Result<Embeddings> {
-        if texts.is_empty() {
-            return Err(Error::InvalidParameter { name: "input", message: "no texts to embed".into() });
-        }
-        if texts.len() > MAX_EMBED_TEXTS {
-            return Err(Error::InvalidParameter {
-                name: "input",
-                message: format!("{} texts in one call, more than {MAX_EMBED_TEXTS}", texts.len()),
-            });
-        }
+        check_count("input", texts.len(), "texts", "to embed")?;
         let tokens = texts.iter().map(|t| self.model.tokenize(t.as_ref())).collect::<mlxcel_models::Result<Vec<_>>>()?;
         let token_counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
         let vectors = in_passes(&tokens, Vec::len, |pass: &[Vec<u32>]| {
@@ -90,6 +79,28 @@ impl Embedder {
         })?;
         Ok(Embeddings { vectors, token_counts })
     }
+}
+
+/// A front end's directory, before a model is read from it.
+fn existing_dir(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let what = if dir.exists() { "not a directory" } else { "no such model directory" };
+    Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)))
+}
+
+/// One call's `count` inputs (`what`, e.g. "texts"): at least one, at most
+/// [`MAX_EMBED_TEXTS`]; else [`InvalidParameter`](crate::ErrorKind::InvalidParameter) `name`.
+fn check_count(name: &'static str, count: usize, what: &str, purpose: &str) -> Result<()> {
+    let message = if count == 0 {
+        format!("no {what} {purpose}")
+    } else if count > MAX_EMBED_TEXTS {
+        format!("{count} {what} in one call, more than {MAX_EMBED_TEXTS}")
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidParameter { name, message })
 }
 
 /// `run` over consecutive runs of `items` of about [`EMBED_PASS_TOKENS`]
@@ -142,10 +153,7 @@ impl Reranker {
 
     /// [`load`](Self::load) of a directory that exists.
     pub fn load_resolved(dir: &Path) -> Result<Reranker> {
-        if !dir.is_dir() {
-            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
-            return Err(Error::load(mlxcel_models::Error::invalid_file(dir, what)));
-        }
+        existing_dir(dir)?;
         Ok(Reranker { model: Arc::new(CrossEncoder::load(dir).map_err(Error::load)?) })
     }
 
@@ -156,15 +164,7 @@ impl Reranker {
     /// One score per document. Errors: no documents, or more than
     /// [`MAX_EMBED_TEXTS`], are [`InvalidParameter`](crate::ErrorKind::InvalidParameter) `documents`.
     pub fn rerank<S: AsRef<str>>(&self, query: &str, documents: &[S]) -> Result<Scores> {
-        if documents.is_empty() {
-            return Err(Error::InvalidParameter { name: "documents", message: "no documents to score".into() });
-        }
-        if documents.len() > MAX_EMBED_TEXTS {
-            return Err(Error::InvalidParameter {
-                name: "documents",
-                message: format!("{} documents in one call, more than {MAX_EMBED_TEXTS}", documents.len()),
-            });
-        }
+        check_count("documents", documents.len(), "documents", "to score")?;
         let pairs = documents
             .iter()
             .map(|d| self.model.tokenize_pair(query, d.as_ref()))

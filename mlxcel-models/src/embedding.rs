@@ -10,7 +10,7 @@ use serde::Deserialize;
 use crate::architectures::bert::Bert;
 use crate::architectures::LoadContext;
 use crate::error::{Error, Result};
-use crate::model::{open_checkpoint, LanguageModel};
+use crate::model::{construct_network, open_checkpoint, LanguageModel};
 use crate::quantization::QuantizationConfig;
 use crate::weights::{Scope, Weights};
 use mlx_sys::{Array, Dtype};
@@ -179,15 +179,16 @@ impl EmbeddingModel {
             let supported = [EMBEDDING_MODEL_TYPES, DECODER_EMBEDDING_MODEL_TYPES].concat().join(", ");
             return Err(Error::UnknownArchitecture { path: config_path, model_type, supported: format!("{supported} (embedding models)") });
         }
-        let quantization = QuantizationConfig::from_config(&config, &config_path)?;
-        let mut weights = Weights::load(dir)?;
         if is_cross_encoder(&config) {
             return Err(Error::Unsupported {
                 path: config_path,
                 message: "a cross-encoder (a sequence-classification head): load it as a reranker (`mlxcel rerank`)".into(),
             });
         }
-        let (encoder, positions, default_pooling) = if decoder {
+        let construct_decoder = if decoder { Some(crate::architectures::constructor(&model_type, &config_path)?) } else { None };
+        let quantization = QuantizationConfig::from_config(&config, &config_path)?;
+        let mut weights = Weights::load(dir)?;
+        let (encoder, positions, default_pooling) = if let Some(construct) = construct_decoder {
             // The body alone, as mlx-embeddings' qwen3 `sanitize` makes it:
             // `model.` before unprefixed names, and no lm_head (skipped if
             // present; the config is read as tied so that none is loaded).
@@ -195,10 +196,7 @@ impl EmbeddingModel {
             weights.skip("lm_head.");
             let mut body_config = config.clone();
             body_config["tie_word_embeddings"] = serde_json::Value::Bool(true);
-            let checkpoint_dtype = config.get("torch_dtype").and_then(serde_json::Value::as_str).and_then(Dtype::from_name);
-            let scope = Scope::root(&weights, &quantization, crate::nn::compute_dtype(checkpoint_dtype));
-            let construct = crate::architectures::constructor(&model_type, &config_path)?;
-            let network = construct(&LoadContext { config: &body_config, config_path: &config_path, scope })?;
+            let network = construct_network(construct, &body_config, &config_path, &weights, &quantization, None)?;
             let positions = network.shape().max_position_embeddings.unwrap_or(usize::MAX);
             (Encoder::Decoder(network), positions, Pooling::LastToken)
         } else {
@@ -207,10 +205,7 @@ impl EmbeddingModel {
             let positions = bert.max_positions();
             (Encoder::Bert(bert), positions, Pooling::Mean)
         };
-        let unread = weights.unread();
-        if !unread.is_empty() {
-            return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
-        }
+        weights.check_all_read(&model_type)?;
         let (pooling, normalize) = read_pipeline(dir, default_pooling)?;
         let max_tokens = max_tokens(dir, positions)?;
         let tokenizer = encoder_tokenizer(dir, max_tokens)?;

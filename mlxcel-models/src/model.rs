@@ -306,6 +306,21 @@ fn convert_dtype(config: &Value) -> Option<Dtype> {
     matches!(dtype, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32).then_some(dtype)
 }
 
+/// The network `construct` builds from `weights` under `config`, in the
+/// compute dtype for the checkpoint's `torch_dtype`.
+pub(crate) fn construct_network(
+    construct: architectures::Constructor,
+    config: &Value,
+    config_path: &Path,
+    weights: &Weights,
+    quantization: &QuantizationConfig,
+    at_load: Option<QuantizeAtLoad>,
+) -> Result<Box<dyn LanguageModel>> {
+    let checkpoint_dtype = config.get("torch_dtype").and_then(Value::as_str).and_then(Dtype::from_name);
+    let scope = Scope::root(weights, quantization, compute_dtype(checkpoint_dtype)).quantizing(at_load);
+    construct(&LoadContext { config, config_path, scope })
+}
+
 fn load_parts(dir: &Path, quantize: Option<QuantParams>) -> Result<(Box<dyn LanguageModel>, ModelInfo, Weights)> {
     let (config, config_path, model_type) = open_checkpoint(dir)?;
     if crate::embedding::EMBEDDING_MODEL_TYPES.contains(&model_type.as_str()) {
@@ -314,9 +329,9 @@ fn load_parts(dir: &Path, quantize: Option<QuantParams>) -> Result<(Box<dyn Lang
             message: format!("`{model_type}` is an embedding model, not a language model: load it as an embedder (`mlxcel embed`)"),
         });
     }
+    // An unknown architecture is refused before any weight is read.
     let construct = architectures::constructor(&model_type, &config_path)?;
     let mut quantization = QuantizationConfig::from_config(&config, &config_path)?;
-    let checkpoint_dtype = config.get("torch_dtype").and_then(Value::as_str).and_then(Dtype::from_name);
     if let Some(params) = quantize {
         check_quantize_params(params).map_err(|(name, message)| Error::InvalidInput(format!("{name} {message}")))?;
     }
@@ -324,7 +339,7 @@ fn load_parts(dir: &Path, quantize: Option<QuantParams>) -> Result<(Box<dyn Lang
     let at_load = match quantize {
         None => None,
         Some(params) => {
-            if quantization.default.is_some() || weights.all().iter().any(|(name, _)| name.ends_with(".scales")) {
+            if quantization.default.is_some() || weights.any_name_ends_with(".scales") {
                 return Err(Error::Unsupported {
                     path: config_path,
                     message: "the checkpoint is already quantized; q_bits quantizes dense (f32/f16/bf16) checkpoints at load".into(),
@@ -334,16 +349,8 @@ fn load_parts(dir: &Path, quantize: Option<QuantParams>) -> Result<(Box<dyn Lang
             Some(QuantizeAtLoad { params, convert_dtype: convert_dtype(&config) })
         }
     };
-    let dtype = compute_dtype(checkpoint_dtype);
-    let network = construct(&LoadContext {
-        config: &config,
-        config_path: &config_path,
-        scope: Scope::root(&weights, &quantization, dtype).quantizing(at_load),
-    })?;
-    let unread = weights.unread();
-    if !unread.is_empty() {
-        return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
-    }
+    let network = construct_network(construct, &config, &config_path, &weights, &quantization, at_load)?;
+    weights.check_all_read(&model_type)?;
     let mut info = summarize(&model_type, &weights, &quantization, network.shape().clone());
     info.quantized_at_load = quantize;
     Ok((network, info, weights))

@@ -78,10 +78,7 @@ impl CrossEncoder {
         } else {
             Head::Pooled(Linear::load(&classifier, hidden, 1, true)?)
         };
-        let unread = weights.unread();
-        if !unread.is_empty() {
-            return Err(Error::UnusedTensors { path: weights.origin().to_path_buf(), model_type, tensors: unread });
-        }
+        weights.check_all_read(&model_type)?;
         let max_tokens = max_tokens(dir, encoder.max_positions())?;
         let tokenizer = encoder_tokenizer(dir, max_tokens)?;
         Ok(CrossEncoder { encoder, head, tokenizer, max_tokens, dir: dir.to_path_buf() })

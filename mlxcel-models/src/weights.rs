@@ -145,6 +145,21 @@ impl Weights {
         }
     }
 
+    /// An error naming the tensors neither read nor skipped by the
+    /// `model_type` just built from these weights, if any.
+    pub fn check_all_read(&self, model_type: &str) -> Result<()> {
+        let unread = self.unread();
+        if unread.is_empty() {
+            return Ok(());
+        }
+        Err(Error::UnusedTensors { path: self.origin.clone(), model_type: model_type.into(), tensors: unread })
+    }
+
+    /// Whether any tensor's name ends with `suffix`.
+    pub fn any_name_ends_with(&self, suffix: &str) -> bool {
+        self.tensors().keys().any(|name| name.ends_with(suffix))
+    }
+
     /// The tensors neither read nor skipped, sorted: after a model is built,
     /// weights it would otherwise silently ignore.
     pub fn unread(&self) -> Vec<String> {

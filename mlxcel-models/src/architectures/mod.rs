@@ -29,7 +29,7 @@ pub struct LoadContext<'a> {
     pub scope: Scope<'a>,
 }
 
-type Constructor = fn(&LoadContext) -> Result<Box<dyn LanguageModel>>;
+pub(crate) type Constructor = fn(&LoadContext) -> Result<Box<dyn LanguageModel>>;
 
 /// The constructor of each architecture of the shared table (`mlxcel_gguf::Architecture`,
 /// which also holds the `model_type` aliases). The match is exhaustive, so an architecture
