@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create (idempotently) the reference virtualenv at tests/reference/.venv with
-# the pinned mlx / mlx-lm versions from requirements.txt.
+# the pinned mlx / mlx-lm versions from requirements.txt, then the packages of
+# requirements-nodeps.txt with --no-deps (mlx-whisper, whose metadata asks for
+# torch that it does not need at run time).
 #
 #   bash tests/reference/setup_venv.sh          # create or update
 #   FORCE=1 bash tests/reference/setup_venv.sh  # rebuild from scratch
@@ -11,6 +13,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="$HERE/.venv"
 REQ="$HERE/requirements.txt"
+REQ_NODEPS="$HERE/requirements-nodeps.txt"
 CACHE="${MLXCEL_CACHE_DIR:-$HOME/.cache/mlxcel}/pip"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.requirements.sha256"
@@ -18,7 +21,7 @@ STAMP="$VENV/.requirements.sha256"
 mkdir -p "$CACHE"
 if [[ "${FORCE:-0}" == "1" ]]; then rm -rf "$VENV"; fi
 
-want="$(sha256sum "$REQ" | cut -d' ' -f1)"
+want="$(cat "$REQ" "$REQ_NODEPS" | sha256sum | cut -d' ' -f1)"
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     echo "setup_venv: $VENV is up to date"
     exit 0
@@ -30,9 +33,13 @@ fi
 export PIP_CACHE_DIR="$CACHE"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -r "$REQ"
+"$VENV/bin/python" -m pip install --quiet --no-deps -r "$REQ_NODEPS"
 "$VENV/bin/python" - <<'PY'
 import mlx.core as mx, mlx_lm, importlib.metadata as md
+import faster_whisper, mlx_whisper
 print("setup_venv: mlx", mx.__version__, "| mlx-lm", md.version("mlx-lm"),
-      "| transformers", md.version("transformers"), "| numpy", md.version("numpy"))
+      "| transformers", md.version("transformers"), "| numpy", md.version("numpy"),
+      "| faster-whisper", md.version("faster-whisper"), "| ctranslate2", md.version("ctranslate2"),
+      "| mlx-whisper", md.version("mlx-whisper"))
 PY
 echo "$want" > "$STAMP"
