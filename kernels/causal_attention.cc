@@ -83,6 +83,8 @@ struct AttnJob {
   float* out = nullptr; // [B, L, H, D]
   int qblocks = 0;
   Isa isa = Isa::Portable;
+  // False: every query sees every key (an encoder, cross-attention).
+  bool causal = true;
   // A paged k and v: pools [Hkv, blocks, block, D], position s of the
   // sequence at block table[s / block], row s % block (B is 1).
   const int32_t* table = nullptr;
@@ -249,8 +251,8 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
   const int D = j.D, S_pad = j.S_pad;
   const int i0 = qb * QR;
   const int rows = std::min(QR, j.L - i0);
-  const int lim0 = j.S - j.L + i0;  // last key row 0 may see
-  const int nk = lim0 + rows;       // keys any row of the block sees
+  const int lim0 = j.causal ? j.S - j.L + i0 : j.S - 1;  // last key row 0 may see
+  const int nk = j.causal ? lim0 + rows : j.S;             // keys any row of the block sees
   const int nk_pad = (nk + KC - 1) / KC * KC;
   const float* kt = j.kt + (size_t)(b * j.Hkv + kvh) * D * S_pad;
   const float* vp = j.vp + (size_t)(b * j.Hkv + kvh) * j.S * D;
@@ -267,7 +269,7 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
 
   // Scores.
   int lim[QR];
-  for (int r = 0; r < QR; ++r) lim[r] = lim0 + std::min(r, rows - 1);
+  for (int r = 0; r < QR; ++r) lim[r] = j.causal ? lim0 + std::min(r, rows - 1) : lim0;
   for (int j0 = 0; j0 < nk_pad; j0 += KC) score_tile(qs, D, kt + j0, S_pad, j0, lim, sc + j0, S_pad);
   hide_below_window(j, i0, rows, sc);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -343,7 +345,8 @@ void run_attention(AttnJob& j) {
 
 class CausalAttention : public mx::UnaryPrimitive {
  public:
-  CausalAttention(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
+  CausalAttention(mx::Stream stream, float scale, bool causal)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& q = inputs[0];
@@ -359,6 +362,7 @@ class CausalAttention : public mx::UnaryPrimitive {
     j.S = k.shape(2);
     j.S_pad = (j.S + KC - 1) / KC * KC;
     j.scale = scale_;
+    j.causal = causal_;
     j.qblocks = (j.L + QR - 1) / QR;
     j.isa = attention_isa();
     for (int d = 0; d < 4; ++d) {
@@ -390,7 +394,7 @@ class CausalAttention : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const CausalAttention*>(&other);
-    return o && o->scale_ == scale_;
+    return o && o->scale_ == scale_ && o->causal_ == causal_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -402,6 +406,7 @@ class CausalAttention : public mx::UnaryPrimitive {
   static bool out_empty(const AttnJob& j) { return j.B == 0 || j.H == 0 || j.L == 0 || j.D == 0; }
 
   float scale_;
+  bool causal_;
 };
 
 // Inputs q [1, H, L, D], k and v [1, Hkv, L, D] (the new positions), the key
@@ -562,7 +567,9 @@ class PagedCausalAttention : public mx::Primitive {
 
 }  // namespace
 
-bool causal_attention_supports(const mx::array& q, const mx::array& k, const mx::array& v) {
+namespace {
+// Shapes and dtypes the kernel takes, whatever the mask.
+bool kernel_takes(const mx::array& q, const mx::array& k, const mx::array& v) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return false;
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) return false;
   const int D = q.shape(3);
@@ -571,8 +578,16 @@ bool causal_attention_supports(const mx::array& q, const mx::array& k, const mx:
     return false;
   }
   const int H = q.shape(1), Hkv = k.shape(1);
-  if (Hkv <= 0 || H % Hkv != 0) return false;
-  return k.shape(2) >= q.shape(2) && q.shape(2) > 0;
+  return Hkv > 0 && H % Hkv == 0 && q.shape(2) > 0 && k.shape(2) > 0;
+}
+}  // namespace
+
+bool causal_attention_supports(const mx::array& q, const mx::array& k, const mx::array& v) {
+  return kernel_takes(q, k, v) && k.shape(2) >= q.shape(2);
+}
+
+bool attention_supports(const mx::array& q, const mx::array& k, const mx::array& v, bool causal) {
+  return causal ? causal_attention_supports(q, k, v) : kernel_takes(q, k, v);
 }
 
 mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
@@ -582,7 +597,19 @@ mx::array causal_attention(const mx::array& q, const mx::array& k, const mx::arr
     return mx::fast::scaled_dot_product_attention(q, k, v, scale, "causal", {}, {}, false, stream);
   }
   mx::array out(mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, mx::float32,
-                std::make_shared<CausalAttention>(stream, scale), {q, k, v});
+                std::make_shared<CausalAttention>(stream, scale, true), {q, k, v});
+  return mx::transpose(out, {0, 2, 1, 3}, stream);
+}
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                    mx::StreamOrDevice s) {
+  if (causal) return causal_attention(q, k, v, scale, s);
+  mx::Stream stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu || !attention_supports(q, k, v, false)) {
+    return mx::fast::scaled_dot_product_attention(q, k, v, scale, "", {}, {}, false, stream);
+  }
+  mx::array out(mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, mx::float32,
+                std::make_shared<CausalAttention>(stream, scale, false), {q, k, v});
   return mx::transpose(out, {0, 2, 1, 3}, stream);
 }
 

@@ -42,6 +42,21 @@ mlx::core::array causal_attention(
     float scale,
     mlx::core::StreamOrDevice s = {});
 
+// Whether `attention` computes these inputs itself: as
+// causal_attention_supports, and without the mask S may be any length.
+bool attention_supports(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, bool causal);
+
+// causal_attention, or with `causal` false every query sees every key (an
+// encoder's self-attention, cross-attention): MLX's
+// scaled_dot_product_attention without a mask, on the same kernel.
+mlx::core::array attention(
+    const mlx::core::array& q,
+    const mlx::core::array& k,
+    const mlx::core::array& v,
+    float scale,
+    bool causal,
+    mlx::core::StreamOrDevice s = {});
+
 // causal_attention for one sequence whose keys and values live in a paged
 // pool: k and v [1, H_kv, L, D] are the new positions offset .. offset + L,
 // written into the pools (float32 [H_kv, blocks, block, D], block a power of

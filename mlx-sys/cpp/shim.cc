@@ -445,6 +445,12 @@ ArrayPtr kernels_causal_attention(const array& q, const array& k, const array& v
 bool kernels_causal_attention_supports(const array& q, const array& k, const array& v) {
   return kernels::causal_attention_supports(q, k, v);
 }
+ArrayPtr kernels_attention(const array& q, const array& k, const array& v, float scale, bool causal) {
+  return wrap(kernels::attention(q, k, v, scale, causal));
+}
+bool kernels_attention_supports(const array& q, const array& k, const array& v, bool causal) {
+  return kernels::attention_supports(q, k, v, causal);
+}
 
 namespace {
 kernels::DecoderLayerSpec to_kernel_spec(const DecoderLayerSpec& s) {

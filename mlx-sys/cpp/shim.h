@@ -215,6 +215,8 @@ ArrayPtr kernels_quantized_gemm_swiglu(const array& x, const array& gate_w, cons
 // Causal attention for many new tokens (kernels/causal_attention.h).
 ArrayPtr kernels_causal_attention(const array& q, const array& k, const array& v, float scale);
 bool kernels_causal_attention_supports(const array& q, const array& k, const array& v);
+ArrayPtr kernels_attention(const array& q, const array& k, const array& v, float scale, bool causal);
+bool kernels_attention_supports(const array& q, const array& k, const array& v, bool causal);
 // One fused decoder block on the CPU (kernels/decoder_layer.h): {out, keys, values}.
 std::unique_ptr<ArrayList> kernels_decoder_layer(const DecoderLayerArrays& arrays, const DecoderLayerSpec& spec);
 // The block's weights prepared once (x, keys and values of `arrays` are not read),

@@ -227,6 +227,8 @@ mod bridge {
         fn kernels_quantized_gemm_swiglu(x: &MlxArray, gate_w: &MlxArray, gate_scales: &MlxArray, gate_biases: &MlxArray, up_w: &MlxArray, up_scales: &MlxArray, up_biases: &MlxArray, group_size: i32, bits: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, scale: f32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_causal_attention_supports(q: &MlxArray, k: &MlxArray, v: &MlxArray) -> bool;
+        fn kernels_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, scale: f32, causal: bool) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_attention_supports(q: &MlxArray, k: &MlxArray, v: &MlxArray, causal: bool) -> bool;
         fn kernels_decoder_layer(arrays: &DecoderLayerArrays, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         fn kernels_prepare_decoder_layer(arrays: &DecoderLayerArrays, spec: &DecoderLayerSpec) -> Result<UniquePtr<PreparedLayer>>;
         fn kernels_decoder_layer_prepared(weights: &PreparedLayer, x: &MlxArray, keys: &MlxArray, values: &MlxArray, spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;

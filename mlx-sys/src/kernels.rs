@@ -560,6 +560,19 @@ pub fn causal_attention_supports(q: &Array, k: &Array, v: &Array) -> bool {
     ffi::kernels_causal_attention_supports(&q.raw, &k.raw, &v.raw)
 }
 
+/// [`causal_attention`], or with `causal` false attention without a mask
+/// (every query sees all `S` keys: an encoder, cross-attention), on the
+/// same kernel; `S` may then be shorter than `L`. Inputs the kernel does not
+/// take ([`attention_supports`]) run MLX's own attention.
+pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, causal: bool) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_attention(&q.raw, &k.raw, &v.raw, scale, causal))
+}
+
+/// Whether [`attention`] computes these inputs with its own kernel.
+pub fn attention_supports(q: &Array, k: &Array, v: &Array, causal: bool) -> bool {
+    ffi::kernels_attention_supports(&q.raw, &k.raw, &v.raw, causal)
+}
+
 /// `dequantize(w, scales, biases)[ids]` as one CPU node: the token
 /// embedding lookup of a quantized checkpoint (MLX builds it from three
 /// gathers and a dequantize). `ids` may be any integer dtype and shape; the

@@ -437,8 +437,8 @@ fn swiglu_rejects_mismatched_projections() {
 // ---------------------------------------------------------------------------
 // Attention.
 
-/// f64 causal attention: q [B, H, L, D], k/v [B, Hkv, S, D] (contiguous copies).
-fn attention_reference(q: &Array, k: &Array, v: &Array, scale: f32) -> Vec<f64> {
+/// f64 attention, causal or unmasked: q [B, H, L, D], k/v [B, Hkv, S, D] (contiguous copies).
+fn attention_reference(q: &Array, k: &Array, v: &Array, scale: f32, causal: bool) -> Vec<f64> {
     let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
     let (b, h, l, d) = (qs[0] as usize, qs[1] as usize, qs[2] as usize, qs[3] as usize);
     let (hkv, s) = (ks[1] as usize, ks[2] as usize);
@@ -449,7 +449,7 @@ fn attention_reference(q: &Array, k: &Array, v: &Array, scale: f32) -> Vec<f64> 
         for hi in 0..h {
             let kh = hi / (h / hkv);
             for i in 0..l {
-                let lim = s - l + i;
+                let lim = if causal { s - l + i } else { s - 1 };
                 let qrow = &qv[((bi * h + hi) * l + i) * d..][..d];
                 let mut scores = vec![f64::NEG_INFINITY; s];
                 for (j, sc) in scores.iter_mut().enumerate().take(lim + 1) {
@@ -506,7 +506,7 @@ fn attention_case(seed: u64, b: i32, h: i32, hkv: i32, l: i32, s: i32, d: i32, d
     assert_eq!(ours.dtype(), mlx.dtype(), "{label}: dtype");
     let supported = kernels::causal_attention_supports(&q, &k, &v);
     assert_eq!(supported, dtype == Dtype::Float32 && d % 16 == 0, "{label}: support");
-    let exact = attention_reference(&q, &k, &v, scale);
+    let exact = attention_reference(&q, &k, &v, scale, true);
     let vmax = to_f32(&v.contiguous().unwrap()).iter().fold(0f64, |m, x| m.max(x.abs() as f64));
     check_attention(&label, &ours, &exact, vmax);
     check_attention(&format!("MLX {label}"), &mlx, &exact, vmax);
@@ -531,6 +531,39 @@ fn attention_matches_mlx_causal() {
     }
 }
 
+/// Without the mask (an encoder, cross-attention): every query sees every
+/// key, and S may be shorter or longer than L.
+#[test]
+fn attention_matches_mlx_unmasked() {
+    let _g = lock();
+    let mut seed = 9500;
+    for (h, hkv, d) in [(6, 6, 64), (8, 2, 32), (4, 4, 80)] {
+        for (l, s) in [(1, 1), (1, 150), (3, 150), (40, 40), (150, 9), (67, 200)] {
+            seed += 3;
+            let scale = (d as f32).powf(-0.5);
+            let q = normal(seed, &[1, l, h, d]).mul_scalar(2.0).unwrap().transpose(&[0, 2, 1, 3]).unwrap();
+            let k = normal(seed + 1, &[1, hkv, s, d]);
+            let v = normal(seed + 2, &[1, s, hkv, d]).transpose(&[0, 2, 1, 3]).unwrap();
+            mlx_sys::eval([&q, &k, &v]).unwrap();
+            let label = format!("unmasked H={h} Hkv={hkv} L={l} S={s} D={d}");
+            assert_eq!(kernels::attention_supports(&q, &k, &v, false), d % 16 == 0, "{label}: support");
+            let ours = kernels::attention(&q, &k, &v, scale, false).unwrap();
+            let mlx = fast::scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None).unwrap();
+            assert_eq!(ours.shape(), mlx.shape(), "{label}: shape");
+            let exact = attention_reference(&q, &k, &v, scale, false);
+            let vmax = to_f32(&v.contiguous().unwrap()).iter().fold(0f64, |m, x| m.max(x.abs() as f64));
+            check_attention(&label, &ours, &exact, vmax);
+            check_attention(&format!("MLX {label}"), &mlx, &exact, vmax);
+        }
+    }
+    // `causal: true` is causal_attention.
+    let (q, k) = (normal(9990, &[1, 2, 5, 32]), normal(9991, &[1, 2, 9, 32]));
+    let v = normal(9992, &[1, 2, 9, 32]);
+    let a = kernels::attention(&q, &k, &v, 0.3, true).unwrap();
+    let b = kernels::causal_attention(&q, &k, &v, 0.3).unwrap();
+    assert_eq!(to_f32(&a.contiguous().unwrap()), to_f32(&b.contiguous().unwrap()));
+}
+
 #[test]
 fn attention_batches_long_context_and_fallbacks() {
     let _g = lock();
@@ -552,7 +585,7 @@ fn attention_large_scores_stay_finite() {
     let v = normal(9002, &[b, h, l, d]);
     mlx_sys::eval([&q, &k, &v]).unwrap();
     let ours = kernels::causal_attention(&q, &k, &v, 0.2).unwrap();
-    let exact = attention_reference(&q, &k, &v, 0.2);
+    let exact = attention_reference(&q, &k, &v, 0.2, true);
     let vmax = to_f32(&v).iter().fold(0f64, |m, x| m.max(x.abs() as f64));
     // Scores ~1e3 carry ~1e3·eps absolute error into the exponent.
     let vals = to_f32(&ours.contiguous().unwrap());
@@ -576,6 +609,7 @@ fn attention_and_swiglu_on_every_loop() {
                 "--exact",
                 "--test-threads=1",
                 "attention_matches_mlx_causal",
+                "attention_matches_mlx_unmasked",
                 "attention_batches_long_context_and_fallbacks",
                 "attention_large_scores_stay_finite",
                 "swiglu_matches",
@@ -585,6 +619,6 @@ fn attention_and_swiglu_on_every_loop() {
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert!(text.contains("4 passed"), "MLXCEL_KERNELS={path}: expected 4 tests to run:\n{text}");
+        assert!(text.contains("5 passed"), "MLXCEL_KERNELS={path}: expected 5 tests to run:\n{text}");
     }
 }
