@@ -3,7 +3,7 @@ mlxcel's transcription is compared against.
 
     tests/reference/run.sh benches/whisper_peers.py [--models ~/.cache/mlxcel/ct2]
         [--model tiny.en,base] [--compute-type float32,int8] [--threads 2]
-        [--repeat 3] [--out FILE]
+        [--repeat 3] [--only-long] [--out FILE]
 
 For each model and compute type: WhisperModel(dir, device="cpu",
 compute_type=C, cpu_threads=T), then transcribe() exactly as the goldens do
@@ -73,11 +73,14 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--clips", type=Path, default=ROOT / "tests" / "fixtures" / "audio")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only-long", action="store_true", help="only the 2-minute clip")
     args = ap.parse_args()
 
     clips = sorted(p for p in args.clips.iterdir() if p.suffix in (".flac", ".wav", ".mp3"))
     long_clip = args.clips / "en_news_2min.flac"
     inputs = {"en_news_2min.flac": [long_clip], "all": clips}
+    if args.only_long:
+        del inputs["all"]
     seconds = {p: decode_audio(str(p)).shape[0] / 16000 for p in clips}
     common = dict(
         cpu=cpu_model(),
