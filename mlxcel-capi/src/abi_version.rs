@@ -10,4 +10,4 @@ pub const MLXCEL_ABI_VERSION_MAJOR: u32 = 7;
 /// The minor version of the ABI: it grows when functions or constants are
 /// added; a program built against minor N runs against any library of the
 /// same major version and minor >= N.
-pub const MLXCEL_ABI_VERSION_MINOR: u32 = 0;
+pub const MLXCEL_ABI_VERSION_MINOR: u32 = 1;

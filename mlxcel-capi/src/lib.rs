@@ -18,6 +18,7 @@ mod abi_version;
 mod handles;
 mod shutdown;
 mod status;
+mod transcribe;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
@@ -34,6 +35,7 @@ use status::*;
 pub use status::{mlxcel_status, mlxcel_status_code};
 
 pub use abi_version::{MLXCEL_ABI_VERSION_MAJOR, MLXCEL_ABI_VERSION_MINOR};
+pub use transcribe::*;
 
 /// The values of `mlxcel_generation_result.finish_reason` (an `int32_t`).
 #[repr(i32)]

@@ -89,6 +89,7 @@ struct Binaries {
     api_test: PathBuf,
     exit_test: PathBuf,
     embed_c: PathBuf,
+    transcribe_c: PathBuf,
 }
 
 /// Builds the C and C++ programs once per test process; the default model is
@@ -112,6 +113,7 @@ fn binaries() -> &'static Binaries {
             api_test: out.join("api_test"),
             exit_test: out.join("exit_test"),
             embed_c: out.join("embed"),
+            transcribe_c: out.join("transcribe"),
         };
         compile(
             "cc",
@@ -142,6 +144,13 @@ fn binaries() -> &'static Binaries {
             &shared_m,
             &b.embed_c,
         );
+        compile(
+            "cc",
+            &strict_c,
+            &ws.join("mlxcel-capi/tests/c/transcribe.c"),
+            &shared_m,
+            &b.transcribe_c,
+        );
         let cpp_include = ws.join("examples/cpp").display().to_string();
         let cpp_flags = [
             "-std=c++17",
@@ -171,7 +180,8 @@ fn binaries() -> &'static Binaries {
         if openblas {
             static_link.push("-lopenblas");
         }
-        static_link.extend(["-lstdc++", "-lpthread", "-ldl", "-lm", &mlx_rpath]);
+        // zlib: the engine compresses with the system zlib (Whisper's compression ratio, as Python's zlib).
+        static_link.extend(["-lz", "-lstdc++", "-lpthread", "-ldl", "-lm", &mlx_rpath]);
         compile(
             "cc",
             &strict_c,
@@ -311,6 +321,25 @@ fn c_embed_example_prints_the_goldens_cosine() {
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("loading the embedder: model load error (-6)") && stderr.contains("`llama`"), "{stderr}");
+}
+
+/// tests/c/transcribe.c on whisper-tiny.en: the fox clip from its path and
+/// its bytes, a WAV's samples, info, segments, tokens and the buffer
+/// contract, two threads on one transcriber, and every error case.
+#[test]
+fn c_transcribe_test_passes() {
+    mlxcel_hub::resolve_model(std::path::Path::new(mlxcel_hub::WHISPER_TINY_EN.name), &Default::default(), &mut |_| {})
+        .expect("fetch whisper-tiny.en");
+    let b = binaries();
+    let _serial = serial();
+    let fixtures = workspace_dir().join("tests/fixtures/audio");
+    let output = run(&b.transcribe_c, &["--test", fixtures.to_str().unwrap()]);
+    check_output("tests/c/transcribe --test", &output);
+    assert!(String::from_utf8_lossy(&output.stdout).contains("transcribe: ok"));
+    let output = run(&b.transcribe_c, &[fixtures.join("en_fox_us.flac").to_str().unwrap()]);
+    check_output("tests/c/transcribe FILE", &output);
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(stdout.starts_with(" The quick brown fox jump over the lazy nog.\n[0.00 -> "), "{stdout:?}");
 }
 
 #[test]
