@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use mlxcel_engine::{
     CancelFlag, Embedder as EngineEmbedder, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput,
     GenerationStats, GenerationStream, LimitOptions, ModelSummary, Prompt, Quantization, Reranker as EngineReranker, StreamEvent,
-    TokenLogprobs,
+    TokenLogprobs, Audio, Task, TranscribeOptions, Transcriber as EngineTranscriber, Transcription,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
@@ -1152,6 +1152,222 @@ impl Reranker {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Speech to text
+
+/// The audio `transcribe` takes, owned while the GIL is released.
+enum AudioArg {
+    File(PathBuf),
+    Bytes(Vec<u8>),
+    Samples(Vec<f32>),
+}
+
+impl AudioArg {
+    fn audio(&self) -> Audio<'_> {
+        match self {
+            AudioArg::File(path) => Audio::File(path),
+            AudioArg::Bytes(bytes) => Audio::Bytes(bytes),
+            AudioArg::Samples(samples) => Audio::Samples(samples),
+        }
+    }
+}
+
+/// A path (str or os.PathLike), an audio file's bytes (bytes, bytearray,
+/// memoryview), a 1-D NumPy array of mono 16 kHz samples (cast to float32),
+/// or a list of float samples.
+fn audio_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<AudioArg> {
+    // Bytes before paths: os.fspath takes bytes too.
+    if let Ok(bytes) = obj.cast::<pyo3::types::PyBytes>() {
+        return Ok(AudioArg::Bytes(bytes.as_bytes().to_vec()));
+    }
+    if obj.is_instance_of::<pyo3::types::PyByteArray>() || obj.is_instance_of::<pyo3::types::PyMemoryView>() {
+        let bytes = py.import("builtins")?.getattr("bytes")?.call1((obj,))?;
+        return Ok(AudioArg::Bytes(bytes.cast::<pyo3::types::PyBytes>()?.as_bytes().to_vec()));
+    }
+    if let Ok(path) = obj.extract::<PathBuf>() {
+        return Ok(AudioArg::File(path));
+    }
+    if let Ok(numpy) = py.import("numpy") {
+        if obj.is_instance(&numpy.getattr("ndarray")?)? {
+            let array = numpy.call_method1("ascontiguousarray", (obj, "float32"))?;
+            let ndim: usize = array.getattr("ndim")?.extract()?;
+            if ndim != 1 {
+                let message = format!("a NumPy array of {ndim} dimensions; mono samples are one (use .mean(axis=...) to downmix)");
+                return Err(engine_error(py, EngineError::InvalidParameter { name: "audio", message }));
+            }
+            let bytes = array.call_method0("tobytes")?;
+            let bytes = bytes.cast::<pyo3::types::PyBytes>()?.as_bytes();
+            return Ok(AudioArg::Samples(bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect()));
+        }
+    }
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        return obj.extract::<Vec<f32>>().map(AudioArg::Samples).map_err(|_| PyTypeError::new_err("`audio` as a list must hold floats (mono samples at 16 kHz)"));
+    }
+    Err(PyTypeError::new_err(format!(
+        "`audio` must be a path, the bytes of an audio file, a NumPy array or a list of float samples, not {}",
+        type_name(obj)
+    )))
+}
+
+/// A temperature or a sequence of them (tried in order).
+fn temperatures_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
+    if obj.is_instance_of::<PyFloat>() || (obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>()) {
+        return Ok(vec![obj.extract::<f32>()?]);
+    }
+    obj.extract::<Vec<f32>>().map_err(|_| PyTypeError::new_err(format!("`temperature` must be a float or a list of floats, not {}", type_name(obj))))
+}
+
+fn segment_dict<'py>(py: Python<'py>, s: &mlxcel_engine::Segment) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("id", s.id)?;
+    d.set_item("seek", s.seek)?;
+    d.set_item("start", s.start)?;
+    d.set_item("end", s.end)?;
+    d.set_item("text", &s.text)?;
+    d.set_item("tokens", &s.tokens)?;
+    d.set_item("temperature", s.temperature)?;
+    d.set_item("avg_logprob", s.avg_logprob)?;
+    d.set_item("compression_ratio", s.compression_ratio)?;
+    d.set_item("no_speech_prob", s.no_speech_prob)?;
+    Ok(d)
+}
+
+fn transcription_dict<'py>(py: Python<'py>, t: &Transcription, task: Task) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("task", task.name())?;
+    d.set_item("text", &t.text)?;
+    d.set_item("language", &t.language)?;
+    d.set_item("language_probability", t.language_probability)?;
+    d.set_item("duration", t.duration)?;
+    let segments = t.segments.iter().map(|s| segment_dict(py, s)).collect::<PyResult<Vec<_>>>()?;
+    d.set_item("segments", PyList::new(py, segments)?)?;
+    Ok(d)
+}
+
+fn default_transcribe() -> TranscribeOptions {
+    TranscribeOptions::default()
+}
+
+/// A loaded Whisper model (speech to text).
+///
+/// Thread safety: one Transcriber may be used from several threads at once;
+/// `transcribe` releases the GIL, and a transcription never depends on what
+/// runs beside it.
+#[pyclass(module = "mlxcel", name = "Transcriber", frozen)]
+struct Transcriber {
+    transcriber: EngineTranscriber,
+}
+
+#[pymethods]
+impl Transcriber {
+    /// Loads a Whisper checkpoint directory (mlx-whisper's layout) or a
+    /// packaged model by name; `None` loads whisper-tiny.en (fetched and
+    /// converted on first use).
+    #[new]
+    #[pyo3(signature = (path=None, *, progress=true))]
+    fn new(py: Python<'_>, path: Option<PathBuf>, progress: bool) -> PyResult<Self> {
+        let path = path.unwrap_or_else(|| PathBuf::from(mlxcel_hub::WHISPER_TINY_EN.name));
+        let dir = model_dir(py, progress, Some(&path))?;
+        let transcriber = py.detach(|| EngineTranscriber::load_resolved(&dir)).map_err(|e| engine_error(py, e))?;
+        Ok(Transcriber { transcriber })
+    }
+
+    /// Transcribes (or translates) `audio`: a path, an audio file's bytes
+    /// (WAV, FLAC, MP3, Ogg Vorbis; any rate and channels), or mono samples
+    /// in [-1, 1] at 16 kHz as a NumPy array or a list of float. Returns a
+    /// dict: `task`, `text`, `language`, `language_probability`, `duration`
+    /// and `segments` (dicts: `id`, `seek`, `start`, `end`, `text`,
+    /// `tokens`, `temperature`, `avg_logprob`, `compression_ratio`,
+    /// `no_speech_prob`). Unset options are the engine's defaults
+    /// (faster-whisper's with beam_size=1); a threshold of None is off.
+    #[pyo3(signature = (
+        audio, *, language=None, task="transcribe", temperature=None, best_of=default_transcribe().best_of,
+        initial_prompt=None, condition_on_previous_text=default_transcribe().condition_on_previous_text,
+        without_timestamps=default_transcribe().without_timestamps,
+        compression_ratio_threshold=default_transcribe().compression_ratio_threshold,
+        log_prob_threshold=default_transcribe().log_prob_threshold,
+        no_speech_threshold=default_transcribe().no_speech_threshold,
+        prompt_reset_on_temperature=default_transcribe().prompt_reset_on_temperature,
+        max_initial_timestamp=default_transcribe().max_initial_timestamp,
+        suppress_blank=default_transcribe().suppress_blank, seed=default_transcribe().seed
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn transcribe<'py>(
+        &self,
+        py: Python<'py>,
+        audio: &Bound<'py, PyAny>,
+        language: Option<String>,
+        task: &str,
+        temperature: Option<&Bound<'py, PyAny>>,
+        best_of: usize,
+        initial_prompt: Option<String>,
+        condition_on_previous_text: bool,
+        without_timestamps: bool,
+        compression_ratio_threshold: Option<f32>,
+        log_prob_threshold: Option<f32>,
+        no_speech_threshold: Option<f32>,
+        prompt_reset_on_temperature: f32,
+        max_initial_timestamp: f32,
+        suppress_blank: bool,
+        seed: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let task = Task::parse(task).map_err(|e| engine_error(py, e))?;
+        let temperatures = match temperature {
+            Some(t) if !t.is_none() => temperatures_arg(t)?,
+            _ => default_transcribe().temperatures,
+        };
+        let options = TranscribeOptions {
+            task,
+            language,
+            temperatures,
+            best_of,
+            compression_ratio_threshold,
+            log_prob_threshold,
+            no_speech_threshold,
+            condition_on_previous_text,
+            prompt_reset_on_temperature,
+            initial_prompt,
+            without_timestamps,
+            max_initial_timestamp,
+            suppress_blank,
+            seed,
+        };
+        let audio = audio_arg(py, audio)?;
+        let out = py.detach(|| self.transcriber.transcribe(audio.audio(), &options)).map_err(|e| engine_error(py, e))?;
+        transcription_dict(py, &out, task)
+    }
+
+    /// The spoken language of `audio`'s first 30 seconds: (code,
+    /// probability) pairs, most likely first (multilingual models only).
+    fn detect_language(&self, py: Python<'_>, audio: &Bound<'_, PyAny>) -> PyResult<Vec<(String, f32)>> {
+        let audio = audio_arg(py, audio)?;
+        py.detach(|| self.transcriber.detect_language(audio.audio())).map_err(|e| engine_error(py, e))
+    }
+
+    /// Whether the model knows languages other than English (and can translate).
+    #[getter]
+    fn is_multilingual(&self) -> bool {
+        self.transcriber.is_multilingual()
+    }
+
+    /// The language codes the model knows (empty for English-only models).
+    #[getter]
+    fn languages(&self) -> Vec<String> {
+        self.transcriber.languages()
+    }
+
+    /// The checkpoint directory the model was loaded from.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.transcriber.model_dir().to_path_buf()
+    }
+
+    fn __repr__(&self) -> String {
+        let kind = if self.transcriber.is_multilingual() { "multilingual" } else { "English-only" };
+        format!("<mlxcel.Transcriber {kind} from {}>", self.transcriber.model_dir().display())
+    }
+}
+
 /// The directory of the default model, fetched and converted on first use.
 #[pyfunction]
 #[pyo3(signature = (*, progress=true))]
@@ -1228,7 +1444,7 @@ mod _mlxcel {
     #[pymodule_export]
     use super::{
         _matmul_seconds, _stop_engines, default_model_path, generation_defaults, Chunk, Embedder, Model, ModelInfo, Reranker,
-        Stream, TokenLogprob,
+        Stream, TokenLogprob, Transcriber,
     };
 
     #[pymodule_init]

@@ -8,6 +8,8 @@
 >>> embedder = mlxcel.load_embedder()   # all-MiniLM-L6-v2
 >>> embedder.embed(["A cat.", "A kitten."]).shape   # NumPy when installed
 (2, 384)
+>>> mlxcel.load_transcriber().transcribe("speech.flac")["text"]   # whisper-tiny.en
+' The quick brown fox ...'
 
 BLAS: on Linux the extension links no BLAS of its own beyond the reference
 BLAS bundled in the ``mlx-cpu`` wheel. At import, ``libopenblas.so.0``
@@ -62,6 +64,7 @@ from ._mlxcel import (  # noqa: E402
     Reranker,
     Stream,
     TokenLogprob,
+    Transcriber,
     __version__,
     default_model_path,
     generation_defaults,
@@ -78,6 +81,10 @@ load_embedder = Embedder
 #: Loads a cross-encoder: ``mlxcel.load_reranker(path)`` is ``Reranker(path)``.
 load_reranker = Reranker
 
+#: Loads a Whisper model: ``mlxcel.load_transcriber(path)`` is
+#: ``Transcriber(path)``; without a path, whisper-tiny.en (fetched on first use).
+load_transcriber = Transcriber
+
 # Ends every generation (one cancelled by Ctrl-C or close() may still be in
 # its current step) and stops the engines' scheduler threads before MLX is
 # torn down.
@@ -91,11 +98,13 @@ __all__ = [
     "load",
     "load_embedder",
     "load_reranker",
+    "load_transcriber",
     "default_model_path",
     "generation_defaults",
     "Model",
     "Embedder",
     "Reranker",
+    "Transcriber",
     "ModelInfo",
     "Stream",
     "Chunk",

