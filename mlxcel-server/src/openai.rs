@@ -47,6 +47,15 @@ pub async fn models(State(state): State<Arc<AppState>>) -> ApiResult<Json<Value>
             "meta": { "n_ctx_train": reranker.model().max_tokens(), "pooling": "rank" },
         }));
     }
+    if let Some((name, transcriber)) = &loaded.transcriber {
+        data.push(json!({
+            "id": name,
+            "object": "model",
+            "created": unix_time(),
+            "owned_by": "mlxcel",
+            "meta": { "task": "speech-to-text", "multilingual": transcriber.is_multilingual() },
+        }));
+    }
     Ok(Json(json!({ "object": "list", "data": data })))
 }
 

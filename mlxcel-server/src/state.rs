@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use mlxcel_engine::{CancelFlag, Embedder, Engine, GenerationOptions, ModelSummary, Reranker};
+use mlxcel_engine::{CancelFlag, Embedder, Engine, GenerationOptions, ModelSummary, Reranker, Transcriber};
 use mlxcel_tokenizer::{ChatTemplate, RenderOptions};
 use serde::Serialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -25,6 +25,8 @@ pub struct Config {
     pub web_ui: bool,
     /// Largest request body accepted, in bytes.
     pub body_limit: usize,
+    /// Largest upload to the audio routes, in bytes (`--max-audio-bytes`).
+    pub audio_limit: usize,
 }
 
 /// The model once loaded, with the settings that depend on it.
@@ -46,6 +48,8 @@ pub struct Loaded {
     pub embedder: Option<(String, Embedder)>,
     /// `--rerank-model`, with the name /v1/models and responses report.
     pub reranker: Option<(String, Reranker)>,
+    /// `--whisper-model`, with the name /v1/models reports.
+    pub transcriber: Option<(String, Transcriber)>,
 }
 
 impl Loaded {

@@ -12,7 +12,7 @@ venv="${MLXCEL_CACHE_DIR:-$HOME/.cache/mlxcel}/venvs/server"
 "$venv/bin/python" -c 'import openai, pytest' 2>/dev/null || "$venv/bin/pip" install --quiet --disable-pip-version-check 'openai==2.*' 'pytest==9.2.0'
 
 log=$(mktemp)
-LLAMA_API_KEY=sk-test "$bin" serve --port 0 --host 127.0.0.1 -np 4 -c 8192 --alias smol --embedding-model all-MiniLM-L6-v2 >"$log" 2>&1 &
+LLAMA_API_KEY=sk-test "$bin" serve --port 0 --host 127.0.0.1 -np 4 -c 8192 --alias smol --embedding-model all-MiniLM-L6-v2 --whisper-model whisper-tiny.en >"$log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -f "$log"' EXIT
 for _ in $(seq 600); do

@@ -2,10 +2,12 @@
 its base URL in MLXCEL_SERVER_URL): chat and legacy completions, streamed and
 not, usage with cached tokens, logprobs, structured output, and the SDK's
 own error classes for bad input and a bad key; embeddings from the
---embedding-model (all-MiniLM-L6-v2) in both encodings."""
+--embedding-model (all-MiniLM-L6-v2) in both encodings; speech to text from
+the --whisper-model (whisper-tiny.en) with client.audio.transcriptions."""
 
 import json
 import os
+from pathlib import Path
 
 import openai
 import pytest
@@ -25,7 +27,7 @@ def client():
 
 def test_models_lists_the_served_model(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["smol", "all-MiniLM-L6-v2"]
+    assert [m.id for m in models.data] == ["smol", "all-MiniLM-L6-v2", "whisper-tiny.en"]
 
 
 def test_chat_completion_with_usage_and_logprobs(client):
@@ -124,3 +126,32 @@ def test_embeddings_refuse_other_dimensions(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.embeddings.create(model="all-MiniLM-L6-v2", input="hi", dimensions=128)
     assert "dimensions" in str(error.value)
+
+
+CLIPS = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+FOX = "The quick brown fox jump over the lazy nog."
+
+
+def test_audio_transcriptions(client):
+    with open(CLIPS / "en_fox_us.flac", "rb") as f:
+        r = client.audio.transcriptions.create(model="whisper-1", file=f)
+    assert r.text == FOX
+    with open(CLIPS / "en_fox_us.flac", "rb") as f:
+        v = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="verbose_json", language="en")
+    assert v.text == FOX and v.language == "en" and abs(v.duration - 2.909) < 1e-3
+    assert v.segments[0].text == " " + FOX and v.segments[0].start == 0.0
+    with open(CLIPS / "en_fox_us.flac", "rb") as f:
+        srt = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="srt")
+    assert srt.startswith("1\n00:00:00,000 --> ")
+    with open(CLIPS / "en_fox_us.flac", "rb") as f:
+        text = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="text")
+    assert text.strip() == FOX
+
+
+def test_audio_errors(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.audio.transcriptions.create(model="whisper-1", file=("clip.wav", b"this is not audio"))
+    assert error.value.body["param"] == "file"
+    with open(CLIPS / "en_fox_us.flac", "rb") as f, pytest.raises(openai.BadRequestError) as error:
+        client.audio.translations.create(model="whisper-1", file=f)
+    assert "English-only" in str(error.value)
