@@ -331,9 +331,25 @@ Isa attention_isa() {
   return Isa::Portable;
 }
 
+void attend_few_task(void* ctx, int t) {
+  const AttnJob& j = *static_cast<const AttnJob*>(ctx);
+#ifdef MLXCEL_X86
+  if (j.isa != Isa::Portable) {
+    avx2::attend_few(j, t);
+    return;
+  }
+#endif
+  portable::attend_few(j, t);
+}
+
 // Runs the attention tasks of `j` (its pointers set) in the evaluating
 // thread's scratch buffers.
 void run_attention(AttnJob& j) {
+  // A few unmasked rows (decoding against an encoder): read k and v in place.
+  if (!j.causal && j.L <= 4 && !j.table && !j.q8 && j.window == 0 && j.ks.s[3] == 1 && j.vs.s[3] == 1) {
+    detail::parallel_for(j.B * j.H, attend_few_task, &j);
+    return;
+  }
   // The packed K and V live in the evaluating thread's buffers, reused
   // across calls (one evaluation at a time per thread).
   static thread_local AlignedFloats kt, vv;

@@ -100,6 +100,8 @@ struct GemmJob {
   // Dense weight: [N, K] f32 rows (then w is null); `dense_dot` runs the
   // unpacked dot-product loop (few rows of x) instead of packed panels.
   const float* wd = nullptr;
+  // A float16 dense weight [N, K] (few rows of x only: `dense_dot`).
+  const uint16_t* wd16 = nullptr;
   bool dense_dot = false;
   const float* const* rows = nullptr;  // [M] row pointers of x (f32, unit stride)
   float* y = nullptr;                  // [M, N] f32
@@ -614,8 +616,13 @@ class QuantizedGemm : public mx::UnaryPrimitive {
     const void *sp = nullptr, *bp = nullptr, *s2p = nullptr, *b2p = nullptr;
     const uint32_t *wp = nullptr, *w2p = nullptr;
     const float* wdp = nullptr;
+    const uint16_t* wd16p = nullptr;
     if (kind_ == Kind::Dense) {
-      wdp = w.data<float>();
+      if (w.dtype() == mx::float16) {
+        wd16p = w.data<uint16_t>();
+      } else {
+        wdp = w.data<float>();
+      }
     } else {
       const mx::array& scales = inputs[2];
       const mx::array& biases = inputs[3];
@@ -655,7 +662,7 @@ class QuantizedGemm : public mx::UnaryPrimitive {
     }
     const int64_t step = nd > 0 ? strides[nd - 1] : 1;
     j.Kp = (j.K + 31) / 32 * 32;
-    enc.dispatch([j, xp = x.data<float>(), offsets = std::move(offsets), step, wp, sp, bp, w2p, s2p, b2p, wdp,
+    enc.dispatch([j, xp = x.data<float>(), offsets = std::move(offsets), step, wp, sp, bp, w2p, s2p, b2p, wdp, wd16p,
                   op = out.data<float>()]() mutable {
       if (j.M == 0 || j.N == 0) return;
       // Rows of x in place when their elements are adjacent, else copied.
@@ -679,10 +686,14 @@ class QuantizedGemm : public mx::UnaryPrimitive {
       j.scales2 = s2p;
       j.biases2 = b2p;
       j.wd = wdp;
+      j.wd16 = wd16p;
       j.y = op;
       j.id = next_job_id.fetch_add(1, std::memory_order_relaxed);
       const int threads = num_threads();
-      j.dense_dot = j.wd && j.M < kDensePanelMinRows;
+      j.dense_dot = (j.wd || j.wd16) && j.M < kDensePanelMinRows;
+      if (j.wd16 && !j.dense_dot) {
+        throw std::logic_error("[mlxcel::kernels::dense_matmul] a float16 weight with " + std::to_string(j.M) + " rows");
+      }
       if (j.dense_dot) {
         // Few rows: tasks are blocks of outputs, rows of w read in place.
         j.mblocks = 1;
@@ -891,7 +902,11 @@ mx::array dense_matmul(const mx::array& x, const mx::array& w, Path path, mx::St
     return mx::zeros(shape, out_dtype, stream);
   }
   mx::array xf = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, stream);
-  mx::array wf = w.dtype() == mx::float32 ? w : mx::astype(w, mx::float32, stream);
+  // Few rows (decode) read a float16 weight in place, widening as they go:
+  // half the bytes per step, the same products.
+  const size_t rows = count / (size_t)w.shape(0);
+  const bool keep_f16 = w.dtype() == mx::float16 && rows < (size_t)kDensePanelMinRows;
+  mx::array wf = w.dtype() == mx::float32 || keep_f16 ? w : mx::astype(w, mx::float32, stream);
   mx::array y = mx::array(shape, mx::float32,
                           std::make_shared<QuantizedGemm>(stream, 0, 0, QuantizedGemm::Kind::Dense, isa_for(path, 0)),
                           {xf, detail::row_contiguous(wf, stream)});

@@ -327,6 +327,21 @@ fn dense_matches_on_awkward_shapes() {
         let w = normal(11910, &[45, 160]).astype(wdt).unwrap();
         dense_case(11910, &x_of(11910, &[3, 19, 160], xdt), &w);
     }
+    // Few rows read a float16 w in place: on the AVX2 loop (explicit FMAs) exactly
+    // the products of its float32 widening; the portable loop leaves contraction
+    // to the compiler, so it is held to the tolerance of `dense_case` only.
+    for (m, k, n) in [(1, 384, 51), (3, 9, 7), (15, 577, 100), (2, 64, 1)] {
+        seed += 1;
+        let x = x_of(seed, &[m, k], Dtype::Float32);
+        let w = normal(seed + 7, &[n, k]).astype(Dtype::Float16).unwrap();
+        dense_case(seed, &x, &w);
+        let wide = w.astype(Dtype::Float32).unwrap();
+        for path in distinct_loops(0).into_iter().filter(|&p| kernels::gemm_loop_name(p, 0) != "portable") {
+            let half = kernels::dense_matmul_with_path(&x, &w, path).unwrap();
+            let full = kernels::dense_matmul_with_path(&x, &wide, path).unwrap();
+            assert_eq!(to_f32(&half), to_f32(&full), "f16 w, m={m} k={k} n={n}, {}", kernels::gemm_loop_name(path, 0));
+        }
+    }
     // A transposed view of x, a broadcast row axis, a transposed (non-contiguous) w.
     let xt = x_of(11920, &[96, 40], Dtype::Float32).transpose(&[1, 0]).unwrap();
     dense_case(11920, &xt, &normal(11921, &[50, 96]));

@@ -187,6 +187,33 @@ pub struct Transcription {
     pub duration: f64,
 }
 
+impl Transcription {
+    /// SubRip subtitles: one cue per segment, `HH:MM:SS,mmm` times.
+    pub fn to_srt(&self) -> String {
+        let mut out = String::new();
+        for (i, s) in self.segments.iter().enumerate() {
+            out += &format!("{}\n{} --> {}\n{}\n\n", i + 1, timestamp(s.start, ','), timestamp(s.end, ','), s.text.trim());
+        }
+        out
+    }
+
+    /// WebVTT subtitles: one cue per segment, `HH:MM:SS.mmm` times.
+    pub fn to_vtt(&self) -> String {
+        let mut out = String::from("WEBVTT\n\n");
+        for s in &self.segments {
+            out += &format!("{} --> {}\n{}\n\n", timestamp(s.start, '.'), timestamp(s.end, '.'), s.text.trim());
+        }
+        out
+    }
+}
+
+/// `seconds` as `HH:MM:SS<sep>mmm`.
+fn timestamp(seconds: f64, separator: char) -> String {
+    let millis = (seconds.max(0.0) * 1000.0).round() as u64;
+    let (hours, rest) = (millis / 3_600_000, millis % 3_600_000);
+    format!("{hours:02}:{:02}:{:02}{separator}{:03}", rest / 60_000, rest % 60_000 / 1000, rest % 1000)
+}
+
 /// Audio to transcribe.
 #[derive(Debug, Clone, Copy)]
 pub enum Audio<'a> {
@@ -588,9 +615,10 @@ fn apply_timestamp_rules(logits: &mut [f32], tokens: &[u32], tk: &WhisperTokeniz
         }
     }
     if check_probability {
-        let logprobs = log_softmax(logits);
-        let timestamps = logsumexp(&logprobs[tb..]);
-        let text_max = logprobs[..tb].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // Log-probabilities of the timestamps together against the likeliest
+        // other token: the log-softmax's shared normaliser cancels out.
+        let timestamps = logsumexp(&logits[tb..]);
+        let text_max = logits[..tb].iter().copied().fold(f32::NEG_INFINITY, f32::max);
         if timestamps > text_max {
             logits[..tb].fill(DISABLED);
         }
@@ -688,7 +716,7 @@ fn logsumexp(values: &[f32]) -> f32 {
     if max == f32::NEG_INFINITY {
         return max;
     }
-    let sum: f64 = values.iter().map(|&v| ((v - max) as f64).exp()).sum();
+    let sum: f64 = values.iter().map(|&v| (v - max).exp() as f64).sum();
     max + sum.ln() as f32
 }
 
@@ -751,6 +779,31 @@ mod tests {
         let (pieces, advance) = split_by_timestamps(&[100, 1, 2, 131], tb, 5.0, 800, 8.0);
         assert_eq!(pieces, vec![(5.0, 5.0 + 31.0 * 0.02, vec![100, 1, 2, 131])]);
         assert_eq!(advance, 800);
+    }
+
+    #[test]
+    fn subtitles() {
+        let segment = |id, start, end, text: &str| Segment {
+            id,
+            seek: 0,
+            start,
+            end,
+            text: text.into(),
+            tokens: vec![],
+            temperature: 0.0,
+            avg_logprob: 0.0,
+            compression_ratio: 1.0,
+            no_speech_prob: 0.0,
+        };
+        let t = Transcription {
+            text: " Hello. World.".into(),
+            segments: vec![segment(0, 0.0, 1.5, " Hello."), segment(1, 3661.25, 3662.0, " World.")],
+            language: "en".into(),
+            language_probability: 1.0,
+            duration: 3662.0,
+        };
+        assert_eq!(t.to_srt(), "1\n00:00:00,000 --> 00:00:01,500\nHello.\n\n2\n01:01:01,250 --> 01:01:02,000\nWorld.\n\n");
+        assert!(t.to_vtt().starts_with("WEBVTT\n\n00:00:00.000 --> 00:00:01.500\nHello.\n\n"));
     }
 
     #[test]

@@ -9,10 +9,13 @@
 //!   causal self-attention, cross-attention over the audio states and a GELU
 //!   MLP, a final LayerNorm, logits through the tied token embeddings.
 //!
-//! Activations are float32; the weights stay in their stored dtype (float16
-//! for the packaged models) and every matrix product runs on mlxcel's dense
-//! kernel with f32 accumulation, as CTranslate2's float32 compute type sees
-//! the same f16 values. The convolutions run as one matrix product over
+//! Everything computes in float32 with the stored weight values (float16
+//! for the packaged models, widened exactly, as CTranslate2's float32
+//! compute type sees them), every matrix product on mlxcel's dense kernel
+//! with f32 accumulation. The encoder's weights are widened once at load
+//! (its products have 1500 rows); the decoder's stay float16, which the
+//! kernel reads in place for the few rows of a decoding step: half the
+//! bytes per token, the same products. The convolutions run as one matrix product over
 //! three shifted copies of the input (`im2col`), and attention on the
 //! attention kernel (unmasked in the encoder and cross-attention).
 //!
@@ -53,15 +56,15 @@ impl WhisperDims {
 }
 
 struct Dense {
-    /// [out, in] in the stored dtype.
+    /// [out, in]: float32, or float16 as stored (the decoder's).
     weight: Array,
     /// float32.
     bias: Option<Array>,
 }
 
 impl Dense {
-    fn load(scope: &Scope, in_features: i32, out_features: i32, bias: bool) -> Result<Dense> {
-        let weight = scope.get_stored("weight", &[out_features, in_features])?;
+    fn load(scope: &Scope, in_features: i32, out_features: i32, bias: bool, stored: bool) -> Result<Dense> {
+        let weight = if stored { scope.get_stored("weight", &[out_features, in_features])? } else { scope.get("weight", &[out_features, in_features])? };
         let bias = if bias { Some(scope.get("bias", &[out_features])?) } else { None };
         Ok(Dense { weight, bias })
     }
@@ -100,12 +103,12 @@ struct MultiHeadAttention {
 }
 
 impl MultiHeadAttention {
-    fn load(scope: &Scope, state: i32, heads: i32) -> Result<Self> {
+    fn load(scope: &Scope, state: i32, heads: i32, stored: bool) -> Result<Self> {
         Ok(MultiHeadAttention {
-            query: Dense::load(&scope.pp("query"), state, state, true)?,
-            key: Dense::load(&scope.pp("key"), state, state, false)?,
-            value: Dense::load(&scope.pp("value"), state, state, true)?,
-            out: Dense::load(&scope.pp("out"), state, state, true)?,
+            query: Dense::load(&scope.pp("query"), state, state, true, stored)?,
+            key: Dense::load(&scope.pp("key"), state, state, false, stored)?,
+            value: Dense::load(&scope.pp("value"), state, state, true, stored)?,
+            out: Dense::load(&scope.pp("out"), state, state, true, stored)?,
             heads,
         })
     }
@@ -144,19 +147,21 @@ struct Block {
 }
 
 impl Block {
-    fn load(scope: &Scope, state: i32, heads: i32, cross: bool) -> Result<Block> {
-        let cross = if cross {
-            Some((LayerNorm::load(&scope.pp("cross_attn_ln"), state)?, MultiHeadAttention::load(&scope.pp("cross_attn"), state, heads)?))
+    /// An encoder block (weights widened), or a decoder block with
+    /// cross-attention (weights as stored).
+    fn load(scope: &Scope, state: i32, heads: i32, decoder: bool) -> Result<Block> {
+        let cross = if decoder {
+            Some((LayerNorm::load(&scope.pp("cross_attn_ln"), state)?, MultiHeadAttention::load(&scope.pp("cross_attn"), state, heads, true)?))
         } else {
             None
         };
         Ok(Block {
             attn_ln: LayerNorm::load(&scope.pp("attn_ln"), state)?,
-            attn: MultiHeadAttention::load(&scope.pp("attn"), state, heads)?,
+            attn: MultiHeadAttention::load(&scope.pp("attn"), state, heads, decoder)?,
             cross,
             mlp_ln: LayerNorm::load(&scope.pp("mlp_ln"), state)?,
-            mlp1: Dense::load(&scope.pp("mlp1"), state, 4 * state, true)?,
-            mlp2: Dense::load(&scope.pp("mlp2"), 4 * state, state, true)?,
+            mlp1: Dense::load(&scope.pp("mlp1"), state, 4 * state, true, decoder)?,
+            mlp2: Dense::load(&scope.pp("mlp2"), 4 * state, state, true, decoder)?,
         })
     }
 
@@ -224,7 +229,7 @@ impl Whisper {
         let enc = root.pp("encoder");
         let conv = |name: &str, in_ch: i32| -> Result<Dense> {
             let scope = enc.pp(name);
-            let weight = scope.get_stored("weight", &[da, 3, in_ch])?.reshape(&[da, 3 * in_ch])?;
+            let weight = scope.get("weight", &[da, 3, in_ch])?.reshape(&[da, 3 * in_ch])?;
             weight.eval()?;
             Ok(Dense { weight, bias: Some(scope.get("bias", &[da])?) })
         };

