@@ -63,8 +63,6 @@ struct PreprocessorConfig {
     image_mean: Vec<f32>,
     #[serde(default = "default_half")]
     image_std: Vec<f32>,
-    #[serde(default = "yes")]
-    do_pad: bool,
 }
 
 fn yes() -> bool {
