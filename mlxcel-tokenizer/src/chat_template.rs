@@ -104,6 +104,12 @@ impl From<&str> for Content {
     }
 }
 
+impl From<&String> for Content {
+    fn from(text: &String) -> Self {
+        Content::Text(text.clone())
+    }
+}
+
 impl From<Vec<ContentPart>> for Content {
     fn from(parts: Vec<ContentPart>) -> Self {
         Content::Parts(parts)
