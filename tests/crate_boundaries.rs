@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 
 /// The crates that must build and test without MLX.
-const MLX_FREE: &[&str] = &["mlxcel-tokenizer", "mlxcel-gguf", "mlxcel-grammar", "mlxcel-hub"];
+const MLX_FREE: &[&str] = &["mlxcel-tokenizer", "mlxcel-vision", "mlxcel-gguf", "mlxcel-ctranslate2", "mlxcel-grammar", "mlxcel-hub", "mlxcel-audio"];
 
 #[test]
 fn mlx_free_crates_do_not_depend_on_mlx_sys() {

@@ -57,6 +57,18 @@ pub struct RowRequest {
     pub cache_prompt: bool,
     /// Checked between chunks and steps: a set flag finishes the row as cancelled.
     pub cancel: Option<CancelFlag>,
+    /// The prompt's images, for a vision-language model: their features
+    /// replace the embeddings of the prompt's image tokens in the prefill.
+    pub images: Option<Arc<ImageInputs>>,
+}
+
+/// A prompt's images as the vision tower takes them: every image's tiles in
+/// prompt order, `[tiles, 3, side, side]` f32, normalized.
+#[derive(Debug, Clone)]
+pub struct ImageInputs {
+    pub pixel_values: Vec<f32>,
+    pub tiles: usize,
+    pub side: usize,
 }
 
 /// What a row reports, in order: pieces, then one `Finished` or `Failed`.
@@ -107,6 +119,11 @@ struct Row {
     block_hashes: Vec<u64>,
     /// Prompt tokens adopted from the prefix cache.
     cached_tokens: usize,
+    /// The prompt's images, until the prefill has used them.
+    images: Option<Arc<ImageInputs>>,
+    /// The whole prompt's input embeddings with the image features merged
+    /// in, made at the first chunk and sliced by each chunk.
+    embeddings: Option<Array>,
     sampler: Sampler,
     params: SamplingParams,
     ignore_eos: bool,
@@ -342,7 +359,9 @@ impl BatchEngine {
         if self.prefix_caching && request.prompt.len() > MIN_PROMPT_TOKENS {
             // The same kernels with or without the cache, so the tokens are too.
             kernels = RowKernels::Prefill;
-            if request.cache_prompt {
+            // A prompt with images neither adopts nor stores blocks: the same
+            // token ids stand for different pixels.
+            if request.cache_prompt && request.images.is_none() {
                 block_hashes = prefix_cache::block_hashes(&request.prompt);
                 // At least one prompt token is left to prefill, for the logits.
                 let max_blocks = (request.prompt.len() - 1) / BLOCK_TOKENS;
@@ -372,6 +391,8 @@ impl BatchEngine {
             kernels,
             block_hashes,
             cached_tokens,
+            images: request.images,
+            embeddings: None,
             id,
             history: request.prompt.clone(),
             prompt: request.prompt,
@@ -452,7 +473,8 @@ impl BatchEngine {
     /// `budget` tokens with it (none when it alone takes the budget).
     fn last_chunk_companions(&self, index: usize, budget: usize) -> Vec<usize> {
         let Some(length) = self.rows[index].last_chunk() else { return Vec::new() };
-        if self.rows[index].kernels != RowKernels::ByCount {
+        // Rows with images prefill from embeddings, alone.
+        if self.rows[index].kernels != RowKernels::ByCount || self.rows[index].images.is_some() {
             return Vec::new();
         }
         let room = (budget / length).saturating_sub(1);
@@ -460,7 +482,7 @@ impl BatchEngine {
             .filter(|&i| i != index)
             .filter(|&i| {
                 let r = &self.rows[i];
-                r.kernels == RowKernels::ByCount && r.last_chunk() == Some(length) && !r.cancelled()
+                r.kernels == RowKernels::ByCount && r.images.is_none() && r.last_chunk() == Some(length) && !r.cancelled()
             })
             .take(room)
             .collect()
@@ -524,7 +546,20 @@ impl BatchEngine {
         let start = r.prefilled;
         let end = if r.last_chunk().is_none() { (start + r.prefill_chunk).min(total) } else { total };
         let tokens = token_array(&r.prompt[start..end])?;
-        let logits = network.forward_last_with(&tokens, &mut r.caches, r.kernels)?;
+        let logits = match &r.images {
+            None => network.forward_last_with(&tokens, &mut r.caches, r.kernels)?,
+            Some(images) => {
+                if r.embeddings.is_none() {
+                    r.embeddings = Some(prompt_embeddings(network, &r.prompt, images)?);
+                }
+                let h = r.embeddings.as_ref().expect("made above").slice_axis(1, start as i32, end as i32)?;
+                network.forward_last_embedded(&h, &mut r.caches, r.kernels)?
+            }
+        };
+        if end == total {
+            r.images = None;
+            r.embeddings = None;
+        }
         if !r.block_hashes.is_empty() {
             // Cached as they fill: under a window the next chunk may hand
             // this chunk's blocks back. Later readers come after this node.
@@ -950,6 +985,20 @@ impl Ending {
     fn flushed(reason: FinishReason) -> Self {
         Ending { reason, flush: true }
     }
+}
+
+/// The input embeddings of `prompt` with the features of `images` at its
+/// image tokens: the vision tower and connector run once per prompt.
+fn prompt_embeddings(network: &dyn LanguageModel, prompt: &[u32], images: &ImageInputs) -> Result<Array> {
+    let vision = network.vision().ok_or_else(|| Error::InvalidParameter {
+        name: "images",
+        message: "the model takes no images".into(),
+    })?;
+    let side = images.side as i32;
+    let pixels = Array::from_slice(&images.pixel_values, &[images.tiles as i32, 3, side, side])?;
+    let features = vision.encode(&pixels)?;
+    let embedded = network.embed(&token_array(prompt)?)?;
+    Ok(mlxcel_models::merge_image_features(&embedded, prompt, vision.image_token_id(), &features)?)
 }
 
 /// Whether an engine over `pool` caches prompt blocks for `network` when

@@ -13,7 +13,8 @@ use mlxcel_models::chat_template::Message;
 use mlxcel_models::quantization::{check_quantize_params, DEFAULT_GROUP_SIZE};
 use mlxcel_models::{runtime, KvFormat, KvPool, Model, QuantParams};
 
-use crate::batch::{validate_prompt, BatchEngine, RowEvent, RowRequest};
+use crate::batch::{validate_prompt, BatchEngine, ImageInputs, RowEvent, RowRequest};
+use mlxcel_tokenizer::ImageSource;
 use crate::error::{Error, Result};
 use crate::options::DEFAULT_PREFILL_CHUNK;
 use crate::sampling::SamplingParams;
@@ -436,15 +437,77 @@ impl Engine {
         self.tokenize(&self.apply_chat_template(messages, true)?, false)
     }
 
-    /// The token ids a prompt becomes.
+    /// The token ids a prompt becomes (a chat prompt's images expanded into
+    /// their image tokens).
     pub fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Vec<u32>> {
-        let ids = match prompt {
-            Prompt::Text(text) => self.tokenize(text, true)?,
-            Prompt::Chat(messages) => self.chat_tokens(messages)?,
-            Prompt::Tokens(ids) => ids.clone(),
+        Ok(self.prepare_prompt(prompt)?.0)
+    }
+
+    /// Whether the model takes images (a vision-language model).
+    pub fn supports_images(&self) -> bool {
+        self.model.image_processor().is_some()
+    }
+
+    /// The token ids of `prompt` and, for a chat prompt with image parts,
+    /// the images as the vision tower takes them: each image decoded,
+    /// processed by the model's image processor, and its placeholder in the
+    /// rendered template replaced by its image tokens.
+    pub(crate) fn prepare_prompt(&self, prompt: &Prompt) -> Result<(Vec<u32>, Option<Arc<ImageInputs>>)> {
+        let (ids, images) = match prompt {
+            Prompt::Text(text) => (self.tokenize(text, true)?, None),
+            Prompt::Tokens(ids) => (ids.clone(), None),
+            Prompt::Chat(messages) => self.chat_prompt(messages)?,
         };
         self.check_vocabulary(&ids, "prompt")?;
-        Ok(ids)
+        Ok((ids, images))
+    }
+
+    fn chat_prompt(&self, messages: &[Message]) -> Result<(Vec<u32>, Option<Arc<ImageInputs>>)> {
+        let sources: Vec<&ImageSource> = messages.iter().flat_map(|m| m.content.images()).collect();
+        let Some(processor) = self.model.image_processor() else {
+            if !sources.is_empty() {
+                return Err(Error::InvalidParameter {
+                    name: "images",
+                    message: format!(
+                        "the model is `{}`, a text-only architecture: it takes no images (vision-language models: {})",
+                        self.model.info().model_type,
+                        mlxcel_models::architectures::idefics3::MODEL_TYPES.join(", ")
+                    ),
+                });
+            }
+            return Ok((self.chat_tokens(messages)?, None));
+        };
+        // Vision-language templates loop over content parts.
+        let messages: Vec<Message> =
+            messages.iter().map(|m| Message { role: m.role.clone(), content: m.content.clone().into_parts() }).collect();
+        let text = self.apply_chat_template(&messages, true)?;
+        let limits = mlxcel_vision::DecodeLimits::default();
+        let image_error = |e: mlxcel_vision::Error| Error::InvalidParameter { name: "images", message: e.to_string() };
+        let processed = sources
+            .iter()
+            .enumerate()
+            .map(|(i, source)| {
+                let name = source.describe(i);
+                let image = match source {
+                    ImageSource::Path(path) => {
+                        let bytes = std::fs::read(path).map_err(|e| Error::InvalidParameter { name: "images", message: format!("{name}: {e}") })?;
+                        mlxcel_vision::decode_image(&bytes, &name, &limits)
+                    }
+                    ImageSource::Bytes(bytes) => mlxcel_vision::decode_image(bytes, &name, &limits),
+                }
+                .map_err(image_error)?;
+                processor.process(&image).map_err(|e| Error::InvalidParameter { name: "images", message: format!("{name}: {e}") })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let expanded = processor.expand_prompt(&text, &processed).map_err(image_error)?;
+        let ids = self.tokenize(&expanded, false)?;
+        if processed.is_empty() {
+            return Ok((ids, None));
+        }
+        let side = processor.tile_side();
+        let tiles = processed.iter().map(|p| p.tiles).sum();
+        let pixel_values = processed.into_iter().flat_map(|p| p.pixel_values).collect();
+        Ok((ids, Some(Arc::new(ImageInputs { pixel_values, tiles, side }))))
     }
 
     /// The row a request becomes: tokenized and checked on the caller's
@@ -455,8 +518,14 @@ impl Engine {
         if request.prefill_chunk == 0 {
             return Err(Error::InvalidParameter { name: "prefill_chunk", message: "must be at least 1".into() });
         }
-        let prompt = self.tokenize_prompt(&request.prompt)?;
+        let (prompt, images) = self.prepare_prompt(&request.prompt)?;
         validate_prompt(&self.model, &prompt, request.prefill_chunk)?;
+        if images.is_some() && request.params.speculation == crate::Speculation::Draft {
+            return Err(Error::InvalidParameter {
+                name: "speculation",
+                message: "a draft model cannot draft for a prompt with images (prompt-lookup can)".into(),
+            });
+        }
         Ok(RowRequest {
             prompt,
             params: request.params.clone(),
@@ -464,6 +533,7 @@ impl Engine {
             ignore_eos: request.ignore_eos,
             cache_prompt: request.cache_prompt,
             cancel: request.cancel.clone(),
+            images,
         })
     }
 

@@ -34,7 +34,7 @@ pub use generate::{
     generate_batch, CancelFlag, Engine, EngineLimits, FinishReason, LimitOptions, DEFAULT_KV_KEEP, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt,
 };
 pub use options::{GenerationOptions, DEFAULT_PREFILL_CHUNK};
-pub use mlxcel_tokenizer::Message;
+pub use mlxcel_tokenizer::{Content, ContentPart, ImageSource, Message};
 pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
 pub use mlxcel_models::KvFormat;
 pub use mlxcel_models::QuantParams;

@@ -24,5 +24,5 @@ pub use mlxcel_tokenizer::{chat_template, tokenizer};
 pub use embedding::{EmbeddingModel, Pooling};
 pub use error::{Error, Result};
 pub use rerank::CrossEncoder;
-pub use model::{LanguageModel, Model, ModelInfo, ModelLayout, ModelShape};
+pub use model::{merge_image_features, LanguageModel, Model, ModelInfo, ModelLayout, ModelShape, VisionEncoder};
 pub use quantization::QuantParams;

@@ -87,6 +87,82 @@ pub trait LanguageModel: Send + Sync {
     }
     /// What each layer is and what makes the logits, in words (`mlxcel inspect`).
     fn layout(&self) -> ModelLayout;
+    /// `tokens` [B, L] int32 → the input embeddings [B, L, hidden] that
+    /// [`forward_last_embedded`](Self::forward_last_embedded) takes: what a
+    /// vision-language model merges image features into.
+    fn embed(&self, tokens: &Array) -> Result<Array> {
+        let _ = tokens;
+        Err(Error::InvalidInput("this model does not take input embeddings".into()))
+    }
+    /// [`forward_last_with`](Self::forward_last_with) from input embeddings
+    /// `h` [B, L, hidden] instead of token ids (a prefill chunk of a prompt
+    /// with images). Appends to `caches`.
+    fn forward_last_embedded(&self, h: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        let _ = (h, caches, kernels);
+        Err(Error::InvalidInput("this model does not take input embeddings".into()))
+    }
+    /// [`forward`](Self::forward) from input embeddings: logits of every position.
+    fn forward_embedded(&self, h: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let _ = (h, caches);
+        Err(Error::InvalidInput("this model does not take input embeddings".into()))
+    }
+    /// The vision tower and connector of a vision-language model (None for
+    /// a text-only model).
+    fn vision(&self) -> Option<&dyn VisionEncoder> {
+        None
+    }
+}
+
+/// The image side of a vision-language model: tiles of pixels in, one
+/// feature per `<image>` token out, in the text model's hidden size.
+pub trait VisionEncoder: Send + Sync {
+    /// The id of the `<image>` token whose embeddings the features replace.
+    fn image_token_id(&self) -> u32;
+    /// Features per tile (`<image>` tokens per tile in the prompt).
+    fn tokens_per_tile(&self) -> usize;
+    /// The side of the square tiles it takes.
+    fn tile_side(&self) -> usize;
+    /// `pixel_values` [tiles, 3, side, side] f32 (channels first, normalized)
+    /// → the vision tower's output [tiles, patches, vision_hidden].
+    fn vision_tower(&self, pixel_values: &Array) -> Result<Array>;
+    /// The tower's output → the connector's [tiles, tokens_per_tile, hidden].
+    fn connect(&self, tower: &Array) -> Result<Array>;
+    /// Both: [tiles * tokens_per_tile, hidden], one row per `<image>` token in order.
+    fn encode(&self, pixel_values: &Array) -> Result<Array> {
+        let features = self.connect(&self.vision_tower(pixel_values)?)?;
+        let hidden = features.dim(-1);
+        Ok(features.reshape(&[-1, hidden])?)
+    }
+}
+
+/// `embeddings` [1, L, hidden] of `tokens` with the rows of every
+/// `image_token` replaced, in order, by the rows of `features` [n, hidden]
+/// (n must equal the number of image tokens), as mlx-vlm's `masked_scatter`.
+pub fn merge_image_features(embeddings: &Array, tokens: &[u32], image_token: u32, features: &Array) -> Result<Array> {
+    let length = tokens.len();
+    let count = tokens.iter().filter(|&&t| t == image_token).count();
+    if count != features.dim(0) as usize {
+        return Err(Error::InvalidInput(format!(
+            "the prompt has {count} image tokens for {} image features",
+            features.dim(0)
+        )));
+    }
+    let hidden = embeddings.dim(-1);
+    let mut next = length as i32;
+    let index: Vec<i32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            if t == image_token {
+                next += 1;
+                next - 1
+            } else {
+                i as i32
+            }
+        })
+        .collect();
+    let rows = mlx_sys::concatenate(&[embeddings.reshape(&[length as i32, hidden])?, features.astype(embeddings.dtype())?], 0)?;
+    Ok(rows.take(&Array::from_slice(&index, &[length as i32])?, 0)?.reshape(&[1, length as i32, hidden])?)
 }
 
 /// A model's layers and output described in words, one line per layer.
@@ -195,6 +271,8 @@ pub struct Model {
     tokenizer: Tokenizer,
     info: ModelInfo,
     dir: PathBuf,
+    /// A vision-language model's image processor (None for text-only models).
+    image_processor: Option<mlxcel_vision::Idefics3Processor>,
 }
 
 /// Reads `config.json`.
@@ -218,7 +296,33 @@ impl Model {
         let (network, mut info) = load_network_quantizing(dir, quantize)?;
         info.tokenizer_kind = tokenizer.kind().to_string();
         info.tokenizer_vocab_size = tokenizer.vocab_size();
-        Ok(Model { network, tokenizer, info, dir: dir.to_path_buf() })
+        let image_processor = match network.vision() {
+            None => None,
+            Some(vision) => {
+                let processor = mlxcel_vision::Idefics3Processor::from_dir(dir, vision.tokens_per_tile()).map_err(|e| match e {
+                    mlxcel_vision::Error::Config { path, message } => Error::InvalidConfig { path, message },
+                    mlxcel_vision::Error::Io { path, source } => Error::Io { path, source },
+                    other => Error::invalid_file(dir, other.to_string()),
+                })?;
+                if processor.tile_side() != vision.tile_side() {
+                    return Err(Error::InvalidConfig {
+                        path: dir.join("preprocessor_config.json"),
+                        message: format!(
+                            "max_image_size.longest_edge {} is not the vision tower's image_size {}",
+                            processor.tile_side(),
+                            vision.tile_side()
+                        ),
+                    });
+                }
+                Some(processor)
+            }
+        };
+        Ok(Model { network, tokenizer, info, dir: dir.to_path_buf(), image_processor })
+    }
+
+    /// The image processor of a vision-language model (None: text only).
+    pub fn image_processor(&self) -> Option<&mlxcel_vision::Idefics3Processor> {
+        self.image_processor.as_ref()
     }
 
     pub fn network(&self) -> &dyn LanguageModel {

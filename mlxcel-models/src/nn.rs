@@ -142,6 +142,11 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// A dense layer from its evaluated weight [out, in] and bias [out].
+    pub fn from_dense(weight: Array, bias: Option<Array>) -> Self {
+        Linear { weight: LinearWeight::Dense(weight), bias }
+    }
+
     /// The output width (the weight's rows).
     pub fn out_features(&self) -> i32 {
         match &self.weight {

@@ -25,27 +25,147 @@ pub struct ChatTemplate {
 
 /// One chat message; templates see it as `{"role": ..., "content": ...}`.
 ///
+/// `content` is a string, or a list of parts (text and images) that
+/// templates see as Hugging Face's `[{"type": "text", "text": ...},
+/// {"type": "image"}]`: vision-language chat templates write their image
+/// placeholder for each image part.
+///
 /// Any other `Serialize` type (e.g. `serde_json::Value` with `tool_calls`) works too.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Message {
     pub role: String,
-    pub content: String,
+    pub content: Content,
+}
+
+/// A message's content: plain text, or text and image parts in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentPart {
+    Text(String),
+    Image(ImageSource),
+}
+
+/// Where an image part's file comes from. The bytes are the whole file
+/// (PNG, JPEG, WebP, GIF or BMP); they are decoded when the prompt is built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageSource {
+    Path(std::path::PathBuf),
+    Bytes(std::sync::Arc<[u8]>),
+}
+
+impl ImageSource {
+    /// What errors call this image: its path, or `image N` (1-based).
+    pub fn describe(&self, index: usize) -> String {
+        match self {
+            ImageSource::Path(path) => path.display().to_string(),
+            ImageSource::Bytes(_) => format!("image {}", index + 1),
+        }
+    }
+}
+
+impl Content {
+    /// The image parts, in order.
+    pub fn images(&self) -> impl Iterator<Item = &ImageSource> {
+        let parts: &[ContentPart] = match self {
+            Content::Text(_) => &[],
+            Content::Parts(parts) => parts,
+        };
+        parts.iter().filter_map(|p| match p {
+            ContentPart::Image(source) => Some(source),
+            ContentPart::Text(_) => None,
+        })
+    }
+
+    /// As a list of parts (plain text becomes one text part): how
+    /// vision-language templates, which loop over parts, need it.
+    pub fn into_parts(self) -> Content {
+        match self {
+            Content::Text(text) => Content::Parts(vec![ContentPart::Text(text)]),
+            parts => parts,
+        }
+    }
+}
+
+impl From<String> for Content {
+    fn from(text: String) -> Self {
+        Content::Text(text)
+    }
+}
+
+impl From<&str> for Content {
+    fn from(text: &str) -> Self {
+        Content::Text(text.to_string())
+    }
+}
+
+impl From<&String> for Content {
+    fn from(text: &String) -> Self {
+        Content::Text(text.clone())
+    }
+}
+
+impl From<Vec<ContentPart>> for Content {
+    fn from(parts: Vec<ContentPart>) -> Self {
+        Content::Parts(parts)
+    }
+}
+
+impl Serialize for Content {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Content::Text(text) => serializer.serialize_str(text),
+            Content::Parts(parts) => parts.serialize(serializer),
+        }
+    }
+}
+
+impl Serialize for ContentPart {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(if matches!(self, ContentPart::Text(_)) { 2 } else { 1 }))?;
+        match self {
+            ContentPart::Text(text) => {
+                map.serialize_entry("type", "text")?;
+                map.serialize_entry("text", text)?;
+            }
+            ContentPart::Image(_) => map.serialize_entry("type", "image")?,
+        }
+        map.end()
+    }
+}
+
+impl ContentPart {
+    pub fn text(text: impl Into<String>) -> Self {
+        ContentPart::Text(text.into())
+    }
+    pub fn image_path(path: impl Into<std::path::PathBuf>) -> Self {
+        ContentPart::Image(ImageSource::Path(path.into()))
+    }
+    pub fn image_bytes(bytes: impl Into<std::sync::Arc<[u8]>>) -> Self {
+        ContentPart::Image(ImageSource::Bytes(bytes.into()))
+    }
 }
 
 impl Message {
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+    pub fn new(role: impl Into<String>, content: impl Into<Content>) -> Self {
         Self {
             role: role.into(),
             content: content.into(),
         }
     }
-    pub fn system(content: impl Into<String>) -> Self {
+    pub fn system(content: impl Into<Content>) -> Self {
         Self::new("system", content)
     }
-    pub fn user(content: impl Into<String>) -> Self {
+    pub fn user(content: impl Into<Content>) -> Self {
         Self::new("user", content)
     }
-    pub fn assistant(content: impl Into<String>) -> Self {
+    pub fn assistant(content: impl Into<Content>) -> Self {
         Self::new("assistant", content)
     }
 }

@@ -5,6 +5,6 @@ pub mod chat_template;
 pub mod error;
 pub mod tokenizer;
 
-pub use chat_template::{ChatTemplate, Message, RenderOptions};
+pub use chat_template::{ChatTemplate, Content, ContentPart, ImageSource, Message, RenderOptions};
 pub use error::{Error, Result};
 pub use tokenizer::{StreamDecodeState, StreamDecoder, Tokenizer, TokenizerKind};

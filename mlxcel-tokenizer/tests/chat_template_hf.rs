@@ -383,3 +383,18 @@ fn extra_variables_reach_the_template() {
         "<think>\n\n</think>"
     );
 }
+
+/// Content parts render as Hugging Face's list of typed parts, which
+/// vision-language templates (SmolVLM's) loop over; plain text stays a string.
+#[test]
+fn content_parts_render_as_typed_lists() {
+    use mlxcel_tokenizer::ContentPart;
+    let source = "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }}{% elif p.type == 'image' %}<image>{% endif %}{% endfor %}{% endif %}|{% endfor %}";
+    let template = ChatTemplate::new(source).unwrap();
+    let messages = [
+        Message::system("Be brief."),
+        Message::user(vec![ContentPart::image_path("a.png"), ContentPart::text("What is it?"), ContentPart::image_bytes(vec![1u8, 2])]),
+    ];
+    assert_eq!(template.render(&messages, &RenderOptions::default()).unwrap(), "Be brief.|<image>What is it?<image>|");
+    assert_eq!(messages[1].content.images().count(), 2);
+}

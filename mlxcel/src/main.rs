@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use mlxcel_engine::{Engine, GenerationRequest, Message, Prompt, SamplingParams, Speculation};
+use mlxcel_engine::{ContentPart, Engine, GenerationRequest, Message, Prompt, SamplingParams, Speculation};
 use mlxcel_gguf::ConvertOptions;
 use mlxcel_models::model::{load_network_quantizing, read_config, ModelInfo};
 use mlxcel_tokenizer::Tokenizer;
@@ -111,6 +111,11 @@ struct GenerateArgs {
     /// A system message (implies --chat).
     #[arg(long)]
     system: Option<String>,
+    /// An image file for a vision-language model (repeatable; implies --chat):
+    /// the user message holds the images, then the prompt, as mlx-vlm's
+    /// `generate --image` builds it.
+    #[arg(long = "image", value_name = "FILE")]
+    images: Vec<PathBuf>,
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
@@ -654,12 +659,18 @@ fn embed(args: EmbedArgs) -> AnyResult<()> {
 fn generate(args: GenerateArgs) -> AnyResult<()> {
     let dir = model_dir(args.model)?;
     let (engine, speculation) = args.spec.load(&dir, args.kv.limits(None, &args.quant)?)?;
-    let prompt = if args.chat || args.system.is_some() {
+    let prompt = if args.chat || args.system.is_some() || !args.images.is_empty() {
         let mut messages = Vec::new();
         if let Some(system) = args.system {
             messages.push(Message::system(system));
         }
-        messages.push(Message::user(args.prompt));
+        if args.images.is_empty() {
+            messages.push(Message::user(args.prompt));
+        } else {
+            let mut parts: Vec<ContentPart> = args.images.into_iter().map(ContentPart::image_path).collect();
+            parts.push(ContentPart::text(args.prompt));
+            messages.push(Message::user(parts));
+        }
         Prompt::Chat(messages)
     } else {
         Prompt::Text(args.prompt)

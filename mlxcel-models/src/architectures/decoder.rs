@@ -120,13 +120,20 @@ impl Block for DecoderBlock {
 
 impl DecoderModel {
     pub fn load(ctx: &LoadContext, args: &DecoderArgs, options: DecoderOptions) -> Result<Self> {
+        Self::load_in(ctx, &ctx.scope.pp("model"), &ctx.scope, args, options)
+    }
+
+    /// [`load`](Self::load) with the body (`layers`, `embed_tokens`, `norm`)
+    /// under `body` and the `lm_head` under `head` (a vision-language
+    /// checkpoint's `language_model.`).
+    pub fn load_in(ctx: &LoadContext, body: &Scope, head: &Scope, args: &DecoderArgs, options: DecoderOptions) -> Result<Self> {
         let spec = AttentionSpec {
             qkv_bias: options.qkv_bias,
             o_bias: options.o_bias,
             qk_norm_eps: options.qk_norm.then_some(args.rms_norm_eps),
             ..AttentionSpec::new(args.hidden_size, args.num_attention_heads, args.kv_heads(), args.head_dim())
         };
-        load_pre_norm(ctx, args, spec, |parts, layer, _| {
+        load_pre_norm_in(ctx, body, head, args, spec, |parts, layer, _| {
             let mlp = GatedMlp::load(&layer.pp("mlp"), args.hidden_size, args.intermediate_size, options.mlp_bias)?;
             Ok(DecoderBlock::new(parts.input_layernorm, parts.self_attn, parts.post_attention_layernorm, mlp))
         })
@@ -151,11 +158,22 @@ pub fn load_pre_norm<B: Block>(
     spec: AttentionSpec,
     block: impl Fn(PreNormParts, &Scope, i32) -> Result<B>,
 ) -> Result<Transformer<B>> {
-    let (root, config_path) = (&ctx.scope, ctx.config_path);
+    load_pre_norm_in(ctx, &ctx.scope.pp("model"), &ctx.scope, args, spec, block)
+}
+
+/// [`load_pre_norm`] with the body under `model` and the `lm_head` under `root`.
+pub fn load_pre_norm_in<B: Block>(
+    ctx: &LoadContext,
+    model: &Scope,
+    root: &Scope,
+    args: &DecoderArgs,
+    spec: AttentionSpec,
+    block: impl Fn(PreNormParts, &Scope, i32) -> Result<B>,
+) -> Result<Transformer<B>> {
+    let config_path = ctx.config_path;
     args.validate().map_err(|message| Error::InvalidConfig { path: config_path.into(), message })?;
     let rope = Rope::new(args.head_dim(), args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref())
         .map_err(|message| Error::Unsupported { path: config_path.into(), message })?;
-    let model = root.pp("model");
     let layers = (0..args.num_hidden_layers)
         .map(|i| {
             let layer = model.pp("layers").pp(i);
@@ -172,7 +190,7 @@ pub fn load_pre_norm<B: Block>(
     // frequencies, and an lm_head the config ties to the embeddings.
     root.weights.skip("self_attn.rotary_emb.inv_freq");
     if tied {
-        root.weights.skip("lm_head.");
+        root.weights.skip(&root.path("lm_head."));
     }
     Ok(Transformer {
         shape: args.shape(root.dtype),

@@ -5,6 +5,7 @@ pub mod bert;
 pub mod decoder;
 pub mod gemma2;
 pub mod gemma3;
+pub mod idefics3;
 pub mod llama;
 pub mod mixtral;
 pub mod olmo2;
@@ -12,6 +13,7 @@ pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_moe;
+pub mod siglip;
 pub mod transformer;
 
 use std::path::Path;
@@ -48,12 +50,18 @@ fn constructor_of(arch: Architecture) -> Constructor {
     }
 }
 
-/// Every loadable `model_type`, aliases included.
+/// Every loadable `model_type`, aliases included: the shared table's, then
+/// the vision-language models (which the GGUF converter does not write).
 pub fn supported_model_types() -> Vec<&'static str> {
-    Architecture::model_types()
+    let mut types = Architecture::model_types();
+    types.extend(idefics3::MODEL_TYPES);
+    types
 }
 
 pub fn constructor(model_type: &str, config_path: &Path) -> Result<Constructor> {
+    if idefics3::MODEL_TYPES.contains(&model_type) {
+        return Ok(idefics3::load);
+    }
     Architecture::from_model_type(model_type).map(constructor_of).ok_or_else(|| Error::UnknownArchitecture {
         path: config_path.into(),
         model_type: model_type.into(),

@@ -63,8 +63,12 @@ impl<B: Block> Transformer<B> {
 
     /// The final hidden states ([B, L, hidden]) after every block.
     fn hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        self.hidden_from(self.embed(tokens)?, caches, kernels)
+    }
+
+    /// [`hidden`](Self::hidden) from input embeddings [B, L, hidden].
+    fn hidden_from(&self, mut h: Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
         self.check_caches(caches.len())?;
-        let mut h = self.embed(tokens)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             h = layer.forward(&h, cache.as_mut(), kernels)?;
         }
@@ -144,6 +148,21 @@ impl<B: Block> LanguageModel for Transformer<B> {
         // Each position through the lm_head as a sequence of one, as at decode.
         let logits = self.logits(&h.reshape(&[batch * length, 1, -1])?, true)?;
         Ok(logits.reshape(&[batch, length, -1])?)
+    }
+
+    fn embed(&self, tokens: &Array) -> Result<Array> {
+        Transformer::embed(self, tokens)
+    }
+
+    fn forward_last_embedded(&self, h: &Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
+        let h = self.hidden_from(h.clone(), caches, kernels)?;
+        let length = h.dim(1);
+        self.logits(&h.slice_axis(1, length - 1, length)?, false)
+    }
+
+    fn forward_embedded(&self, h: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
+        let h = self.hidden_from(h.clone(), caches, RowKernels::ByCount)?;
+        self.logits(&h, false)
     }
 
     fn forward_hidden(&self, tokens: &Array, caches: &mut [Box<dyn KvCache>]) -> Result<Array> {
