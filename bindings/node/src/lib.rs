@@ -15,6 +15,8 @@
 //!   resolves to a `NativeEmbedder`, the engine's `Embedder`: `embed(texts)`
 //!   runs on the thread pool, `embedSync(texts)` on the calling thread;
 //!   `loadReranker(path)` gives a `NativeReranker`, the engine's `Reranker`.
+//! - `loadTranscriber(path?)` gives a `NativeTranscriber`, the engine's
+//!   Whisper `Transcriber`: `transcribe(audio, options)` runs on the thread pool.
 //!
 //! Defaults and checks are the engine's (`GenerationOptions`), and so are
 //! the error kinds: every error, thrown or as an `error` event, carries the
@@ -26,7 +28,8 @@ use std::time::Duration;
 
 use mlxcel_engine::{
     CancelFlag, Embedder, Embeddings, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream,
-    LimitOptions, Message, Prompt, Reranker, Scores, StreamEvent,
+    LimitOptions, Message, Prompt, Reranker, Scores, StreamEvent, Audio, Task as WhisperTask, TranscribeOptions, Transcriber,
+    Transcription,
 };
 use napi::bindgen_prelude::*;
 use napi_derive::napi;
@@ -800,5 +803,224 @@ impl NativeReranker {
     #[napi(ts_return_type = "Promise<NativeScores>")]
     pub fn rerank(&self, query: String, documents: Vec<String>) -> AsyncTask<RerankTask> {
         AsyncTask::new(RerankTask { reranker: self.reranker.clone(), query, documents })
+    }
+}
+
+// ---------------------------------------------------------------- speech to text
+
+pub struct LoadTranscriberTask {
+    path: Option<String>,
+    progress: bool,
+}
+
+impl Task for LoadTranscriberTask {
+    type Output = Transcriber;
+    type JsValue = NativeTranscriber;
+
+    /// A failure is always `MODEL_LOAD`, as for `LoadEmbedderTask`.
+    fn compute(&mut self) -> Result<Transcriber> {
+        // Without a path, the packaged whisper-tiny.en (as `mlxcel transcribe`).
+        let path = self.path.as_deref().unwrap_or(mlxcel_hub::WHISPER_TINY_EN.name);
+        let dir = resolve_model(Some(path), self.progress)?;
+        Transcriber::load_resolved(&dir).map_err(|e| Error::from_reason(e.to_string()))
+    }
+
+    fn resolve(&mut self, _env: Env, transcriber: Transcriber) -> Result<NativeTranscriber> {
+        Ok(NativeTranscriber { transcriber })
+    }
+}
+
+/// Loads a Whisper checkpoint directory or packaged model (by default
+/// whisper-tiny.en, fetched and converted on first use, reported on stderr
+/// when `progress` is not false) off the event loop.
+#[napi(ts_return_type = "Promise<NativeTranscriber>")]
+pub fn load_transcriber(path: Option<String>, progress: Option<bool>) -> AsyncTask<LoadTranscriberTask> {
+    AsyncTask::new(LoadTranscriberTask { path, progress: progress.unwrap_or(true) })
+}
+
+/// `transcribe()`'s options; an absent one is the engine's default, and a
+/// threshold of NaN is off (index.js passes `null` as NaN).
+#[napi(object)]
+pub struct NativeTranscribeOptions {
+    pub language: Option<String>,
+    pub task: Option<String>,
+    pub temperatures: Option<Vec<f64>>,
+    pub best_of: Option<u32>,
+    pub initial_prompt: Option<String>,
+    pub condition_on_previous_text: Option<bool>,
+    pub without_timestamps: Option<bool>,
+    pub compression_ratio_threshold: Option<f64>,
+    pub log_prob_threshold: Option<f64>,
+    pub no_speech_threshold: Option<f64>,
+    pub prompt_reset_on_temperature: Option<f64>,
+    pub max_initial_timestamp: Option<f64>,
+    pub suppress_blank: Option<bool>,
+    pub seed: Option<i64>,
+}
+
+fn transcribe_options(o: NativeTranscribeOptions) -> std::result::Result<TranscribeOptions, EngineError> {
+    let d = TranscribeOptions::default();
+    let threshold = |given: Option<f64>, default: Option<f32>| match given {
+        Some(t) if t.is_nan() => None,
+        Some(t) => Some(t as f32),
+        None => default,
+    };
+    Ok(TranscribeOptions {
+        task: o.task.as_deref().map(WhisperTask::parse).transpose()?.unwrap_or(d.task),
+        language: o.language,
+        temperatures: o.temperatures.map(|t| t.into_iter().map(|x| x as f32).collect()).unwrap_or(d.temperatures),
+        best_of: o.best_of.map_or(d.best_of, |n| n as usize),
+        compression_ratio_threshold: threshold(o.compression_ratio_threshold, d.compression_ratio_threshold),
+        log_prob_threshold: threshold(o.log_prob_threshold, d.log_prob_threshold),
+        no_speech_threshold: threshold(o.no_speech_threshold, d.no_speech_threshold),
+        condition_on_previous_text: o.condition_on_previous_text.unwrap_or(d.condition_on_previous_text),
+        prompt_reset_on_temperature: o.prompt_reset_on_temperature.map_or(d.prompt_reset_on_temperature, |t| t as f32),
+        initial_prompt: o.initial_prompt,
+        without_timestamps: o.without_timestamps.unwrap_or(d.without_timestamps),
+        max_initial_timestamp: o.max_initial_timestamp.map_or(d.max_initial_timestamp, |t| t as f32),
+        suppress_blank: o.suppress_blank.unwrap_or(d.suppress_blank),
+        seed: o.seed.map_or(d.seed, |s| s as u64),
+    })
+}
+
+/// One segment of a transcription.
+#[napi(object, object_from_js = false)]
+pub struct NativeSegment {
+    pub id: u32,
+    pub seek: u32,
+    pub start: f64,
+    pub end: f64,
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub temperature: f64,
+    pub avg_logprob: f64,
+    pub compression_ratio: f64,
+    pub no_speech_prob: f64,
+}
+
+/// What `transcribe()` resolves to: the transcription, or the error's public
+/// code and message.
+#[napi(object, object_from_js = false)]
+pub struct NativeTranscription {
+    pub task: Option<String>,
+    pub text: Option<String>,
+    pub language: Option<String>,
+    pub language_probability: Option<f64>,
+    pub duration: Option<f64>,
+    pub segments: Option<Vec<NativeSegment>>,
+    pub code: Option<String>,
+    pub message: Option<String>,
+}
+
+enum OwnedAudio {
+    File(String),
+    Bytes(Vec<u8>),
+    Samples(Vec<f32>),
+}
+
+/// Transcribes on the thread pool.
+pub struct TranscribeTask {
+    transcriber: Transcriber,
+    audio: OwnedAudio,
+    options: std::result::Result<TranscribeOptions, EngineError>,
+}
+
+impl Task for TranscribeTask {
+    type Output = std::result::Result<(Transcription, WhisperTask), EngineError>;
+    type JsValue = NativeTranscription;
+
+    fn compute(&mut self) -> Result<Self::Output> {
+        let options = match std::mem::replace(&mut self.options, Ok(TranscribeOptions::default())) {
+            Ok(options) => options,
+            Err(e) => return Ok(Err(e)),
+        };
+        let audio = match &self.audio {
+            OwnedAudio::File(path) => Audio::File(std::path::Path::new(path)),
+            OwnedAudio::Bytes(bytes) => Audio::Bytes(bytes),
+            OwnedAudio::Samples(samples) => Audio::Samples(samples),
+        };
+        Ok(self.transcriber.transcribe(audio, &options).map(|t| (t, options.task)))
+    }
+
+    fn resolve(&mut self, _env: Env, outcome: Self::Output) -> Result<NativeTranscription> {
+        let empty = NativeTranscription {
+            task: None,
+            text: None,
+            language: None,
+            language_probability: None,
+            duration: None,
+            segments: None,
+            code: None,
+            message: None,
+        };
+        Ok(match outcome {
+            Ok((t, task)) => NativeTranscription {
+                task: Some(task.name().to_string()),
+                language_probability: Some(t.language_probability.into()),
+                duration: Some(t.duration),
+                segments: Some(
+                    t.segments
+                        .into_iter()
+                        .map(|s| NativeSegment {
+                            id: s.id as u32,
+                            seek: s.seek as u32,
+                            start: s.start,
+                            end: s.end,
+                            text: s.text,
+                            tokens: s.tokens,
+                            temperature: s.temperature.into(),
+                            avg_logprob: s.avg_logprob,
+                            compression_ratio: s.compression_ratio,
+                            no_speech_prob: s.no_speech_prob,
+                        })
+                        .collect(),
+                ),
+                text: Some(t.text),
+                language: Some(t.language),
+                ..empty
+            },
+            Err(e) => NativeTranscription { code: Some(code_of(e.code()).to_string()), message: Some(e.to_string()), ..empty },
+        })
+    }
+}
+
+/// A loaded Whisper model, the engine's `Transcriber`: any number of
+/// `transcribe` calls may run at once, each on its own pool thread.
+#[napi]
+pub struct NativeTranscriber {
+    transcriber: Transcriber,
+}
+
+#[napi]
+impl NativeTranscriber {
+    /// Whether the model knows languages other than English (and can translate).
+    #[napi(getter)]
+    pub fn is_multilingual(&self) -> bool {
+        self.transcriber.is_multilingual()
+    }
+
+    /// The language codes the model knows (empty for English-only models).
+    #[napi(getter)]
+    pub fn languages(&self) -> Vec<String> {
+        self.transcriber.languages()
+    }
+
+    /// The checkpoint directory the model was loaded from.
+    #[napi(getter)]
+    pub fn path(&self) -> String {
+        self.transcriber.model_dir().display().to_string()
+    }
+
+    /// Transcribes a file (path), an audio file's bytes (Buffer) or mono
+    /// 16 kHz samples (Float32Array) on the thread pool.
+    #[napi(ts_return_type = "Promise<NativeTranscription>")]
+    /// (Float32Array before Buffer: napi's Buffer takes any typed array's bytes.)
+    pub fn transcribe(&self, audio: Either3<String, Float32Array, Buffer>, options: NativeTranscribeOptions) -> AsyncTask<TranscribeTask> {
+        let audio = match audio {
+            Either3::A(path) => OwnedAudio::File(path),
+            Either3::B(samples) => OwnedAudio::Samples(samples.to_vec()),
+            Either3::C(bytes) => OwnedAudio::Bytes(bytes.to_vec()),
+        };
+        AsyncTask::new(TranscribeTask { transcriber: self.transcriber.clone(), audio, options: transcribe_options(options) })
     }
 }

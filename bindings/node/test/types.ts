@@ -1,5 +1,5 @@
 // Compile-only check of index.d.ts (npm run typecheck); never run.
-import { loadModel, Model, Chunk, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason, Speculation, generationDefaults, loadEmbedder, Embedder, LoadEmbedderOptions, loadReranker, Reranker } from '..'
+import { loadModel, Model, Chunk, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason, Speculation, generationDefaults, loadEmbedder, Embedder, LoadEmbedderOptions, loadReranker, Reranker, loadTranscriber, Transcriber, Transcription, TranscribeOptions, Segment } from '..'
 
 async function main(): Promise<void> {
   const model: Model = await loadModel()
@@ -74,6 +74,20 @@ async function main(): Promise<void> {
   // @ts-expect-error: documents are an array
   await reranker.rerank('q', 'a')
   void [quietEmbedder, embedderOptions, dims, vectors, now, where, scores, pairTokens]
+  const transcriber: Transcriber = await loadTranscriber()
+  const base: Transcriber = await loadTranscriber('whisper-base', { progress: false })
+  const whisperOptions: TranscribeOptions = { language: 'de', task: 'translate', temperature: [0, 0.2], bestOf: 5, noSpeechThreshold: null }
+  const heard: Transcription = await transcriber.transcribe('clip.flac', whisperOptions)
+  const fromSamples: Transcription = await base.transcribe(new Float32Array(16000), { temperature: 0 })
+  const fromBytes: Transcription = await base.transcribe(Buffer.from([1, 2]))
+  const segment: Segment = heard.segments[0]
+  const spoken: string = heard.text + segment.text + heard.language + fromSamples.task + fromBytes.duration
+  const multilingual: boolean = base.isMultilingual && base.languages.length > 0
+  // @ts-expect-error: audio is a path, bytes or samples
+  await transcriber.transcribe(42)
+  // @ts-expect-error: task is transcribe or translate
+  await transcriber.transcribe('a.wav', { task: 'summarize' })
+  void [spoken, multilingual]
   void [other, loadOptions, layers, context, text, rendered, out, fromIds, reply, method, speculated, constrained, matched]
 }
 void main
