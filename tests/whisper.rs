@@ -122,3 +122,36 @@ fn tiny_en_matches_faster_whisper() {
 fn base_matches_faster_whisper() {
     check_model("base", "whisper-base");
 }
+
+/// The converted checkpoints load in mlx-whisper 0.4.3 as they are (its
+/// layout), and give its logits: the same log-mel window and tokens through
+/// both (`make_whisper_mlx_goldens.py`). mlx-whisper computes the encoder's
+/// sinusoids in float32 where mlxcel reads the stored float16 table, as
+/// faster-whisper does: measured 3.9e-4 (tiny.en) and 3.8e-4 (base) of the
+/// largest |logit|, held to 1e-3.
+#[test]
+fn logits_match_mlx_whisper() {
+    let golden = mlx_sys::io::load_safetensors(&repo().join("tests/reference/goldens/whisper_mlx.safetensors")).unwrap();
+    let get = |name: &str| golden.arrays.get(name).unwrap_or_else(|| panic!("golden `{name}`")).clone();
+    let mel: Vec<f32> = get("mel").to_vec().unwrap();
+    for (model, name) in [("tiny.en", "whisper-tiny.en"), ("base", "whisper-base")] {
+        let dir = mlxcel_hub::resolve_model(Path::new(name), &Default::default(), &mut |_| {}).unwrap();
+        let whisper = mlxcel_models::whisper::Whisper::load(&dir).unwrap();
+        let tokens: Vec<u32> = get(&format!("tokens_{model}")).to_vec::<i32>().unwrap().iter().map(|&t| t as u32).collect();
+        let want: Vec<f32> = get(&format!("logits_{model}")).to_vec().unwrap();
+        let audio = whisper.encode(&mel).unwrap();
+        let mut decoder = whisper.decoder(&audio).unwrap();
+        let rows: Vec<usize> = (tokens.len() - 4..tokens.len()).collect();
+        let got: Vec<f32> = decoder.forward(&tokens, &rows).unwrap().concat();
+        assert_eq!(got.len(), want.len(), "{model}: logits");
+        let range = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        eprintln!("{model}: max |Δlogit| {worst:.3e} of max |logit| {range:.2} ({:.2e})", worst / range);
+        assert!(worst <= 1e-3 * range, "{model}: max |Δlogit| {worst} > 1e-3 × {range}");
+        let vocab = want.len() / 4;
+        for (row, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+            let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+            assert_eq!(argmax(g), argmax(w), "{model}: row {row} argmax");
+        }
+    }
+}

@@ -169,6 +169,14 @@ impl mlxcel_server::ModelSource for ServeModels {
     }
 
     fn packaged_model(&self, name: &str, offline: bool) -> Option<Result<PathBuf, String>> {
+        if let Some(whisper) = mlxcel_hub::packaged_whisper(name) {
+            let dir = mlxcel_hub::cache_dir().join("models").join(whisper.name);
+            return Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
+                Err(format!("--offline: {name} is not in the cache ({}); run once without --offline", dir.display()))
+            } else {
+                packaged_whisper_dir(whisper).map_err(|e| e.to_string())
+            });
+        }
         if let Some(checkpoint) = mlxcel_hub::packaged_checkpoint(name) {
             let dir = mlxcel_hub::packaged_checkpoint_dir(checkpoint);
             return Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
