@@ -155,3 +155,63 @@ fn logits_match_mlx_whisper() {
         }
     }
 }
+
+/// Bad audio fails the call with `InvalidParameter` naming `audio` and what
+/// is wrong; the process and the transcriber carry on.
+#[test]
+fn bad_audio_is_a_clear_error() {
+    let whisper = transcriber("whisper-tiny.en");
+    let options = TranscribeOptions::default();
+    let clip = std::fs::read(repo().join("tests/fixtures/audio/en_mono_16k.wav")).unwrap();
+    let text_file = repo().join("tests/fixtures/audio/README.md");
+    let cases: Vec<(&str, Audio, &str)> = vec![
+        ("empty bytes", Audio::Bytes(&[]), "empty"),
+        ("a truncated WAV", Audio::Bytes(&clip[..30]), "truncated"),
+        ("text", Audio::File(&text_file), "not audio"),
+        ("a missing file", Audio::File(Path::new("/nonexistent/clip.wav")), "/nonexistent/clip.wav"),
+        ("no samples", Audio::Samples(&[]), "no audio samples"),
+        ("NaN", Audio::Samples(&[0.0, f32::NAN]), "sample 1 is not a finite number"),
+    ];
+    for (what, audio, expect) in cases {
+        let err = whisper.transcribe(audio, &options).expect_err(what);
+        assert_eq!(err.code(), mlxcel_engine::ErrorKind::InvalidParameter, "{what}: {err}");
+        assert_eq!(err.parameter(), Some("audio"), "{what}: {err}");
+        assert!(err.to_string().to_lowercase().contains(expect), "{what}: `{err}` should say `{expect}`");
+    }
+    // A WAV header claiming 4 GiB of data, and a huge channel count: refused, nothing allocated.
+    let mut huge = clip.clone();
+    huge[40..44].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(whisper.transcribe(Audio::Bytes(&huge), &options).is_err());
+    let mut channels = clip.clone();
+    channels[22..24].copy_from_slice(&u16::MAX.to_le_bytes());
+    assert!(whisper.transcribe(Audio::Bytes(&channels), &options).is_err());
+    let bad_options = TranscribeOptions { language: Some("de".into()), ..Default::default() };
+    let err = whisper.transcribe(Audio::Bytes(&clip), &bad_options).unwrap_err();
+    assert_eq!(err.parameter(), Some("language"), "{err}");
+    // Still serving.
+    let ok = whisper.transcribe(Audio::Bytes(&clip), &options).unwrap();
+    assert_eq!(ok.text, " This file is a plain 16 bit frame file.");
+}
+
+/// One transcriber on several threads at once: each result is the one it gets alone.
+#[test]
+fn threads_share_one_transcriber() {
+    let whisper = transcriber("whisper-tiny.en");
+    let clips = ["en_fox_us.flac", "en_scotland.flac", "en_question_f3.flac", "silence_5s.flac"];
+    let alone: Vec<String> = clips
+        .iter()
+        .map(|c| whisper.transcribe(Audio::File(&repo().join("tests/fixtures/audio").join(c)), &TranscribeOptions::default()).unwrap().text)
+        .collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = clips
+            .iter()
+            .map(|c| {
+                let path = repo().join("tests/fixtures/audio").join(c);
+                scope.spawn(move || whisper.transcribe(Audio::File(&path), &TranscribeOptions::default()).unwrap().text)
+            })
+            .collect();
+        for (handle, want) in handles.into_iter().zip(&alone) {
+            assert_eq!(&handle.join().unwrap(), want);
+        }
+    });
+}
