@@ -147,6 +147,27 @@ typedef int32_t mlxcel_task;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// The values of `mlxcel_content_part.type` (an `int32_t`). Since ABI 7.1.
+enum mlxcel_content_type
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+    // `text`: NUL-terminated UTF-8.
+    MLXCEL_CONTENT_TEXT = 0,
+    // `path`: an image file (PNG, JPEG, WebP, GIF or BMP), read when the prompt is built.
+    MLXCEL_CONTENT_IMAGE_PATH = 1,
+    // `data`, `n_bytes`: a whole image file in memory (copied during the call).
+    MLXCEL_CONTENT_IMAGE_BYTES = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum mlxcel_content_type mlxcel_content_type;
+#else
+typedef int32_t mlxcel_content_type;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A generation context on a model: runs one generation at a time, can be
 // cancelled from any thread, and keeps the text and tokens of its last run.
 // Opaque; create one per thread that generates.
@@ -434,6 +455,28 @@ typedef struct mlxcel_token_logprob {
     int32_t top_tokens[MLXCEL_MAX_TOP_LOGPROBS];
     float top_logprobs[MLXCEL_MAX_TOP_LOGPROBS];
 } mlxcel_token_logprob;
+
+// One part of a message's content. Only the fields of its `type` are read;
+// set the others to NULL / 0. Since ABI 7.1.
+typedef struct mlxcel_content_part {
+    // An `mlxcel_content_type`.
+    int32_t type;
+    const char *text;
+    const char *path;
+    const uint8_t *data;
+    size_t n_bytes;
+} mlxcel_content_part;
+
+// One chat message: a role and either `content` (text) or `n_parts` parts
+// (text and images, in order); exactly one of the two. Since ABI 7.1.
+typedef struct mlxcel_message {
+    // "system", "user", "assistant", ...: NUL-terminated UTF-8.
+    const char *role;
+    // The text content, NUL-terminated UTF-8; NULL when `parts` is used.
+    const char *content;
+    const struct mlxcel_content_part *parts;
+    size_t n_parts;
+} mlxcel_message;
 
 // How to transcribe. Get the defaults (faster-whisper's with `beam_size=1`)
 // from `mlxcel_transcribe_default_params()` and change the fields you need.
@@ -902,6 +945,32 @@ mlxcel_status mlxcel_rerank(const struct mlxcel_reranker *reranker,
                             float *out_scores,
                             size_t out_cap,
                             size_t *token_counts);
+
+// Like `mlxcel_generate_chat`, with `n_messages` messages whose content may
+// hold images (for a vision-language model; `mlxcel_model_supports_images`).
+// NULL `messages` is allowed when `n_messages` is 0. Beyond
+// `mlxcel_generate`'s statuses: NULL_POINTER for a NULL `role`, text,
+// `path`, or `data` with `n_bytes > 0` (the message names it, e.g.
+// `messages[0].parts[1].data`); INVALID_ARGUMENT for an unknown part type,
+// a message with both `content` and `parts`, and the engine's image errors,
+// which name `images`: an image that cannot be read or decoded (the
+// message names its path, or `image N`), or any image for a text-only
+// model (the message names its architecture). Images are decoded when the
+// run starts, on the calling thread. Since ABI 7.1.
+mlxcel_status mlxcel_generate_messages(struct mlxcel_context *ctx,
+                                       const struct mlxcel_message *messages,
+                                       size_t n_messages,
+                                       struct mlxcel_generate_params params,
+                                       mlxcel_piece_callback callback,
+                                       void *user_data,
+                                       char *out,
+                                       size_t out_cap,
+                                       struct mlxcel_generation_result *result);
+
+// Writes whether the model takes images (a vision-language model) to
+// `*out`. NULL_POINTER, INVALID_HANDLE. Thread-safe. Since ABI 7.1.
+mlxcel_status mlxcel_model_supports_images(const struct mlxcel_model *model,
+                                           bool *out);
 
 // The defaults of every `mlxcel_transcribe_*` call: the engine's.
 // Since ABI 7.1.

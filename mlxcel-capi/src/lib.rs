@@ -16,6 +16,7 @@
 
 mod abi_version;
 mod handles;
+mod messages;
 mod shutdown;
 mod status;
 mod transcribe;
@@ -36,6 +37,7 @@ pub use status::{mlxcel_status, mlxcel_status_code};
 
 pub use abi_version::{MLXCEL_ABI_VERSION_MAJOR, MLXCEL_ABI_VERSION_MINOR};
 pub use transcribe::*;
+pub use messages::*;
 
 /// The values of `mlxcel_generation_result.finish_reason` (an `int32_t`).
 #[repr(i32)]

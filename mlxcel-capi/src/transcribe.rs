@@ -287,7 +287,7 @@ enum AudioInput<'a> {
 }
 
 /// A caller's array: NULL only when `n` is 0.
-unsafe fn c_array<'a, T>(ptr: *const T, n: usize, name: &str) -> CResult<&'a [T]> {
+pub(crate) unsafe fn c_array<'a, T>(ptr: *const T, n: usize, name: &str) -> CResult<&'a [T]> {
     if n == 0 {
         return Ok(&[]);
     }

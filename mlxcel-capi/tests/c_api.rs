@@ -1,6 +1,6 @@
 //! The C ABI from C and C++: compiles examples/c/generate.c,
 //! examples/cpp/generate.cpp, tests/c/api_test.c, tests/c/exit_test.c and
-//! tests/c/embed.c against the libmlxcel that cargo built for this test run
+//! tests/c/embed.c, tests/c/transcribe.c and tests/c/vision.c against the libmlxcel that cargo built for this test run
 //! (shared and static), runs them on the default model (embed.c on
 //! all-MiniLM-L6-v2), and runs the C example under
 //! valgrind's leak checker. Also checks the shared library's SONAME and
@@ -90,6 +90,7 @@ struct Binaries {
     exit_test: PathBuf,
     embed_c: PathBuf,
     transcribe_c: PathBuf,
+    vision_c: PathBuf,
 }
 
 /// Builds the C and C++ programs once per test process; the default model is
@@ -114,6 +115,7 @@ fn binaries() -> &'static Binaries {
             exit_test: out.join("exit_test"),
             embed_c: out.join("embed"),
             transcribe_c: out.join("transcribe"),
+            vision_c: out.join("vision"),
         };
         compile(
             "cc",
@@ -150,6 +152,13 @@ fn binaries() -> &'static Binaries {
             &ws.join("mlxcel-capi/tests/c/transcribe.c"),
             &shared_m,
             &b.transcribe_c,
+        );
+        compile(
+            "cc",
+            &strict_c,
+            &ws.join("mlxcel-capi/tests/c/vision.c"),
+            &shared,
+            &b.vision_c,
         );
         let cpp_include = ws.join("examples/cpp").display().to_string();
         let cpp_flags = [
@@ -321,6 +330,24 @@ fn c_embed_example_prints_the_goldens_cosine() {
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("loading the embedder: model load error (-6)") && stderr.contains("`llama`"), "{stderr}");
+}
+
+/// tests/c/vision.c on the tiny SmolVLM: chat messages with image parts
+/// (paths and bytes) give mlx-vlm's greedy tokens (golden.json), every
+/// error case, and an image for the text-only default model.
+#[test]
+fn c_vision_test_passes() {
+    let b = binaries();
+    let _serial = serial();
+    let dir = workspace_dir().join("mlxcel-models/tests/data/tiny/smolvlm");
+    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let tokens: Vec<String> = golden["cases"][0]["greedy_tokens"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
+    for case in golden["cases"].as_array().unwrap() {
+        assert_eq!(case["greedy_tokens"], golden["cases"][0]["greedy_tokens"], "vision.c checks one token list for both cases");
+    }
+    let output = run(&b.vision_c, &[dir.to_str().unwrap(), &tokens.join(",")]);
+    check_output("tests/c/vision", &output);
+    assert!(String::from_utf8_lossy(&output.stdout).contains("vision: ok"));
 }
 
 /// tests/c/transcribe.c on whisper-tiny.en: the fox clip from its path and

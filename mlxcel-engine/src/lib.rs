@@ -13,6 +13,7 @@
 //! ```
 
 pub mod batch;
+pub mod chat_json;
 mod embed;
 mod error;
 mod generate;
@@ -34,6 +35,7 @@ pub use generate::{
     generate_batch, CancelFlag, Engine, EngineLimits, FinishReason, LimitOptions, DEFAULT_KV_KEEP, GenerationOutput, GenerationRequest, GenerationStats, Piece, Prompt,
 };
 pub use options::{GenerationOptions, DEFAULT_PREFILL_CHUNK};
+pub use chat_json::{messages_from_json, ImagePolicy, MessageError, DEFAULT_MAX_IMAGE_BYTES};
 pub use mlxcel_tokenizer::{Content, ContentPart, ImageSource, Message};
 pub use mlxcel_models::runtime::{self, PrefillBackend, RuntimeConfig};
 pub use mlxcel_models::KvFormat;
