@@ -33,7 +33,7 @@ fn clip(name: &str) -> Vec<u8> {
 }
 
 /// A server on a free local port, on its own runtime thread.
-fn start(extra: &[&str]) -> String {
+pub(crate) fn start(extra: &[&str]) -> String {
     let mut argv = vec!["serve", "--parallel", "1", "--max-audio-bytes", "200000"];
     argv.extend_from_slice(extra);
     let args = ServeArgs::try_parse_from(argv).unwrap();
@@ -64,7 +64,7 @@ fn start(extra: &[&str]) -> String {
 }
 
 /// One HTTP/1.1 request; the status, the content type and the body.
-fn request(address: &str, path: &str, content_type: &str, body: &[u8]) -> (u16, String, String) {
+pub(crate) fn request(address: &str, path: &str, content_type: &str, body: &[u8]) -> (u16, String, String) {
     let mut stream = TcpStream::connect(address).unwrap();
     let head = format!(
         "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -123,7 +123,7 @@ fn post_form(address: &str, path: &str, fields: &[(&str, &str)], file: Option<&[
     request(address, path, &format!("multipart/form-data; boundary={BOUNDARY}"), &form(fields, file))
 }
 
-fn error_of(status: u16, body: &str) -> (u16, String, Value) {
+pub(crate) fn error_of(status: u16, body: &str) -> (u16, String, Value) {
     let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
     assert_eq!(v["error"]["code"], status, "{body}");
     (status, v["error"]["type"].as_str().unwrap().to_string(), v["error"]["param"].clone())

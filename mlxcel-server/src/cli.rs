@@ -100,6 +100,9 @@ pub struct ServeArgs {
     /// Largest audio upload to /v1/audio/* in bytes (OpenAI's 25 MiB by default).
     #[arg(long = "max-audio-bytes", default_value_t = crate::audio::DEFAULT_MAX_AUDIO_BYTES)]
     pub max_audio_bytes: usize,
+    /// Largest image in a chat message (a data URL's decoded bytes; OpenAI's 20 MiB by default).
+    #[arg(long = "max-image-bytes", default_value_t = mlxcel_engine::DEFAULT_MAX_IMAGE_BYTES)]
+    pub max_image_bytes: usize,
     /// A smaller checkpoint with the same tokenizer, for speculative decoding.
     #[arg(long = "model-draft", env = "LLAMA_ARG_MODEL_DRAFT", value_name = "DIR")]
     pub model_draft: Option<PathBuf>,

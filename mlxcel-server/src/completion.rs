@@ -30,6 +30,12 @@ pub struct Prepared {
 /// context (unless `--context-shift`), and a prompt that leaves no room fails.
 pub fn prepare(loaded: &Loaded, prompt: Vec<u32>, parsed: &Parsed, dialect: Dialect) -> ApiResult<Prepared> {
     let n_prompt = prompt.len();
+    prepare_prompt(loaded, Prompt::Tokens(prompt), n_prompt, parsed, dialect)
+}
+
+/// [`prepare`] for any engine prompt of `n_prompt` tokens (a chat prompt
+/// with images: its image tokens counted).
+pub fn prepare_prompt(loaded: &Loaded, prompt: Prompt, n_prompt: usize, parsed: &Parsed, dialect: Dialect) -> ApiResult<Prepared> {
     let room = loaded.n_ctx_slot.saturating_sub(n_prompt);
     if !loaded.context_shift && room == 0 {
         return Err(ApiError::context(n_prompt, loaded.n_ctx_slot));
@@ -42,7 +48,7 @@ pub fn prepare(loaded: &Loaded, prompt: Vec<u32>, parsed: &Parsed, dialect: Dial
         (None, false) => room as i64,
     };
     // Token ids outside the vocabulary fail when the engine queues the row (`start`).
-    let mut request = options.request(Prompt::Tokens(prompt)).map_err(|e| ApiError::from_engine(&e, rename(dialect)))?;
+    let mut request = options.request(prompt).map_err(|e| ApiError::from_engine(&e, rename(dialect)))?;
     request.ignore_eos = parsed.ignore_eos;
     request.cache_prompt = parsed.cache_prompt;
     let cancel = CancelFlag::new();

@@ -12,6 +12,8 @@ pub mod api_error;
 mod audio;
 #[cfg(test)]
 mod audio_http_tests;
+#[cfg(test)]
+mod image_http_tests;
 mod bridge;
 pub mod cli;
 mod completion;
@@ -401,6 +403,7 @@ fn load(args: &ServeArgs, source: &dyn ModelSource) -> Result<Loaded, String> {
         embedder,
         reranker,
         transcriber,
+        max_image_bytes: args.max_image_bytes,
     })
 }
 

@@ -6,7 +6,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mlxcel_engine::{GenerationOutput, StreamEvent};
+use mlxcel_engine::{messages_from_json, Content, ContentPart, GenerationOutput, ImagePolicy, MessageError, Prompt, StreamEvent};
 use serde_json::{json, Value};
 
 use crate::api_error::{ApiError, ApiResult};
@@ -101,42 +101,66 @@ fn openai_fields(fields: &Fields, parsed: &mut Parsed, chat: bool) -> ApiResult<
     Ok(OpenAiExtras { include_usage })
 }
 
-/// `messages` with each `content` made text (parts of type `text` joined).
+/// `messages`: each an object with a string `role`; `content` a string, an
+/// array of parts (OpenAI's `text` and `image_url` with a data URL), or null.
 fn chat_messages(fields: &Fields) -> ApiResult<Vec<Value>> {
     let messages = fields.array("messages")?.ok_or_else(|| ApiError::field("messages", "is required"))?;
     if messages.is_empty() {
         return Err(ApiError::field("messages", "must not be empty"));
     }
-    messages
-        .iter()
-        .enumerate()
-        .map(|(i, message)| {
-            let name = format!("messages[{i}]");
-            let mut message = message.as_object().cloned().ok_or_else(|| ApiError::field(&name, format!("must be an object, got {}", type_name(message))))?;
-            if !message.get("role").is_some_and(Value::is_string) {
-                return Err(ApiError::field(&format!("{name}.role"), "must be a string"));
-            }
-            let content = match message.get("content") {
-                None | Some(Value::Null) => Value::String(String::new()),
-                Some(Value::String(s)) => Value::String(s.clone()),
-                Some(Value::Array(parts)) => {
-                    let mut text = String::new();
-                    for (j, part) in parts.iter().enumerate() {
-                        let part_name = format!("{name}.content[{j}]");
-                        match part.get("type").and_then(Value::as_str) {
-                            Some("text") => text.push_str(part.get("text").and_then(Value::as_str).ok_or_else(|| ApiError::field(&part_name, "a text part needs `text`"))?),
-                            Some(other) => return Err(ApiError::field(&part_name, format!("content parts of type {other:?} are not supported (this model reads text)"))),
-                            None => return Err(ApiError::field(&part_name, "needs a `type`")),
-                        }
-                    }
-                    Value::String(text)
-                }
-                Some(other) => return Err(ApiError::field(&format!("{name}.content"), format!("must be a string or an array of parts, got {}", type_name(other)))),
-            };
-            message.insert("content".into(), content);
-            Ok(Value::Object(message))
-        })
-        .collect()
+    for (i, message) in messages.iter().enumerate() {
+        let name = format!("messages[{i}]");
+        let message = message.as_object().ok_or_else(|| ApiError::field(&name, format!("must be an object, got {}", type_name(message))))?;
+        if !message.get("role").is_some_and(Value::is_string) {
+            return Err(ApiError::field(&format!("{name}.role"), "must be a string"));
+        }
+    }
+    Ok(messages.clone())
+}
+
+/// The engine's reading of JSON messages (content parts, data URLs, the
+/// image size limit) as an HTTP error: 413 for an image over
+/// `--max-image-bytes`, else 400 naming the part.
+fn message_error(e: MessageError) -> ApiError {
+    if e.too_large {
+        let message = format!("{e} (raise --max-image-bytes)");
+        return ApiError::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", message);
+    }
+    ApiError::field(&e.part, &e.message)
+}
+
+/// The prompt and its token count: text-only messages rendered with the
+/// server's template (any extra keys kept); messages with images as the
+/// engine's chat prompt (the model's own template, image tokens counted).
+fn chat_prompt(loaded: &Loaded, messages: &[Value]) -> ApiResult<(Prompt, usize)> {
+    let policy = ImagePolicy { local_files: false, max_bytes: loaded.max_image_bytes };
+    let parsed = messages_from_json(messages, &policy).map_err(message_error)?;
+    if !parsed.iter().any(|m| m.content.images().next().is_some()) {
+        // Text parts joined, as the server's (or any) template reads a string.
+        let texts: Vec<Value> = messages
+            .iter()
+            .zip(&parsed)
+            .map(|(raw, m)| {
+                let mut raw = raw.as_object().cloned().unwrap_or_default();
+                let text = match &m.content {
+                    Content::Text(t) => t.clone(),
+                    Content::Parts(parts) => parts.iter().map(|p| if let ContentPart::Text(t) = p { t.as_str() } else { "" }).collect(),
+                };
+                raw.insert("content".into(), Value::String(text));
+                Value::Object(raw)
+            })
+            .collect();
+        let text = loaded.render_chat(&texts, true)?;
+        let ids = loaded.engine.tokenize(&text, false).map_err(|e| ApiError::field("messages", e))?;
+        let n = ids.len();
+        return Ok((Prompt::Tokens(ids), n));
+    }
+    if loaded.chat_template.is_some() {
+        return Err(ApiError::field("messages", "images need the model's own chat template (this server runs with --chat-template)"));
+    }
+    let prompt = Prompt::Chat(parsed);
+    let ids = loaded.engine.tokenize_prompt(&prompt).map_err(|e| ApiError::from_engine(&e, |n| n))?;
+    Ok((prompt, ids.len()))
 }
 
 pub async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -149,9 +173,8 @@ async fn chat(state: Arc<AppState>, body: Bytes) -> ApiResult<Response> {
     let messages = chat_messages(&fields)?;
     let mut parsed = params::parse(&fields, &loaded, Dialect::OpenAiChat)?;
     let extras = openai_fields(&fields, &mut parsed, true)?;
-    let text = loaded.render_chat(&messages, true)?;
-    let prompt = loaded.engine.tokenize(&text, false).map_err(|e| ApiError::field("messages", e))?;
-    let prepared = completion::prepare(&loaded, prompt, &parsed, Dialect::OpenAiChat)?;
+    let (prompt, n_prompt) = chat_prompt(&loaded, &messages)?;
+    let prepared = completion::prepare_prompt(&loaded, prompt, n_prompt, &parsed, Dialect::OpenAiChat)?;
     let (generation, first) = completion::start(&state, &loaded, prepared).await?;
     let envelope = Envelope::new(&state, "chatcmpl");
     let want_logprobs = parsed.options.logprobs.is_some();

@@ -50,6 +50,8 @@ pub struct Loaded {
     pub reranker: Option<(String, Reranker)>,
     /// `--whisper-model`, with the name /v1/models reports.
     pub transcriber: Option<(String, Transcriber)>,
+    /// `--max-image-bytes`: the largest image in a chat message.
+    pub max_image_bytes: usize,
 }
 
 impl Loaded {
