@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use mlxcel_engine::{
     CancelFlag, Embedder as EngineEmbedder, Engine, Error as EngineError, ErrorKind, GenerationOptions, GenerationOutput,
     GenerationStats, GenerationStream, LimitOptions, ModelSummary, Prompt, Quantization, Reranker as EngineReranker, StreamEvent,
-    TokenLogprobs, Audio, Task, TranscribeOptions, Transcriber as EngineTranscriber, Transcription,
+    TokenLogprobs, Audio, Task, TranscribeOptions, Transcriber as EngineTranscriber, Transcription, Content, ContentPart,
+    ImagePolicy, Message,
 };
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
@@ -344,7 +345,7 @@ fn to_json(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
 }
 
 /// OpenAI-style messages: a list of dicts, each with a str `role`.
-fn messages_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Value>> {
+fn messages_arg<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let bad = |what: String| PyTypeError::new_err(format!("`messages` must be a list of dicts like {{\"role\": \"user\", \"content\": \"...\"}}: {what}"));
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyDict>() {
         return Err(bad(format!("got a {}", type_name(obj))));
@@ -363,9 +364,78 @@ fn messages_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Value>> {
                 return Err(bad(format!("item {i} has a {} `content`", type_name(&content))));
             }
         }
-        messages.push(to_json(&item, 0)?);
+        messages.push(item);
     }
     Ok(messages)
+}
+
+/// Messages as the engine takes them: JSON for text-only ones (any keys the
+/// template reads), engine messages when a content list holds an image part.
+enum ChatMessages {
+    Json(Vec<Value>),
+    Parts(Vec<Message>),
+}
+
+fn is_image_part(part: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(dict) = part.cast::<PyDict>() else { return Ok(false) };
+    Ok(match dict.get_item("type")? {
+        Some(t) => t.extract::<String>().map_or(true, |t| t != "text"),
+        None => false,
+    })
+}
+
+/// One content part: `{"type": "image", "data": bytes}` here (JSON has no
+/// bytes); every other shape (text, image path, OpenAI's image_url data
+/// URL) as the engine reads JSON parts.
+fn content_part(py: Python<'_>, part: &Bound<'_, PyAny>, name: &str) -> PyResult<ContentPart> {
+    if let Ok(dict) = part.cast::<PyDict>() {
+        if let Some(data) = dict.get_item("data")? {
+            let bytes = if let Ok(bytes) = data.cast::<pyo3::types::PyBytes>() {
+                bytes.as_bytes().to_vec()
+            } else if data.is_instance_of::<pyo3::types::PyByteArray>() || data.is_instance_of::<pyo3::types::PyMemoryView>() {
+                py.import("builtins")?.getattr("bytes")?.call1((&data,))?.cast::<pyo3::types::PyBytes>()?.as_bytes().to_vec()
+            } else {
+                return Err(PyTypeError::new_err(format!("{name}: `data` must be bytes (a whole image file), not {}", type_name(&data))));
+            };
+            return Ok(ContentPart::image_bytes(bytes));
+        }
+    }
+    let json = to_json(part, 1)?;
+    mlxcel_engine::chat_json::part_from_json(&json, &ImagePolicy::default(), name).map_err(|e| engine_error(py, e.into()))
+}
+
+fn chat_messages(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<ChatMessages> {
+    let items = messages_arg(obj)?;
+    let mut images = false;
+    for item in &items {
+        if let Some(content) = item.cast::<PyDict>()?.get_item("content")? {
+            if let Ok(list) = content.cast::<PyList>() {
+                for part in list.iter() {
+                    images |= is_image_part(&part)?;
+                }
+            }
+        }
+    }
+    if !images {
+        return Ok(ChatMessages::Json(items.iter().map(|m| to_json(m, 0)).collect::<PyResult<_>>()?));
+    }
+    let mut messages = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let dict = item.cast::<PyDict>()?;
+        let role: String = dict.get_item("role")?.map(|r| r.extract()).transpose()?.unwrap_or_default();
+        let content = match dict.get_item("content")? {
+            None => Content::Text(String::new()),
+            Some(c) if c.is_none() => Content::Text(String::new()),
+            Some(c) => match c.cast::<PyList>() {
+                Ok(list) => Content::Parts(
+                    list.iter().enumerate().map(|(j, p)| content_part(py, &p, &format!("messages[{i}].content[{j}]"))).collect::<PyResult<_>>()?,
+                ),
+                Err(_) => Content::Text(c.extract()?),
+            },
+        };
+        messages.push(Message::new(role, content));
+    }
+    Ok(ChatMessages::Parts(messages))
 }
 
 // ---------------------------------------------------------------------------
@@ -443,11 +513,16 @@ impl Model {
         Ok(GenerationStream::start(&self.engine, request))
     }
 
-    /// Chat messages (any JSON the template reads) as prompt tokens.
+    /// Chat messages as a prompt: text-only ones (any JSON the template
+    /// reads) as prompt tokens; ones with images as the engine's chat prompt.
     fn chat_prompt(&self, py: Python<'_>, messages: &Bound<'_, PyAny>) -> PyResult<Prompt> {
-        let messages = messages_arg(messages)?;
-        let ids = py.detach(|| self.engine.chat_tokens(&messages)).map_err(|e| engine_error(py, e))?;
-        Ok(Prompt::Tokens(ids))
+        match chat_messages(py, messages)? {
+            ChatMessages::Json(messages) => {
+                let ids = py.detach(|| self.engine.chat_tokens(&messages)).map_err(|e| engine_error(py, e))?;
+                Ok(Prompt::Tokens(ids))
+            }
+            ChatMessages::Parts(messages) => Ok(Prompt::Chat(messages)),
+        }
     }
 
     fn stream_of(&self, py: Python<'_>, prompt: Prompt, sampling: &Sampling<'_, '_>) -> PyResult<Stream> {
@@ -647,8 +722,11 @@ impl Model {
     /// `messages` rendered with the model's chat template.
     #[pyo3(signature = (messages, add_generation_prompt=true))]
     fn apply_chat_template(&self, py: Python<'_>, messages: &Bound<'_, PyAny>, add_generation_prompt: bool) -> PyResult<String> {
-        let messages = messages_arg(messages)?;
-        py.detach(|| self.engine.apply_chat_template(&messages, add_generation_prompt)).map_err(|e| engine_error(py, e))
+        match chat_messages(py, messages)? {
+            ChatMessages::Json(m) => py.detach(|| self.engine.apply_chat_template(&m, add_generation_prompt)),
+            ChatMessages::Parts(m) => py.detach(|| self.engine.apply_chat_template(&m, add_generation_prompt)),
+        }
+        .map_err(|e| engine_error(py, e))
     }
 
     /// Architecture, size and quantization of the loaded checkpoint.
@@ -667,6 +745,12 @@ impl Model {
     #[getter]
     fn eos_token_ids(&self) -> Vec<u32> {
         self.engine.summary().tokenizer.eos_token_ids
+    }
+
+    /// Whether the model takes images in chat messages (a vision-language model).
+    #[getter]
+    fn supports_images(&self) -> bool {
+        self.engine.supports_images()
     }
 
     /// Prompt tokens evaluated per forward pass.

@@ -11,6 +11,10 @@ __version__: str
 MLX_VERSION: str
 
 #: An OpenAI-style chat message, e.g. ``{"role": "user", "content": "Hi"}``.
+#: A chat message: ``{"role": ..., "content": ...}``, content a str or a list
+#: of parts: ``{"type": "text", "text": str}``, ``{"type": "image", "path": str}``,
+#: ``{"type": "image", "data": bytes}`` (a whole image file) or OpenAI's
+#: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``.
 Message = Mapping[str, Any]
 #: Text, or token ids used as they are.
 PromptLike = Union[str, Sequence[int]]
@@ -417,6 +421,9 @@ class Model:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]: ...
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str: ...
+    @property
+    def supports_images(self) -> bool:
+        """Whether chat messages may hold image parts (a vision-language model)."""
     @property
     def info(self) -> ModelInfo: ...
     @property
