@@ -1,9 +1,15 @@
 // Type definitions for require('mlxcel').
 
-/** An OpenAI-style chat message. */
+/** A part of a message's content: text, or an image file by path or as its bytes (PNG, JPEG, WebP, GIF, BMP). */
+export type ContentPart =
+  | { type: 'text'; text: string }
+  | { type: 'image'; path: string }
+  | { type: 'image'; data: Buffer | Uint8Array }
+
+/** An OpenAI-style chat message; content with image parts needs a vision-language model (`model.supportsImages`). */
 export interface Message {
   role: 'system' | 'user' | 'assistant' | (string & {})
-  content: string
+  content: string | ContentPart[]
 }
 
 /** Options of generate(), stream(), chat() and chatStream(). All are optional; an absent one takes the engine's default (see `generationDefaults`), and the engine checks every value. */
@@ -188,6 +194,8 @@ export interface MlxcelError extends Error {
 export declare class Model {
   private constructor()
   readonly info: ModelInfo
+  /** Whether chat messages may hold image parts (a vision-language model). */
+  readonly supportsImages: boolean
   /** Token ids of `text` (with the tokenizer's special tokens, e.g. BOS, unless addSpecialTokens is false). */
   tokenize(text: string, options?: { addSpecialTokens?: boolean }): number[]
   detokenize(ids: ArrayLike<number>, options?: { skipSpecialTokens?: boolean }): string

@@ -187,13 +187,31 @@ function parseOptions(model, opts) {
   return { options, signal }
 }
 
+function checkPart(p, name) {
+  if (p === null || typeof p !== 'object') throw argumentError(`${name} must be a content part object`)
+  if (p.type === 'text') {
+    if (typeof p.text !== 'string') throw argumentError(`${name}: a text part needs a string \`text\``)
+    return { kind: 'text', text: p.text }
+  }
+  if (p.type === 'image') {
+    if (p.data !== undefined) {
+      if (!(p.data instanceof Uint8Array)) throw argumentError(`${name}: \`data\` must be a Buffer or Uint8Array (a whole image file)`)
+      return { kind: 'image', data: Buffer.from(p.data.buffer, p.data.byteOffset, p.data.byteLength) }
+    }
+    if (typeof p.path !== 'string') throw argumentError(`${name}: an image part needs a string \`path\` or \`data\``)
+    return { kind: 'image', path: p.path }
+  }
+  throw argumentError(`${name}: content parts of type ${JSON.stringify(p.type)} are not supported (text, image)`)
+}
+
 function checkMessages(messages) {
   if (!Array.isArray(messages)) throw argumentError('messages must be an array of { role, content } objects')
   return messages.map((m, i) => {
-    if (m === null || typeof m !== 'object' || typeof m.role !== 'string' || typeof m.content !== 'string') {
-      throw argumentError(`messages[${i}] must be an object with string \`role\` and \`content\``)
+    if (m === null || typeof m !== 'object' || typeof m.role !== 'string' || !(typeof m.content === 'string' || Array.isArray(m.content))) {
+      throw argumentError(`messages[${i}] must be an object with string \`role\` and \`content\` (a string or an array of parts)`)
     }
-    return { role: m.role, content: m.content }
+    if (typeof m.content === 'string') return { role: m.role, content: m.content }
+    return { role: m.role, parts: m.content.map((p, j) => checkPart(p, `messages[${i}].content[${j}]`)) }
   })
 }
 
@@ -405,6 +423,11 @@ class Model {
   /** What the model is: architecture, sizes, tokenizer, path. */
   get info() {
     return this.#info
+  }
+
+  /** Whether chat messages may hold image parts (a vision-language model). */
+  get supportsImages() {
+    return this.#native.supportsImages
   }
 
   tokenize(text, { addSpecialTokens = true } = {}) {

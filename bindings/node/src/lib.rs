@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use mlxcel_engine::{
     CancelFlag, Embedder, Embeddings, Engine, EngineLimits, Error as EngineError, ErrorKind, GenerationOptions, GenerationStream,
-    LimitOptions, Message, Prompt, Reranker, Scores, StreamEvent, Audio, Task as WhisperTask, TranscribeOptions, Transcriber,
+    LimitOptions, Message, ContentPart, Prompt, Reranker, Scores, StreamEvent, Audio, Task as WhisperTask, TranscribeOptions, Transcriber,
     Transcription,
 };
 use napi::bindgen_prelude::*;
@@ -186,10 +186,21 @@ pub struct NativeQuantization {
     pub group_size: i32,
 }
 
+/// Exactly one of `content` and `parts` is set (index.js checks the shapes).
 #[napi(object)]
 pub struct NativeMessage {
     pub role: String,
-    pub content: String,
+    pub content: Option<String>,
+    pub parts: Option<Vec<NativeContentPart>>,
+}
+
+/// `kind` "text" with `text`, or "image" with `path` or `data` (a whole image file).
+#[napi(object)]
+pub struct NativeContentPart {
+    pub kind: String,
+    pub text: Option<String>,
+    pub path: Option<String>,
+    pub data: Option<Buffer>,
 }
 
 /// Exactly one field is set.
@@ -353,8 +364,19 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// A translation into the engine's `Message` / `ContentPart`.
 fn messages(list: Vec<NativeMessage>) -> Vec<Message> {
-    list.into_iter().map(|m| Message::new(m.role, m.content)).collect()
+    let part = |p: NativeContentPart| match (p.kind.as_str(), p.path, p.data) {
+        ("image", _, Some(data)) => ContentPart::image_bytes(data.to_vec()),
+        ("image", Some(path), None) => ContentPart::image_path(path),
+        _ => ContentPart::text(p.text.unwrap_or_default()),
+    };
+    list.into_iter()
+        .map(|m| match m.parts {
+            Some(parts) => Message::new(m.role, parts.into_iter().map(part).collect::<Vec<_>>()),
+            None => Message::new(m.role, m.content.unwrap_or_default()),
+        })
+        .collect()
 }
 
 /// The engine's options with the given ones set: integers must be whole numbers.
@@ -472,6 +494,12 @@ pub struct NativeModel {
 
 #[napi]
 impl NativeModel {
+    /// Whether chat messages may hold images (a vision-language model).
+    #[napi(getter)]
+    pub fn supports_images(&self) -> bool {
+        self.engine.supports_images()
+    }
+
     #[napi(getter)]
     pub fn info(&self) -> ModelInfo {
         let s = self.engine.summary();

@@ -1,5 +1,5 @@
 // Compile-only check of index.d.ts (npm run typecheck); never run.
-import { loadModel, Model, Chunk, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason, Speculation, generationDefaults, loadEmbedder, Embedder, LoadEmbedderOptions, loadReranker, Reranker, loadTranscriber, Transcriber, Transcription, TranscribeOptions, Segment } from '..'
+import { loadModel, Model, Chunk, ContentPart, GenerateOptions, LoadOptions, Message, ModelInfo, MlxcelError, FinishReason, Speculation, generationDefaults, loadEmbedder, Embedder, LoadEmbedderOptions, loadReranker, Reranker, loadTranscriber, Transcriber, Transcription, TranscribeOptions, Segment } from '..'
 
 async function main(): Promise<void> {
   const model: Model = await loadModel()
@@ -14,6 +14,10 @@ async function main(): Promise<void> {
   const text: string = model.detokenize(ids) + model.detokenize(new Uint32Array(ids), { skipSpecialTokens: true })
   const messages: Message[] = [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: 'Hi' }]
   const rendered: string = model.applyChatTemplate(messages, { addGenerationPrompt: true })
+  const parts: ContentPart[] = [{ type: 'image', path: 'a.png' }, { type: 'image', data: Buffer.from([]) }, { type: 'image', data: new Uint8Array(0) }, { type: 'text', text: 'Hi' }]
+  const withImages: Message[] = [{ role: 'user', content: parts }]
+  const takesImages: boolean = model.supportsImages
+  if (takesImages) await model.chat(withImages)
   const controller = new AbortController()
   const opts: GenerateOptions = {
     maxTokens: 8, temperature: 0.7, topP: 0.9, topK: 40, minP: 0.05,
