@@ -159,6 +159,7 @@ fn prompts_of_one_length_prefill_in_one_forward_as_alone() {
         ignore_eos: true,
         cache_prompt: true,
         cancel: None,
+        images: None,
     };
     let mut requests: Vec<RowRequest> = prompts.iter().enumerate().map(|(i, p)| row_request(p, i)).collect();
     requests.push(row_request(&long, 4));
