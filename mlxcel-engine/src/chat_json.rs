@@ -69,7 +69,8 @@ fn shape_error(part: &str, message: impl std::fmt::Display) -> MessageError {
     MessageError { part: part.to_string(), parameter: "messages", too_large: false, message: message.to_string() }
 }
 
-fn kind(v: &Value) -> &'static str {
+/// What a JSON value is, for error messages: "a string", "an array", ...
+pub fn json_type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -121,12 +122,12 @@ fn too_large(part: &str, bytes: usize, max: usize) -> MessageError {
 /// One JSON content part as a [`ContentPart`].
 pub fn part_from_json(value: &Value, policy: &ImagePolicy, part: &str) -> Result<ContentPart> {
     let Some(object) = value.as_object() else {
-        return Err(shape_error(part, format!("a content part must be an object, got {}", kind(value))));
+        return Err(shape_error(part, format!("a content part must be an object, got {}", json_type_name(value))));
     };
     let string = |key: &str| match object.get(key) {
         Some(Value::String(s)) => Ok(Some(s.as_str())),
         None | Some(Value::Null) => Ok(None),
-        Some(other) => Err(shape_error(part, format!("`{key}` must be a string, got {}", kind(other)))),
+        Some(other) => Err(shape_error(part, format!("`{key}` must be a string, got {}", json_type_name(other)))),
     };
     match object.get("type").and_then(Value::as_str) {
         Some("text") => Ok(ContentPart::text(string("text")?.ok_or_else(|| shape_error(part, "a text part needs `text`"))?)),
@@ -187,7 +188,7 @@ pub fn messages_from_json(messages: &[Value], policy: &ImagePolicy) -> Result<Ve
                         .map(|(j, p)| part_from_json(p, policy, &format!("{name}.content[{j}]")))
                         .collect::<Result<_>>()?,
                 ),
-                Some(other) => return Err(shape_error(&name, format!("`content` must be a string or a list of parts, got {}", kind(other)))),
+                Some(other) => return Err(shape_error(&name, format!("`content` must be a string or a list of parts, got {}", json_type_name(other)))),
             };
             Ok(Message::new(role, content))
         })

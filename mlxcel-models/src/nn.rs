@@ -392,6 +392,24 @@ impl Embedding {
     }
 }
 
+/// `LayerNorm` with a gain and a bias (BERT, SigLIP, Whisper).
+#[derive(Clone)]
+pub struct LayerNorm {
+    weight: Array,
+    bias: Array,
+    eps: f32,
+}
+
+impl LayerNorm {
+    pub fn load(scope: &Scope, dims: i32, eps: f32) -> Result<Self> {
+        Ok(LayerNorm { weight: scope.get("weight", &[dims])?, bias: scope.get("bias", &[dims])?, eps })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(mlx_sys::fast::layer_norm(x, Some(&self.weight), Some(&self.bias), self.eps)?)
+    }
+}
+
 #[derive(Clone)]
 pub struct RmsNorm {
     weight: Array,

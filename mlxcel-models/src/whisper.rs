@@ -24,14 +24,17 @@
 
 use std::path::{Path, PathBuf};
 
-use mlx_sys::fast;
 use mlx_sys::kernels;
 use mlx_sys::{Array, Dtype};
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+use crate::nn::LayerNorm;
 use crate::quantization::QuantizationConfig;
 use crate::weights::{Scope, Weights};
+
+/// PyTorch's and MLX's LayerNorm default epsilon, Whisper's.
+const LN_EPS: f32 = 1e-5;
 
 /// mlx-whisper's `ModelDimensions` (`config.json`).
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -75,22 +78,6 @@ impl Dense {
             Some(b) => y.add(b)?,
             None => y,
         })
-    }
-}
-
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-}
-
-impl LayerNorm {
-    fn load(scope: &Scope, dims: i32) -> Result<LayerNorm> {
-        Ok(LayerNorm { weight: scope.get("weight", &[dims])?, bias: scope.get("bias", &[dims])? })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        // PyTorch's and MLX's LayerNorm default epsilon.
-        Ok(fast::layer_norm(x, Some(&self.weight), Some(&self.bias), 1e-5)?)
     }
 }
 
@@ -151,15 +138,15 @@ impl Block {
     /// cross-attention (weights as stored).
     fn load(scope: &Scope, state: i32, heads: i32, decoder: bool) -> Result<Block> {
         let cross = if decoder {
-            Some((LayerNorm::load(&scope.pp("cross_attn_ln"), state)?, MultiHeadAttention::load(&scope.pp("cross_attn"), state, heads, true)?))
+            Some((LayerNorm::load(&scope.pp("cross_attn_ln"), state, LN_EPS)?, MultiHeadAttention::load(&scope.pp("cross_attn"), state, heads, true)?))
         } else {
             None
         };
         Ok(Block {
-            attn_ln: LayerNorm::load(&scope.pp("attn_ln"), state)?,
+            attn_ln: LayerNorm::load(&scope.pp("attn_ln"), state, LN_EPS)?,
             attn: MultiHeadAttention::load(&scope.pp("attn"), state, heads, decoder)?,
             cross,
-            mlp_ln: LayerNorm::load(&scope.pp("mlp_ln"), state)?,
+            mlp_ln: LayerNorm::load(&scope.pp("mlp_ln"), state, LN_EPS)?,
             mlp1: Dense::load(&scope.pp("mlp1"), state, 4 * state, true, decoder)?,
             mlp2: Dense::load(&scope.pp("mlp2"), 4 * state, state, true, decoder)?,
         })
@@ -245,14 +232,14 @@ impl Whisper {
         let encoder_blocks = (0..dims.n_audio_layer)
             .map(|i| Block::load(&enc.pp("blocks").pp(i), da, dims.n_audio_head, false))
             .collect::<Result<Vec<_>>>()?;
-        let ln_post = LayerNorm::load(&enc.pp("ln_post"), da)?;
+        let ln_post = LayerNorm::load(&enc.pp("ln_post"), da, LN_EPS)?;
         let dec = root.pp("decoder");
         let token_embedding = dec.pp("token_embedding").get_stored("weight", &[dims.n_vocab, dt])?;
         let decoder_positions = dec.get("positional_embedding", &[dims.n_text_ctx, dt])?;
         let decoder_blocks = (0..dims.n_text_layer)
             .map(|i| Block::load(&dec.pp("blocks").pp(i), dt, dims.n_text_head, true))
             .collect::<Result<Vec<_>>>()?;
-        let ln = LayerNorm::load(&dec.pp("ln"), dt)?;
+        let ln = LayerNorm::load(&dec.pp("ln"), dt, LN_EPS)?;
         weights.check_all_read("whisper")?;
         Ok(Whisper {
             dims,

@@ -22,16 +22,7 @@ pub fn parse_body(bytes: &[u8]) -> ApiResult<Fields> {
     }
 }
 
-pub fn type_name(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
+pub use mlxcel_engine::chat_json::json_type_name as type_name;
 
 fn wrong(name: &str, expected: &str, got: &Value) -> ApiError {
     ApiError::field(name, format!("must be {expected}, got {}", type_name(got)))

@@ -16,7 +16,7 @@ use serde::Deserialize;
 use super::decoder::parse_args;
 use super::LoadContext;
 use crate::error::{Error, Result};
-use crate::nn::{Embedding, Linear};
+use crate::nn::{Embedding, LayerNorm, Linear};
 use crate::weights::Scope;
 
 /// `config.json` of a BERT checkpoint.
@@ -69,23 +69,6 @@ fn default_hidden_act() -> String {
 /// The linear kernels switch loops below this many rows; packed batches are
 /// padded up to it so that a short text alone runs the same loop as in a batch.
 const MIN_ROWS: usize = 16;
-
-#[derive(Clone)]
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-    eps: f32,
-}
-
-impl LayerNorm {
-    fn load(scope: &Scope, dims: i32, eps: f32) -> Result<Self> {
-        Ok(LayerNorm { weight: scope.get("weight", &[dims])?, bias: scope.get("bias", &[dims])?, eps })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::layer_norm(x, Some(&self.weight), Some(&self.bias), self.eps)?)
-    }
-}
 
 #[derive(Debug, Clone, Copy)]
 enum HiddenAct {

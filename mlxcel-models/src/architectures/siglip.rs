@@ -10,7 +10,7 @@ use mlx_sys::Array;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::nn::Linear;
+use crate::nn::{LayerNorm, Linear};
 use crate::weights::Scope;
 
 /// `vision_config`, with mlx-vlm's defaults.
@@ -80,23 +80,6 @@ impl SiglipArgs {
 
     pub fn patches_per_side(&self) -> i32 {
         self.image_size / self.patch_size
-    }
-}
-
-#[derive(Clone)]
-struct LayerNorm {
-    weight: Array,
-    bias: Array,
-    eps: f32,
-}
-
-impl LayerNorm {
-    fn load(scope: &Scope, dims: i32, eps: f32) -> Result<Self> {
-        Ok(LayerNorm { weight: scope.get("weight", &[dims])?, bias: scope.get("bias", &[dims])?, eps })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::layer_norm(x, Some(&self.weight), Some(&self.bias), self.eps)?)
     }
 }
 
