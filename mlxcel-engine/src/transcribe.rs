@@ -263,10 +263,7 @@ impl Transcriber {
 
     /// [`load`](Self::load) of a directory that exists.
     pub fn load_resolved(dir: &Path) -> Result<Transcriber> {
-        if !dir.is_dir() {
-            let what = if dir.exists() { "not a directory" } else { "no such model directory" };
-            return Err(invalid_file(dir, what.into()));
-        }
+        crate::embed::existing_dir(dir)?;
         let model = Whisper::load(dir).map_err(Error::load)?;
         let tokenizer = WhisperTokenizer::load(dir, model.dims().n_vocab).map_err(Error::load)?;
         let generation_path = dir.join("generation_config.json");
@@ -338,7 +335,7 @@ impl Transcriber {
         }
         let samples = load_audio(audio)?;
         let features = mel(&samples, self.inner.model.dims().n_mels as usize)?;
-        self.language_probabilities(&features)
+        Ok(self.language_probabilities(&features)?.0)
     }
 
     fn transcribe_samples(&self, samples: &[f32], options: &TranscribeOptions, on_segment: &mut dyn FnMut(&Segment)) -> Result<Transcription> {
@@ -349,6 +346,7 @@ impl Transcriber {
         let duration = samples.len() as f64 / SAMPLE_RATE as f64;
 
         // The language and the start of every window's prompt.
+        let mut first_window_states = None;
         let (language, language_probability, language_token) = if self.is_multilingual() {
             match &options.language {
                 Some(code) => {
@@ -360,7 +358,12 @@ impl Transcriber {
                     (code, 1.0, Some(id))
                 }
                 None => {
-                    let (code, p) = self.language_probabilities(&features)?.swap_remove(0);
+                    let (mut ranked, states) = self.language_probabilities(&features)?;
+                    // With 30 s or more of audio the detection window is the first window.
+                    if features.frames - 1 >= dims.n_frames() as usize {
+                        first_window_states = Some(states);
+                    }
+                    let (code, p) = ranked.swap_remove(0);
                     let id = inner.languages.iter().find(|(c, _)| *c == code).map(|(_, id)| *id);
                     (code, p, id)
                 }
@@ -404,8 +407,10 @@ impl Transcriber {
             let time_offset = seek as f64 * FRAME_SECONDS;
             let segment_size = n_frames.min(content_frames - seek);
             let segment_duration = segment_size as f64 * FRAME_SECONDS;
-            let window = features.window(seek, segment_size, n_frames);
-            let audio_states = inner.model.encode(&window)?;
+            let audio_states = match first_window_states.take() {
+                Some(states) if seek == 0 => states,
+                _ => inner.model.encode(&features.window(seek, segment_size, n_frames))?,
+            };
             let decoder = inner.model.decoder(&audio_states)?;
 
             let previous = &all_tokens[prompt_reset_since..];
@@ -457,8 +462,9 @@ impl Transcriber {
     }
 
     /// Softmax over the language tokens' logits after `<|startoftranscript|>`
-    /// for the first window (its last frame included, as faster-whisper).
-    fn language_probabilities(&self, features: &Features) -> Result<Vec<(String, f32)>> {
+    /// for the first window (its last frame included, as faster-whisper),
+    /// most likely first, and that window's audio states.
+    fn language_probabilities(&self, features: &Features) -> Result<(Vec<(String, f32)>, mlx_sys::Array)> {
         let inner = &*self.inner;
         let n_frames = inner.model.dims().n_frames() as usize;
         let window = features.window(0, n_frames.min(features.frames), n_frames);
@@ -469,7 +475,7 @@ impl Transcriber {
         let probabilities = softmax(&values);
         let mut ranked: Vec<(String, f32)> = inner.languages.iter().map(|(code, _)| code.clone()).zip(probabilities).collect();
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
-        Ok(ranked)
+        Ok((ranked, audio_states))
     }
 
     /// faster-whisper's `generate_with_fallback`.
