@@ -44,25 +44,18 @@ fn reference_runs(clip: &Value) -> Vec<(&Value, TranscribeOptions)> {
     let mut out = Vec::new();
     for task in ["transcribe", "translate"] {
         let of_task: Vec<&Value> = runs.iter().filter(|r| r["compute_type"] == "float32" && r["task"] == task).collect();
-        if let Some(own) = of_task.iter().find(|r| r["audio_input"] == "mlxcel 16 kHz samples") {
-            let mut options = TranscribeOptions { task: Task::parse(task).unwrap(), ..Default::default() };
-            if own["temperature_option"] == "0.0 only" {
-                options.temperatures = vec![0.0];
-            }
-            if task == "translate" {
-                options.language = own["language"].as_str().map(String::from);
-            }
-            out.push((*own, options));
-            continue;
-        }
         let Some(default) = of_task.iter().find(|r| r["temperature_option"] == "default fallback list") else { continue };
-        let mut options = TranscribeOptions { task: Task::parse(task).unwrap(), ..Default::default() };
-        let run = if default["fallback"] == true {
-            options.temperatures = vec![0.0];
+        let run = if let Some(own) = of_task.iter().find(|r| r["audio_input"] == "mlxcel 16 kHz samples") {
+            *own
+        } else if default["fallback"] == true {
             *of_task.iter().find(|r| r["temperature_option"] == "0.0 only").expect("a temperature-0 run for a fallback clip")
         } else {
             *default
         };
+        let mut options = TranscribeOptions { task: Task::parse(task).unwrap(), ..Default::default() };
+        if run["temperature_option"] == "0.0 only" {
+            options.temperatures = vec![0.0];
+        }
         if task == "translate" {
             options.language = run["language"].as_str().map(String::from);
         }

@@ -82,7 +82,7 @@ impl Embedder {
 }
 
 /// A front end's directory, before a model is read from it.
-fn existing_dir(dir: &Path) -> Result<()> {
+pub(crate) fn existing_dir(dir: &Path) -> Result<()> {
     if dir.is_dir() {
         return Ok(());
     }

