@@ -245,17 +245,17 @@ fn refuses_broken_files_by_name() {
     assert!(matches!(missing_dir, Error::Io { .. }) && missing_dir.to_string().contains("nope"), "{missing_dir}");
 }
 
-/// The packaged tiny.en model, when fetched (`tests/reference/fetch_whisper_ct2.sh`).
+/// The packaged tiny.en model's own `model.bin`, fetched by
+/// `tests/reference/fetch_whisper_ct2.sh` (the default suite reads it
+/// through the hub's conversion in `tests/whisper.rs`).
 #[test]
+#[ignore = "needs tests/reference/fetch_whisper_ct2.sh"]
 fn reads_the_packaged_tiny_en() {
     let cache = std::env::var_os("MLXCEL_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| {
         PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/mlxcel")
     });
     let dir = cache.join("ct2/whisper-tiny.en");
-    if !dir.join("model.bin").exists() {
-        eprintln!("{} not fetched; the real model is converted in mlxcel-tests' whisper tests", dir.display());
-        return;
-    }
+    assert!(dir.join("model.bin").exists(), "{} not fetched: run tests/reference/fetch_whisper_ct2.sh", dir.display());
     let file = Ct2File::open(&dir).unwrap();
     assert_eq!((file.spec.as_str(), file.revision), ("WhisperSpec", 3));
     let dims = mlxcel_ctranslate2::whisper_dims(&file).unwrap();
