@@ -589,6 +589,69 @@ void task_fn(void* ctx, int task) {
   }
 }
 
+// Runs a GEMM whose operands are set (rows, weights, y, M, N, K and the
+// layout fields): picks the blocking and splits the tasks across the pool.
+void run_gemm(GemmJob& j) {
+  j.id = next_job_id.fetch_add(1, std::memory_order_relaxed);
+  const int threads = num_threads();
+  j.dense_dot = (j.wd || j.wd16) && j.M < kDensePanelMinRows;
+  if (j.wd16 && !j.dense_dot) {
+    throw std::logic_error("[mlxcel::kernels::dense_matmul] a float16 weight with " + std::to_string(j.M) + " rows");
+  }
+  if (j.dense_dot) {
+    // Few rows: tasks are blocks of outputs, rows of w read in place.
+    j.mblocks = 1;
+    j.nc = 48;
+    while (j.nc > 6 && (long)(j.N + j.nc - 1) / j.nc < 4L * threads) j.nc /= 2;
+    j.npanels = (j.N + j.nc - 1) / j.nc;
+  } else {
+    const bool amx = j.isa == Isa::Amx;
+    // Blocks: rows in multiples of the microkernel's (32 for AMX; at most
+    // 128), outputs in panels of 64, or 32 when that leaves too few tasks.
+    const int step_rows = amx ? 32 : j.isa == Isa::Avx512 ? 8 : 6;
+    // AMX: packing a panel (dequantize, split) costs as much as a few
+    // hundred rows of tile products, so a task takes up to 512 rows.
+    const int max_rows = amx ? 512 : 128;
+    j.mc = std::min(max_rows / step_rows, (j.M + step_rows - 1) / step_rows) * step_rows;
+#ifdef MLXCEL_X86
+    // AMX: x as bf16 halves, in the evaluating thread's buffers (reused).
+    static thread_local Aligned<uint32_t> xh_buf, xl_buf;
+    if (amx) {
+      const int Mp = (j.M + 31) / 32 * 32;
+      auto* xh = reinterpret_cast<uint16_t*>(xh_buf.get((size_t)Mp * j.Kp / 2));
+      auto* xl = reinterpret_cast<uint16_t*>(xl_buf.get((size_t)Mp * j.Kp / 2));
+      XSplit xs{&j, xh, xl};
+      detail::parallel_for(Mp / 32, split_rows, &xs);
+      j.xh = xh;
+      j.xl = xl;
+    }
+#endif
+    j.mblocks = (j.M + j.mc - 1) / j.mc;
+    j.nc = amx ? 128 : 64;
+    while (j.nc > 32 && (long)j.mblocks * ((j.N + j.nc - 1) / j.nc) < 4L * threads) j.nc /= 2;
+    j.npanels = (j.N + j.nc - 1) / j.nc;
+  }
+  const long tasks = (long)j.mblocks * j.npanels;
+  if (tasks > 0xffff) {  // the pool's limit: run in slices of panels
+    const int panels_per = std::max(1, 0xffff / j.mblocks);
+    for (int p0 = 0; p0 < j.npanels; p0 += panels_per) {
+      struct Slice {
+        const GemmJob* j;
+        int first;
+      } sl{&j, p0 * j.mblocks};
+      const int count = std::min(panels_per, j.npanels - p0) * j.mblocks;
+      detail::parallel_for(
+          count, [](void* c, int t) {
+            auto* s = static_cast<Slice*>(c);
+            task_fn(const_cast<GemmJob*>(s->j), s->first + t);
+          },
+          &sl);
+    }
+  } else {
+    detail::parallel_for((int)tasks, task_fn, &j);
+  }
+}
+
 // The MLX primitive: x (f32, any strides) @ dequantize(w).T -> f32; with
 // 7 inputs (x, gate triple, up triple) silu(x @ gate.T) * (x @ up.T); with
 // 2 inputs (x, w dense f32 [N, K]) x @ w.T.
@@ -688,64 +751,7 @@ class QuantizedGemm : public mx::UnaryPrimitive {
       j.wd = wdp;
       j.wd16 = wd16p;
       j.y = op;
-      j.id = next_job_id.fetch_add(1, std::memory_order_relaxed);
-      const int threads = num_threads();
-      j.dense_dot = (j.wd || j.wd16) && j.M < kDensePanelMinRows;
-      if (j.wd16 && !j.dense_dot) {
-        throw std::logic_error("[mlxcel::kernels::dense_matmul] a float16 weight with " + std::to_string(j.M) + " rows");
-      }
-      if (j.dense_dot) {
-        // Few rows: tasks are blocks of outputs, rows of w read in place.
-        j.mblocks = 1;
-        j.nc = 48;
-        while (j.nc > 6 && (long)(j.N + j.nc - 1) / j.nc < 4L * threads) j.nc /= 2;
-        j.npanels = (j.N + j.nc - 1) / j.nc;
-      } else {
-        const bool amx = j.isa == Isa::Amx;
-        // Blocks: rows in multiples of the microkernel's (32 for AMX; at most
-        // 128), outputs in panels of 64, or 32 when that leaves too few tasks.
-        const int step_rows = amx ? 32 : j.isa == Isa::Avx512 ? 8 : 6;
-        // AMX: packing a panel (dequantize, split) costs as much as a few
-        // hundred rows of tile products, so a task takes up to 512 rows.
-        const int max_rows = amx ? 512 : 128;
-        j.mc = std::min(max_rows / step_rows, (j.M + step_rows - 1) / step_rows) * step_rows;
-#ifdef MLXCEL_X86
-        // AMX: x as bf16 halves, in the evaluating thread's buffers (reused).
-        static thread_local Aligned<uint32_t> xh_buf, xl_buf;
-        if (amx) {
-          const int Mp = (j.M + 31) / 32 * 32;
-          auto* xh = reinterpret_cast<uint16_t*>(xh_buf.get((size_t)Mp * j.Kp / 2));
-          auto* xl = reinterpret_cast<uint16_t*>(xl_buf.get((size_t)Mp * j.Kp / 2));
-          XSplit xs{&j, xh, xl};
-          detail::parallel_for(Mp / 32, split_rows, &xs);
-          j.xh = xh;
-          j.xl = xl;
-        }
-#endif
-        j.mblocks = (j.M + j.mc - 1) / j.mc;
-        j.nc = amx ? 128 : 64;
-        while (j.nc > 32 && (long)j.mblocks * ((j.N + j.nc - 1) / j.nc) < 4L * threads) j.nc /= 2;
-        j.npanels = (j.N + j.nc - 1) / j.nc;
-      }
-      const long tasks = (long)j.mblocks * j.npanels;
-      if (tasks > 0xffff) {  // the pool's limit: run in slices of panels
-        const int panels_per = std::max(1, 0xffff / j.mblocks);
-        for (int p0 = 0; p0 < j.npanels; p0 += panels_per) {
-          struct Slice {
-            const GemmJob* j;
-            int first;
-          } sl{&j, p0 * j.mblocks};
-          const int count = std::min(panels_per, j.npanels - p0) * j.mblocks;
-          detail::parallel_for(
-              count, [](void* c, int t) {
-                auto* s = static_cast<Slice*>(c);
-                task_fn(const_cast<GemmJob*>(s->j), s->first + t);
-              },
-              &sl);
-        }
-      } else {
-        detail::parallel_for((int)tasks, task_fn, &j);
-      }
+      run_gemm(j);
     });
   }
 
@@ -912,5 +918,38 @@ mx::array dense_matmul(const mx::array& x, const mx::array& w, Path path, mx::St
                           {xf, detail::row_contiguous(wf, stream)});
   return y.dtype() == out_dtype ? y : mx::astype(y, out_dtype, stream);
 }
+
+namespace detail {
+
+bool gemm_layout(int group_size, int bits) { return valid_layout(group_size, bits); }
+
+void quantized_gemm_f32(const QuantizedView& w, const float* x, int m, float* y, Path path) {
+  if (m == 0 || w.n == 0) return;
+  if (!valid_layout(w.group, w.bits)) {
+    throw std::invalid_argument("[mlxcel::kernels::quantized_gemm] bits " + std::to_string(w.bits) + ", group " +
+                                std::to_string(w.group) + " is not a GEMM layout");
+  }
+  GemmJob j;
+  j.M = m;
+  j.N = w.n;
+  j.K = w.k;
+  j.Kp = (j.K + 31) / 32 * 32;
+  j.bits = w.bits;
+  j.group = w.group;
+  j.G = w.k / w.group;
+  j.wpr = w.k * w.bits / 32;
+  j.sty = w.scale_type;
+  j.w = reinterpret_cast<const uint32_t*>(w.weight);
+  j.scales = w.scales;
+  j.biases = w.biases;
+  j.isa = isa_for(path, w.bits);
+  std::vector<const float*> rows(m);
+  for (int r = 0; r < m; ++r) rows[r] = x + (size_t)r * w.k;
+  j.rows = rows.data();
+  j.y = y;
+  run_gemm(j);
+}
+
+}  // namespace detail
 
 }  // namespace mlxcel::kernels

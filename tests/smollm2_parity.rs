@@ -99,9 +99,9 @@ fn teacher_forced_logits_match_the_reference() {
     }
 }
 
-/// The first 32 positions of each sequence as one pass: the fused decoder
-/// block on the matvec loops, as for decode steps and short prompts. The
-/// exact loops keep 1e-3. The integer loops (the default on x86-64 and
+/// The first 15 positions of each sequence as one pass: the fused decoder
+/// block on the matvec loops, as for decode steps and the shortest prompts.
+/// The exact loops keep 1e-3. The integer loops (the default on x86-64 and
 /// aarch64) quantize each group of 32 activations to 16 bits (at most
 /// max|x| / 65024 off per activation); SmolLM2's activation outliers make
 /// that ~1.2e-2 on its logits (measured on AVX-512 VNNI and AVX2), so they
@@ -110,7 +110,21 @@ fn teacher_forced_logits_match_the_reference() {
 fn short_passes_match_the_reference() {
     let integer = matches!(kernels::path_name(KernelPath::Auto).as_str(), "avx512-vnni" | "avx2-int8" | "neon-int8");
     let tolerance: f32 = if integer { 2.5e-2 } else { 1e-3 };
-    eprintln!("kernel path {}: tolerance {tolerance}", kernels::path_name(KernelPath::Auto));
+    eprintln!("short passes, kernel path {}: tolerance {tolerance}", kernels::path_name(KernelPath::Auto));
+    for (prompt, logit, lse) in teacher_forced_errors(15) {
+        assert!(logit <= tolerance && lse <= tolerance, "{prompt}: {logit} / {lse} (tolerance {tolerance})");
+    }
+}
+
+/// The first 32 positions as one pass, a short prompt's: from 16 rows on the
+/// fused block runs its projections on the GEMM's exact f32 panels (every
+/// path but VNNI and NEON, whose integer loops keep the 2.5e-2 above), so
+/// the AVX2 integer path is held to 1e-3 here.
+#[test]
+fn prompt_passes_match_the_reference() {
+    let integer = matches!(kernels::path_name(KernelPath::Auto).as_str(), "avx512-vnni" | "neon-int8");
+    let tolerance: f32 = if integer { 2.5e-2 } else { 1e-3 };
+    eprintln!("32-token passes, kernel path {}: tolerance {tolerance}", kernels::path_name(KernelPath::Auto));
     for (prompt, logit, lse) in teacher_forced_errors(32) {
         assert!(logit <= tolerance && lse <= tolerance, "{prompt}: {logit} / {lse} (tolerance {tolerance})");
     }
@@ -134,6 +148,7 @@ fn parity_holds_on_every_kernel_path() {
                 "greedy_tokens_match_the_reference",
                 "teacher_forced_logits_match_the_reference",
                 "short_passes_match_the_reference",
+                "prompt_passes_match_the_reference",
             ])
             .env("MLXCEL_KERNELS", path)
             .env("MLXCEL_SMOLLM2_CHILD", "1")
@@ -142,7 +157,7 @@ fn parity_holds_on_every_kernel_path() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{stdout}\n{stderr}");
-        assert!(stdout.contains("3 passed"), "MLXCEL_KERNELS={path}: expected the three checks to run:\n{stdout}");
+        assert!(stdout.contains("4 passed"), "MLXCEL_KERNELS={path}: expected the four checks to run:\n{stdout}");
         for line in stderr.lines().filter(|l| l.contains("max |Δlogit|") || l.contains("tolerance")) {
             eprintln!("MLXCEL_KERNELS={path}: {line}");
         }
