@@ -211,6 +211,31 @@ fn gemm_matches_on_model_shapes_and_batches() {
     }
 }
 
+/// A row's result does not depend on how many rows share the call: a few
+/// rows run the panel a chunk of K at a time from one row block, many rows
+/// pack whole panels for several row blocks, and both sum the same products
+/// in the same order (bit for bit, on every loop this CPU runs).
+#[test]
+fn gemm_rows_do_not_depend_on_the_row_count() {
+    let _g = lock();
+    for (bits, group, k) in [(2, 32, 608), (4, 32, 608), (4, 64, 192), (8, 32, 608), (8, 128, 384), (3, 32, 96)] {
+        let q = make_weights(7000 + bits as u64, 100, k, group, bits, Dtype::Float16);
+        let x = x_of(7100 + bits as u64, &[300, k], Dtype::Float32);
+        for path in distinct_loops(bits) {
+            let gemm = |x: &Array| {
+                let y = kernels::quantized_gemm_with_path(x, &q.w, &q.scales, &q.biases, group, bits, path).unwrap();
+                to_f32(&y)
+            };
+            let all = gemm(&x);
+            for m in [1, 5, 16, 17, 31, 64] {
+                let some = gemm(&x.slice_axis(0, 0, m).unwrap());
+                let label = format!("bits={bits} group={group} K={k} {}", kernels::gemm_loop_name(path, bits));
+                assert_eq!(some, all[..(m * 100) as usize], "{label}: the first {m} rows alone differ from 300 rows");
+            }
+        }
+    }
+}
+
 #[test]
 fn gemm_half_precision_inputs_and_strided_x() {
     let _g = lock();
