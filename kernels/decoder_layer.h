@@ -11,7 +11,9 @@
 // MLX builds the same block out of ~25 nodes per layer; at decode time their
 // dispatch costs more than the arithmetic. Here the whole block is one node:
 // the seven projections run on the quantized matvec loops of
-// quantized_matmul.cc, and the new keys and values are written into the KV
+// quantized_matmul.cc (from 16 new tokens per sequence, on most loops, on the
+// GEMM's packed panels of quantized_gemm.cc instead: see
+// projections_use_gemm), and the new keys and values are written into the KV
 // cache buffers in place. The caches are inputs and outputs of the node: an
 // output takes over its input's buffer when the caller owns it
 // (`cache_in_place`), and is a copy otherwise, so the graph stays functional
