@@ -364,16 +364,24 @@ void project(const Projection& p, const float* x, int rows, float* y, bool gemm 
   add_bias(p, rows, y);
 }
 
-// Several projections of the same x as one pool job (q, k, v; gate, up).
+// Several projections of the same x as one pool job (q, k, v; gate, up), on
+// the GEMM's panels when `gemm` (and every layout is one they take).
 template <int N>
 void project_many(const Projection* const (&ps)[N], const float* x, int rows, float* const (&ys)[N], bool gemm = false) {
-  if (gemm) {
+  QuantizedView views[N];
+  bool panels = gemm;
+  for (int i = 0; i < N; ++i) {
+    views[i] = ps[i]->view;
+    panels = panels && detail::gemm_layout(views[i].group, views[i].bits);
+  }
+  if (panels) {
+    detail::quantized_gemm_f32_many(views, N, x, rows, ys);
+  } else if (gemm) {
     for (int i = 0; i < N; ++i) project(*ps[i], x, rows, ys[i], true);
     return;
+  } else {
+    detail::quantized_matmul_f32_many(views, N, x, rows, ys);
   }
-  QuantizedView views[N];
-  for (int i = 0; i < N; ++i) views[i] = ps[i]->view;
-  detail::quantized_matmul_f32_many(views, N, x, rows, ys);
   for (int i = 0; i < N; ++i) add_bias(*ps[i], rows, ys[i]);
 }
 

@@ -54,6 +54,12 @@ bool gemm_layout(int group, int bits);
 // gemm_layout refuses.
 void quantized_gemm_f32(const QuantizedView& w, const float* x, int m, float* y, Path path = Path::Auto);
 
+// Several quantized_gemm_f32 of the same x (same K) as one pool job (q, k,
+// v; gate, up): one wait for the pool instead of one per weight. The same
+// results as one call each.
+void quantized_gemm_f32_many(const QuantizedView* ws, int count, const float* x, int m, float* const* ys,
+                             Path path = Path::Auto);
+
 // sum a[i] * b[i] in eight interleaved partial sums, added pairwise at the
 // end: the portable loops' dot product, in a form compilers vectorize
 // without -ffast-math (NEON, SSE2).

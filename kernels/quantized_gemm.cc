@@ -589,9 +589,9 @@ void task_fn(void* ctx, int task) {
   }
 }
 
-// Runs a GEMM whose operands are set (rows, weights, y, M, N, K and the
-// layout fields): picks the blocking and splits the tasks across the pool.
-void run_gemm(GemmJob& j) {
+// Picks the blocking of a GEMM whose operands are set (rows, weights, y, M,
+// N, K and the layout fields); splits x into bf16 halves for AMX.
+void plan_gemm(GemmJob& j) {
   j.id = next_job_id.fetch_add(1, std::memory_order_relaxed);
   const int threads = num_threads();
   j.dense_dot = (j.wd || j.wd16) && j.M < kDensePanelMinRows;
@@ -631,6 +631,11 @@ void run_gemm(GemmJob& j) {
     while (j.nc > 32 && (long)j.mblocks * ((j.N + j.nc - 1) / j.nc) < 4L * threads) j.nc /= 2;
     j.npanels = (j.N + j.nc - 1) / j.nc;
   }
+}
+
+// Plans a GEMM (plan_gemm) and splits its tasks across the pool.
+void run_gemm(GemmJob& j) {
+  plan_gemm(j);
   const long tasks = (long)j.mblocks * j.npanels;
   if (tasks > 0xffff) {  // the pool's limit: run in slices of panels
     const int panels_per = std::max(1, 0xffff / j.mblocks);
@@ -923,8 +928,9 @@ namespace detail {
 
 bool gemm_layout(int group_size, int bits) { return valid_layout(group_size, bits); }
 
-void quantized_gemm_f32(const QuantizedView& w, const float* x, int m, float* y, Path path) {
-  if (m == 0 || w.n == 0) return;
+namespace {
+
+GemmJob job_of(const QuantizedView& w, const float* const* rows, int m, float* y, Path path) {
   if (!valid_layout(w.group, w.bits)) {
     throw std::invalid_argument("[mlxcel::kernels::quantized_gemm] bits " + std::to_string(w.bits) + ", group " +
                                 std::to_string(w.group) + " is not a GEMM layout");
@@ -943,11 +949,58 @@ void quantized_gemm_f32(const QuantizedView& w, const float* x, int m, float* y,
   j.scales = w.scales;
   j.biases = w.biases;
   j.isa = isa_for(path, w.bits);
-  std::vector<const float*> rows(m);
-  for (int r = 0; r < m; ++r) rows[r] = x + (size_t)r * w.k;
-  j.rows = rows.data();
+  j.rows = rows;
   j.y = y;
+  return j;
+}
+
+std::vector<const float*> row_pointers(const float* x, int m, int k) {
+  std::vector<const float*> rows(m);
+  for (int r = 0; r < m; ++r) rows[r] = x + (size_t)r * k;
+  return rows;
+}
+
+}  // namespace
+
+void quantized_gemm_f32(const QuantizedView& w, const float* x, int m, float* y, Path path) {
+  if (m == 0 || w.n == 0) return;
+  const std::vector<const float*> rows = row_pointers(x, m, w.k);
+  GemmJob j = job_of(w, rows.data(), m, y, path);
   run_gemm(j);
+}
+
+void quantized_gemm_f32_many(const QuantizedView* ws, int count, const float* x, int m, float* const* ys, Path path) {
+  if (m == 0 || count <= 0) return;
+  const std::vector<const float*> rows = row_pointers(x, m, ws[0].k);
+  struct Many {
+    std::vector<GemmJob> jobs;
+    std::vector<int> first;  // each job's first task in the joint numbering
+  } many;
+  for (int i = 0; i < count; ++i) {
+    if (ws[i].k != ws[0].k) throw std::invalid_argument("[mlxcel::kernels::quantized_gemm] weights differ in K");
+    GemmJob j = job_of(ws[i], rows.data(), m, ys[i], path);
+    if (j.isa == Isa::Amx || ws[i].n == 0) {  // AMX splits x per call
+      run_gemm(j);
+      continue;
+    }
+    plan_gemm(j);
+    many.first.push_back(many.jobs.empty() ? 0 : many.first.back() + many.jobs.back().mblocks * many.jobs.back().npanels);
+    many.jobs.push_back(j);
+  }
+  if (many.jobs.empty()) return;
+  const long tasks = (long)many.first.back() + many.jobs.back().mblocks * many.jobs.back().npanels;
+  if (tasks > 0xffff) {
+    for (GemmJob& j : many.jobs) run_gemm(j);
+    return;
+  }
+  detail::parallel_for(
+      (int)tasks,
+      [](void* c, int t) {
+        auto* mj = static_cast<Many*>(c);
+        const int i = (int)(std::upper_bound(mj->first.begin(), mj->first.end(), t) - mj->first.begin()) - 1;
+        task_fn(&mj->jobs[i], t - mj->first[i]);
+      },
+      &many);
 }
 
 }  // namespace detail
