@@ -20,6 +20,7 @@
 
 #include "detail.h"
 #include "kv_q8.h"
+#include "quantized_gemm.h"
 #include "simd_math.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -356,7 +357,7 @@ bool projections_use_gemm(int rows_per_sequence) {
 // Which loops a projection of `rows` rows runs: the GEMM's panels when
 // `gemm`, else the matvec loops.
 void project(const Projection& p, const float* x, int rows, float* y, bool gemm = false) {
-  if (gemm && detail::gemm_layout(p.view.group, p.view.bits)) {
+  if (gemm && gemm_supports(p.view.group, p.view.bits)) {
     detail::quantized_gemm_f32(p.view, x, rows, y);
   } else {
     detail::quantized_matmul_f32(p.view, x, rows, y);
@@ -372,7 +373,7 @@ void project_many(const Projection* const (&ps)[N], const float* x, int rows, fl
   bool panels = gemm;
   for (int i = 0; i < N; ++i) {
     views[i] = ps[i]->view;
-    panels = panels && detail::gemm_layout(views[i].group, views[i].bits);
+    panels = panels && gemm_supports(views[i].group, views[i].bits);
   }
   if (panels) {
     detail::quantized_gemm_f32_many(views, N, x, rows, ys);

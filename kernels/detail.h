@@ -44,14 +44,11 @@ void quantized_matmul_f32(const QuantizedView& w, const float* x, int m, float* 
 void quantized_matmul_f32_many(const QuantizedView* ws, int count, const float* x, int m, float* const* ys,
                                Path path = Path::Auto);
 
-// Whether quantized_gemm_f32 takes (group, bits) (see gemm_supports).
-bool gemm_layout(int group, int bits);
-
 // y[m, n] = x[m, :] . dequantize(w)[n, :] on the GEMM's packed panels
 // (quantized_gemm.h): exact f32 on the AVX-512, AVX2 and portable loops,
 // AMX's split-bf16 products where `path` resolves to it. Each row's result
 // does not depend on m. Throws std::invalid_argument for a layout
-// gemm_layout refuses.
+// gemm_supports (quantized_gemm.h) refuses.
 void quantized_gemm_f32(const QuantizedView& w, const float* x, int m, float* y, Path path = Path::Auto);
 
 // Several quantized_gemm_f32 of the same x (same K) as one pool job (q, k,

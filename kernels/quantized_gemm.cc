@@ -633,9 +633,8 @@ void plan_gemm(GemmJob& j) {
   }
 }
 
-// Plans a GEMM (plan_gemm) and splits its tasks across the pool.
-void run_gemm(GemmJob& j) {
-  plan_gemm(j);
+// Splits a planned GEMM's tasks across the pool.
+void dispatch_gemm(const GemmJob& j) {
   const long tasks = (long)j.mblocks * j.npanels;
   if (tasks > 0xffff) {  // the pool's limit: run in slices of panels
     const int panels_per = std::max(1, 0xffff / j.mblocks);
@@ -653,8 +652,13 @@ void run_gemm(GemmJob& j) {
           &sl);
     }
   } else {
-    detail::parallel_for((int)tasks, task_fn, &j);
+    detail::parallel_for((int)tasks, task_fn, const_cast<GemmJob*>(&j));
   }
+}
+
+void run_gemm(GemmJob& j) {
+  plan_gemm(j);
+  dispatch_gemm(j);
 }
 
 // The MLX primitive: x (f32, any strides) @ dequantize(w).T -> f32; with
@@ -926,8 +930,6 @@ mx::array dense_matmul(const mx::array& x, const mx::array& w, Path path, mx::St
 
 namespace detail {
 
-bool gemm_layout(int group_size, int bits) { return valid_layout(group_size, bits); }
-
 namespace {
 
 GemmJob job_of(const QuantizedView& w, const float* const* rows, int m, float* y, Path path) {
@@ -974,23 +976,25 @@ void quantized_gemm_f32_many(const QuantizedView* ws, int count, const float* x,
   const std::vector<const float*> rows = row_pointers(x, m, ws[0].k);
   struct Many {
     std::vector<GemmJob> jobs;
-    std::vector<int> first;  // each job's first task in the joint numbering
+    std::vector<long> first;  // each job's first task in the joint numbering
   } many;
+  long tasks = 0;
   for (int i = 0; i < count; ++i) {
     if (ws[i].k != ws[0].k) throw std::invalid_argument("[mlxcel::kernels::quantized_gemm] weights differ in K");
+    if (ws[i].n == 0) continue;
     GemmJob j = job_of(ws[i], rows.data(), m, ys[i], path);
-    if (j.isa == Isa::Amx || ws[i].n == 0) {  // AMX splits x per call
+    if (j.isa == Isa::Amx) {  // AMX splits x per call
       run_gemm(j);
       continue;
     }
     plan_gemm(j);
-    many.first.push_back(many.jobs.empty() ? 0 : many.first.back() + many.jobs.back().mblocks * many.jobs.back().npanels);
+    many.first.push_back(tasks);
     many.jobs.push_back(j);
+    tasks += (long)j.mblocks * j.npanels;
   }
   if (many.jobs.empty()) return;
-  const long tasks = (long)many.first.back() + many.jobs.back().mblocks * many.jobs.back().npanels;
   if (tasks > 0xffff) {
-    for (GemmJob& j : many.jobs) run_gemm(j);
+    for (const GemmJob& j : many.jobs) dispatch_gemm(j);
     return;
   }
   detail::parallel_for(
@@ -998,7 +1002,7 @@ void quantized_gemm_f32_many(const QuantizedView* ws, int count, const float* x,
       [](void* c, int t) {
         auto* mj = static_cast<Many*>(c);
         const int i = (int)(std::upper_bound(mj->first.begin(), mj->first.end(), t) - mj->first.begin()) - 1;
-        task_fn(&mj->jobs[i], t - mj->first[i]);
+        task_fn(&mj->jobs[i], (int)(t - mj->first[i]));
       },
       &many);
 }
