@@ -128,9 +128,17 @@ size_t array_size(const array& a) { return a.size(); }
 size_t array_nbytes(const array& a) { return a.nbytes(); }
 bool array_is_available(const array& a) { return a.is_available(); }
 
+// Reads `a` back in row-major order. A row-contiguous array is read in place
+// as soon as its own computation is done: wrapping it in a new node would
+// queue the read behind everything submitted since (a decode step queued
+// ahead of reading the previous token, for one).
 rust::Vec<uint8_t> array_to_bytes(const array& a) {
-  array c = mx::contiguous(a);
+  array c = a;
   c.eval();
+  if (!c.flags().row_contiguous) {
+    c = mx::contiguous(c);
+    c.eval();
+  }
   rust::Vec<uint8_t> out;
   size_t n = c.nbytes();
   out.reserve(n);

@@ -2,12 +2,12 @@
 //! SmolLM2-135M's 4-bit weights, group 32, f16 scales) in one process:
 //! MLX's dequantize + matmul (OpenBLAS), our matvec kernel, our GEMM.
 //!
-//! `cargo run --release -p mlx-sys --example qgemm_bench [-- M reps [cpu]]`
+//! `cargo run --release -p mlx-sys --example qgemm_bench [-- M reps [cpu] [q8]]`
 //!
 //! With `cpu`, only our GEMM runs, and each cell is CPU seconds per call
 //! (all threads, measured over enough calls for ~0.5 s of CPU) and the
 //! GFLOP per CPU second: a figure that a loaded machine disturbs much less
-//! than wall time.
+//! than wall time. With `q8`, every weight is 8-bit.
 
 use std::time::Instant;
 
@@ -31,7 +31,8 @@ fn low_quartile(mut v: Vec<f64>) -> f64 {
 fn main() -> mlx_sys::Result<()> {
     let m: i32 = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(512);
     let reps: usize = std::env::args().nth(2).and_then(|s| s.parse().ok()).unwrap_or(10);
-    let cpu_mode = std::env::args().nth(3).is_some_and(|s| s == "cpu");
+    let cpu_mode = std::env::args().skip(3).any(|s| s == "cpu");
+    let all_q8 = std::env::args().skip(3).any(|s| s == "q8");
     println!("M={m}, threads={}, {reps} reps, 25th-percentile ms and GFLOP/s", kernels::num_threads());
     println!("{:<22} | {:>16} | {:>16} | {:>16}", "shape", "dequant+matmul", "matvec kernel", "gemm kernel");
     let cases: [(&str, i32, i32, i32); 6] = [
@@ -43,6 +44,7 @@ fn main() -> mlx_sys::Result<()> {
         ("odd 600->1000 q4", 608, 1000, 4),
     ];
     for (name, k, n, bits) in cases {
+        let bits = if all_q8 { 8 } else { bits };
         let group = 32;
         let key = random::key((n * 7 + k) as u64)?;
         let wf = random::normal(&[n, k], Dtype::Float32, 0.0, 0.05, &key)?;

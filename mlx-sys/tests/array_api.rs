@@ -208,6 +208,25 @@ fn safetensors_round_trip_and_memory_counters() {
     memory::set_cache_limit(previous).unwrap();
 }
 
+/// Reading a result waits for that result only, not for work queued after
+/// it: the engine queues the next decode step before it reads the token the
+/// last one sampled.
+#[test]
+fn reading_a_result_does_not_wait_for_later_work() {
+    let a = arr(&[1.0, 2.0], &[2]).mul_scalar(3.0).unwrap();
+    mlx_sys::async_eval([&a]).unwrap();
+    // About a second of work on one core, queued after `a`.
+    let mut later = Array::ones(&[2048, 2048], Dtype::Float32).unwrap();
+    for _ in 0..48 {
+        later = later.tanh().unwrap().mul_scalar(1.5).unwrap();
+    }
+    mlx_sys::async_eval([&later]).unwrap();
+    assert_eq!(a.to_vec::<f32>().unwrap(), [3.0, 6.0]);
+    assert!(!later.is_available(), "reading `a` waited for the work queued after it");
+    later.eval().unwrap();
+    assert!(later.is_available());
+}
+
 #[test]
 fn links_openblas_on_linux() {
     assert_eq!(mlx_sys::mlx_version(), mlx_sys::MLX_PIN);

@@ -434,7 +434,7 @@ impl Sampler {
         }
         queue_sampled_eval(&sampled)?;
         for (i, s) in sampled.into_iter().enumerate() {
-            let token = s.token.astype(Dtype::Uint32)?.reshape(&[-1])?.to_vec::<u32>()?[0];
+            let token = s.token.astype(Dtype::Uint32)?.to_vec::<u32>()?[0];
             emitted.push((token, s.logprobs));
             if inputs.get(i + 1) != Some(&token) {
                 break;
@@ -553,9 +553,11 @@ impl PendingLogprobs {
         match self {
             PendingLogprobs::Host(l) => Ok(l),
             PendingLogprobs::Device { chosen, ids, values } => {
-                let logprob = chosen.reshape(&[-1])?.to_vec::<f32>()?[0];
-                let ids = ids.reshape(&[-1])?.astype(Dtype::Uint32)?.to_vec::<u32>()?;
-                let values = values.reshape(&[-1])?.to_vec::<f32>()?;
+                // Read as they are (`to_vec` flattens): a reshape would be a
+                // new node, queued behind the step submitted since.
+                let logprob = chosen.to_vec::<f32>()?[0];
+                let ids = ids.astype(Dtype::Uint32)?.to_vec::<u32>()?;
+                let values = values.to_vec::<f32>()?;
                 let mut top: Vec<(u32, f32)> = ids.into_iter().zip(values).filter(|p| p.1 > f32::NEG_INFINITY).collect();
                 top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
                 Ok(TokenLogprobs { token, logprob, top })
@@ -585,8 +587,7 @@ fn device_logprobs(scores: &Array, token: &Array, n: usize) -> Result<PendingLog
     let vocab = lp.dim(-1);
     let n = (n as i32).min(vocab);
     let (ids, values) = if n == 0 {
-        let empty = Array::from_slice::<i32>(&[], &[0])?;
-        (empty.clone(), Array::from_slice::<f32>(&[], &[0])?)
+        (Array::from_slice::<u32>(&[], &[0])?, Array::from_slice::<f32>(&[], &[0])?)
     } else {
         let ids = lp.negative()?.argpartition(n - 1, -1)?.slice_axis(-1, 0, n)?;
         let values = lp.take_along_axis(&ids, -1)?;
