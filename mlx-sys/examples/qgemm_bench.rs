@@ -2,12 +2,15 @@
 //! SmolLM2-135M's 4-bit weights, group 32, f16 scales) in one process:
 //! MLX's dequantize + matmul (OpenBLAS), our matvec kernel, our GEMM.
 //!
-//! `cargo run --release -p mlx-sys --example qgemm_bench [-- M reps [cpu] [q8]]`
+//! `cargo run --release -p mlx-sys --example qgemm_bench [-- M reps [cpu] [q8] [cold]]`
 //!
 //! With `cpu`, only our GEMM runs, and each cell is CPU seconds per call
 //! (all threads, measured over enough calls for ~0.5 s of CPU) and the
 //! GFLOP per CPU second: a figure that a loaded machine disturbs much less
-//! than wall time. With `q8`, every weight is 8-bit.
+//! than wall time. With `q8`, every weight is 8-bit. With `cold` (and
+//! `cpu`), the calls cycle through copies of the weight that together
+//! exceed 64 MiB, so each call reads weights that are out of L2 as a model's
+//! layer-by-layer walk does.
 
 use std::time::Instant;
 
@@ -33,6 +36,7 @@ fn main() -> mlx_sys::Result<()> {
     let reps: usize = std::env::args().nth(2).and_then(|s| s.parse().ok()).unwrap_or(10);
     let cpu_mode = std::env::args().skip(3).any(|s| s == "cpu");
     let all_q8 = std::env::args().skip(3).any(|s| s == "q8");
+    let cold = std::env::args().skip(3).any(|s| s == "cold");
     println!("M={m}, threads={}, {reps} reps, 25th-percentile ms and GFLOP/s", kernels::num_threads());
     println!("{:<22} | {:>16} | {:>16} | {:>16}", "shape", "dequant+matmul", "matvec kernel", "gemm kernel");
     let cases: [(&str, i32, i32, i32); 6] = [
@@ -65,7 +69,30 @@ fn main() -> mlx_sys::Result<()> {
         let flop = 2.0 * m as f64 * k as f64 * n as f64;
         if cpu_mode {
             let calls = ((0.5e9 / flop * 100e9 / 1e9) as usize).clamp(3, 100000);
-            let swiglu = || kernels::quantized_gemm_swiglu(&x, [&w, &s, &b], [&w, &s, &b], group, bits);
+            // The weights each call reads: w itself, or (cold) one of copies
+            // that together exceed 64 MiB, in turn.
+            let copies = if cold { (64usize << 20).div_ceil(w.nbytes() + s.nbytes() + b.nbytes()) } else { 1 };
+            let mut weights = vec![(w.clone(), s.clone(), b.clone())];
+            for c in 1..copies {
+                let wf = random::normal(&[n, k], Dtype::Float32, 0.0, 0.05, &random::key(c as u64)?)?;
+                let (w, s, b) = quantize(&wf, group, bits)?;
+                let (s, b) = (s.astype(Dtype::Float16)?, b.astype(Dtype::Float16)?);
+                mlx_sys::eval([&w, &s, &b])?;
+                weights.push((w, s, b));
+            }
+            let call = std::cell::Cell::new(0usize);
+            let next = || {
+                call.set(call.get() + 1);
+                &weights[call.get() % copies]
+            };
+            let gemm = || {
+                let (w, s, b) = next();
+                kernels::quantized_gemm(&x, w, s, b, group, bits)
+            };
+            let swiglu = || {
+                let (w, s, b) = next();
+                kernels::quantized_gemm_swiglu(&x, [w, s, b], [w, s, b], group, bits)
+            };
             let mut cells = Vec::new();
             for f in [&gemm as &dyn Fn() -> mlx_sys::Result<Array>, &swiglu] {
                 f()?.eval()?;
