@@ -146,11 +146,19 @@ QuantLayout check_projection(const QuantizedProjection& p, int n, int k, const s
 }
 
 // ---------------------------------------------------------------------------
-// Small vector helpers for attention: AVX-512 or AVX2 + FMA when the kernels'
-// path allows (MLXCEL_KERNELS), else portable.
+// Small vector helpers for attention and the MLP: AVX-512 or AVX2 + FMA
+// when the kernels' path allows (MLXCEL_KERNELS), else portable.
 
 inline void axpy_portable(float alpha, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// g = silu(g) * u with MLX's sigmoid 1 / (1 + e^-g).
+void swiglu_row_portable(float* g, const float* u, int n) {
+  for (int i = 0; i < n; ++i) {
+    const float a = g[i];
+    g[i] = a * (1.0f / (1.0f + std::exp(-a))) * u[i];
+  }
 }
 
 #ifdef MLXCEL_X86
@@ -185,21 +193,45 @@ __attribute__((target("avx2,fma"))) void axpy_avx2(float alpha, const float* x, 
   axpy_portable(alpha, x, y, n);
 }
 
+// 8-wide loops for AVX2 (and the AVX-512 paths): vec8.inc's exp8, the same
+// polynomial as simd::exp512, and swiglu_row.
+namespace avx2v {
+#define MLXCEL_VEC8_AVX2
+#include "vec8.inc"
+
+// g = silu(g) * u over n floats with vec8.inc's swiglu8 (the GEMM's gated
+// store). The last n % 8 go through a zero-padded vector, so every element
+// takes the same arithmetic wherever it sits.
+MLXCEL_TGT void swiglu_row(float* g, const float* u, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) store8(g + i, swiglu8(load8(g + i), load8(u + i)));
+  if (i < n) {
+    alignas(32) float ga[8] = {}, ua[8] = {};
+    std::memcpy(ga, g + i, (size_t)(n - i) * sizeof(float));
+    std::memcpy(ua, u + i, (size_t)(n - i) * sizeof(float));
+    store8(ga, swiglu8(load8(ga), load8(ua)));
+    std::memcpy(g + i, ga, (size_t)(n - i) * sizeof(float));
+  }
+}
+#undef MLXCEL_VEC8_AVX2
+}  // namespace avx2v
+
 #endif  // MLXCEL_X86
 
 struct VectorOps {
   float (*dot)(const float*, const float*, int);
   void (*axpy)(float, const float*, float*, int);
+  void (*swiglu)(float* g, const float* u, int n);  // one row, in place
 };
 
 VectorOps vector_ops() {
   static const VectorOps ops = [] {
 #ifdef MLXCEL_X86
     const Path path = resolve_path(Path::Auto);
-    if (path == Path::Avx512 || path == Path::Avx512Vnni) return VectorOps{dot_avx512, axpy_avx512};
-    if (path == Path::Avx2 || path == Path::Avx2Int8) return VectorOps{dot_avx2, axpy_avx2};
+    if (path == Path::Avx512 || path == Path::Avx512Vnni) return VectorOps{dot_avx512, axpy_avx512, avx2v::swiglu_row};
+    if (path == Path::Avx2 || path == Path::Avx2Int8) return VectorOps{dot_avx2, axpy_avx2, avx2v::swiglu_row};
 #endif
-    return VectorOps{detail::dot, axpy_portable};
+    return VectorOps{detail::dot, axpy_portable, swiglu_row_portable};
   }();
   return ops;
 }
@@ -420,33 +452,6 @@ struct AttentionJob {
 __attribute__((always_inline)) inline void prefetch_floats(const float* p, int n) {
   for (int i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
-
-// e^x 8 wide: vec8.inc's exp8, the same polynomial as simd::exp512.
-namespace avx2v {
-#define MLXCEL_VEC8_AVX2
-#include "vec8.inc"
-
-// g = silu(g) * u over n floats, as gemm_generic.inc's swiglu8: MLX's
-// sigmoid 1 / (1 + e^-g) with exp8. The last n % 8 go through a zero-padded
-// vector, so every element takes the same arithmetic wherever it sits.
-MLXCEL_TGT void swiglu_row(float* g, const float* u, int n) {
-  const vf8 one = splat8(1.0f);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const vf8 a = load8(g + i);
-    store8(g + i, a * (one / (one + exp8(-a))) * load8(u + i));
-  }
-  if (i < n) {
-    alignas(32) float ga[8] = {}, ua[8] = {};
-    std::memcpy(ga, g + i, (size_t)(n - i) * sizeof(float));
-    std::memcpy(ua, u + i, (size_t)(n - i) * sizeof(float));
-    const vf8 a = load8(ga);
-    store8(ga, a * (one / (one + exp8(-a))) * load8(ua));
-    std::memcpy(g + i, ga, (size_t)(n - i) * sizeof(float));
-  }
-}
-#undef MLXCEL_VEC8_AVX2
-}  // namespace avx2v
 
 // The 8 sums of a[0..7] (each 8 floats) in one vector, lane p = sum of a[p].
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 sum8x8(const __m256 (&a)[8]) {
@@ -952,23 +957,10 @@ struct Scratch {
   std::vector<float> logits, slots, rows, y;
 };
 
-// SwiGLU in place over `rows` rows of n: g = silu(g) * u, 8 wide on the
-// AVX2 and AVX-512 paths.
+// SwiGLU in place over `rows` rows of n: g = silu(g) * u.
 void swiglu_rows(float* g, const float* u, int rows, int n) {
-#ifdef MLXCEL_X86
-  static const bool vector = [] {
-    const Path path = resolve_path(Path::Auto);
-    return path == Path::Avx512 || path == Path::Avx512Vnni || path == Path::Avx2 || path == Path::Avx2Int8;
-  }();
-  if (vector) {
-    for (int r = 0; r < rows; ++r) avx2v::swiglu_row(g + (size_t)r * n, u + (size_t)r * n, n);
-    return;
-  }
-#endif
-  for (size_t i = 0; i < (size_t)rows * n; ++i) {
-    const float a = g[i];
-    g[i] = a * (1.0f / (1.0f + std::exp(-a))) * u[i];
-  }
+  const VectorOps ops = vector_ops();
+  for (int r = 0; r < rows; ++r) ops.swiglu(g + (size_t)r * n, u + (size_t)r * n, n);
 }
 
 // Expert e's rows [e * n, (e + 1) * n) of a stacked projection.
