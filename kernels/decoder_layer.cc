@@ -54,6 +54,9 @@ struct PreparedDecoderLayer {
   DecoderLayerSpec spec;  // the dimensions the weights were checked against
   std::vector<mx::array> arrays;  // the weights as `pack` lays them out, evaluated
   Slots slots;  // where each weight sits in `arrays`
+  // By slot of `arrays`: the dense projections' copies for the VNNI matvec
+  // (detail::make_vnni_rows), null where there is none.
+  std::vector<std::shared_ptr<const detail::VnniRows>> vnni_rows;
 };
 
 namespace {
@@ -974,6 +977,7 @@ Projection expert_rows(const Projection& stacked, int e, int n) {
   p.view.scales = (const uint8_t*)v.scales + (size_t)e * n * groups * scale_bytes;
   p.view.biases = (const uint8_t*)v.biases + (size_t)e * n * groups * scale_bytes;
   p.view.n = n;
+  p.view.vnni_rows = nullptr;  // the copy's blocks follow the stacked rows
   return p;
 }
 
@@ -1197,7 +1201,8 @@ void run_layer(const Pointers& p) {
 }
 
 // Points p's weight fields at `arrays` (laid out by `pack`, evaluated).
-void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots& at, const DecoderLayerSpec& spec) {
+void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots& at, const DecoderLayerSpec& spec,
+                  const PreparedDecoderLayer* prepared = nullptr) {
   auto vec = [&](int slot) {
     VectorRef r;
     if (slot < 0) return r;
@@ -1226,6 +1231,9 @@ void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots
     pr.view.k = k;
     pr.view.group = k / sc.shape(1);
     pr.view.bits = (int)((int64_t)w.shape(1) * 32 / k);
+    if (prepared && !prepared->vnni_rows.empty() && prepared->vnni_rows[ps.weight]) {
+      pr.view.vnni_rows = prepared->vnni_rows[ps.weight]->data();
+    }
     pr.bias = vec(ps.bias);
     return pr;
   };
@@ -1346,7 +1354,7 @@ class DecoderLayer : public mx::Primitive {
     p.x = x.data<float>();
     for (int d = 0; d < 3; ++d) p.x_strides[d] = x.strides()[d];
     if (prepared_) {
-      bind_weights(p, prepared_->arrays, prepared_->slots, spec_);
+      bind_weights(p, prepared_->arrays, prepared_->slots, spec_, prepared_.get());
     } else {
       bind_weights(p, inputs, at, spec_);
     }
@@ -1517,6 +1525,20 @@ std::shared_ptr<const PreparedDecoderLayer> prepare_decoder_layer(const DecoderL
   prepared->arrays = pack(in, stream, prepared->slots, /*activations=*/false);
   mx::eval(prepared->arrays);
   for (mx::array& a : prepared->arrays) a.detach();
+  // Decode streams every dense projection once per token: give the VNNI
+  // matvec its interleaved copies.
+  if (spec.experts == 0) {
+    Pointers p;
+    bind_weights(p, prepared->arrays, prepared->slots, spec);
+    prepared->vnni_rows.resize(prepared->arrays.size());
+    const std::pair<const Projection*, int> dense[] = {
+        {&p.q, prepared->slots.q.weight},       {&p.k, prepared->slots.k.weight},   {&p.v, prepared->slots.v.weight},
+        {&p.o, prepared->slots.o.weight},       {&p.gate, prepared->slots.gate.weight},
+        {&p.up, prepared->slots.up.weight},     {&p.down, prepared->slots.down.weight}};
+    for (const auto& [projection, slot] : dense) {
+      if (slot >= 0) prepared->vnni_rows[slot] = detail::make_vnni_rows(projection->view);
+    }
+  }
   return prepared;
 }
 

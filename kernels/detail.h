@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "mlx/mlx.h"
 #include "quantized_matmul.h"
@@ -32,7 +33,41 @@ struct QuantizedView {
   const void* biases = nullptr;     // [n, k / group]
   Scalar scale_type = Scalar::F32;
   int n = 0, k = 0, group = 0, bits = 0;
+  // The same weight's full blocks of 16 rows in the VNNI matvec's own order
+  // (VnniRows::data), or null: rows are then read in place.
+  const uint8_t* vnni_rows = nullptr;
 };
+
+// A copy of a quantized weight for the VNNI matvec (bits 4 and 8), made once
+// at load. Per full block of 16 rows: their scales [groups][16] and biases
+// [groups][16] in the weight's scale dtype, then their words
+// [k * bits / 32][16] (row l of the block in lane l). The loop reads it as one
+// forward stream with no transposes; the rows past the last full block stay
+// in the original. Immutable once made, so any thread may read it.
+class VnniRows {
+ public:
+  VnniRows(const QuantizedView& w);
+  ~VnniRows();
+  VnniRows(const VnniRows&) = delete;
+  VnniRows& operator=(const VnniRows&) = delete;
+  const uint8_t* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Bytes per block of 16 rows in a VnniRows of `w`.
+size_t vnni_block_bytes(const QuantizedView& w);
+
+// A VnniRows of `w` where this process's matvecs run the VNNI loop on it
+// (Path::Auto resolves to Avx512Vnni, bits 4 or 8 with a group it takes, at
+// least 16 rows) and MLXCEL_REPACK is not "0"; null otherwise.
+std::shared_ptr<const VnniRows> make_vnni_rows(const QuantizedView& w);
+
+// Bytes held by every live VnniRows.
+size_t vnni_rows_bytes();
 
 // y[m, n] = x[m, :] . dequantize(w)[n, :] for contiguous f32 rows of x,
 // split across the pool (same loops and results as quantized_matmul).

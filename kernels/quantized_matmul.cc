@@ -383,6 +383,10 @@ struct Job {
   const int8_t* xq = nullptr;
   size_t xq_stride = 0;  // bytes per row of x
   const float* xscale = nullptr;  // [M, G]
+  // Avx512Vnni: the full blocks of 16 rows as detail::VnniRows lays them
+  // out, vnni_block bytes each (null: every block is read from w).
+  const uint8_t* vnni_rows = nullptr;
+  size_t vnni_block = 0;
   float* y = nullptr;           // [M, N] f32 results
   int rows_per_task = 0;
   // Rows ahead whose weights the SIMD loops prefetch: about 12 KiB, so the
@@ -986,17 +990,18 @@ __attribute__((target("avx512f"), always_inline)) inline __m512i bcast4(const in
 
 // Where a VNNI tile takes its weight vectors from: transposed from the rows
 // (and kept for the block's next tiles), or as an earlier tile kept them.
-enum class WeightSource { Transpose, TransposeAndKeep, Kept };
+enum class WeightSource { Transpose, TransposeAndKeep, Kept, Interleaved };
 
 // Activation rows m0 .. m0+MT-1 against the block of 16 rows `rows` (output
-// rows n ..; lanes outside `store` are not written). st, bt: the block's f32
+// rows n ..; lanes outside `store` are not written), or with Interleaved
+// against `interleaved` ([wpr][16] as detail::VnniRows stores them). st, bt: the block's f32
 // scales and biases, 16 per group (lane l: row l). kept: the block's weight
 // vectors as tile_vnni dots them (bits 4: low and high nibbles), 2 (bits 4)
 // or 1 (bits 8) per word.
 template <int BITS, int MT, WeightSource SRC>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma"), always_inline)) inline void
 tile_vnni(const Job& j, const uint32_t* const (&rows)[16], const float* st, const float* bt, __m512i* kept, int m0,
-          int n, __mmask16 store) {
+          int n, __mmask16 store, const uint32_t* interleaved = nullptr) {
   constexpr int V = BITS == 4 ? 2 : 1;
   // Independent int32 sums per activation half and row, enough chains to
   // hide vpdpbusd's latency when MT is small (integer sums: the split does
@@ -1026,7 +1031,21 @@ tile_vnni(const Job& j, const uint32_t* const (&rows)[16], const float* st, cons
   for (int w0 = 0; w0 < wpr; w0 += 8) {
     const int words = std::min(8, wpr - w0);
     __m512i t[8];
-    if constexpr (SRC != WeightSource::Kept) {
+    if constexpr (SRC == WeightSource::Interleaved) {
+      const uint32_t* at = interleaved + (size_t)w0 * 16;
+      if (w0 % 16 == 0) {
+        // The same distance ahead as the row loop fetches, in one stream.
+        const char* ahead = reinterpret_cast<const char*>(at) + (size_t)j.prefetch_rows * j.row_bytes;
+        if (j.prefetch_l2) {
+          for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
+        } else {
+          for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+        }
+      }
+      // Masked loads: the words past the row's end are never read.
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) t[k] = _mm512_maskz_loadu_epi32(k < words ? 0xffff : 0, at + k * 16);
+    } else if constexpr (SRC != WeightSource::Kept) {
       if (w0 % 16 == 0) {
         // The rows are read once, in order: fetch ahead of the hardware
         // prefetcher, which alone leaves decode waiting on L3.
@@ -1107,6 +1126,28 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
   __m512i* const kept =
       reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(kept_words.data()) + 63) & ~(uintptr_t)63);
   for (int n = n0; n < n1; n += 16) {
+    if (j.vnni_rows && n % 16 == 0 && n + 16 <= j.N) {
+      // A full block of the interleaved copy: scales, biases, then words.
+      const uint8_t* block = j.vnni_rows + (size_t)(n / 16) * j.vnni_block;
+      const size_t group_block = 16 * gs * group_bytes;
+      for (int g = 0; g < G; ++g) {
+        _mm512_storeu_ps(st.data() + (size_t)g * 16, load16_as_f32(block, j.sty, (size_t)g * 16, 16));
+        _mm512_storeu_ps(bt.data() + (size_t)g * 16, load16_as_f32(block + group_block, j.sty, (size_t)g * 16, 16));
+      }
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(block + 2 * group_block);
+      const uint32_t* rows[16] = {};
+      constexpr auto I = WeightSource::Interleaved;
+      const float *s = st.data(), *b = bt.data();
+      int m = 0;
+      for (; m + 4 <= j.M; m += 4) tile_vnni<BITS, 4, I>(j, rows, s, b, kept, m, n, 0xffff, words);
+      switch (j.M - m) {
+        case 3: tile_vnni<BITS, 3, I>(j, rows, s, b, kept, m, n, 0xffff, words); break;
+        case 2: tile_vnni<BITS, 2, I>(j, rows, s, b, kept, m, n, 0xffff, words); break;
+        case 1: tile_vnni<BITS, 1, I>(j, rows, s, b, kept, m, n, 0xffff, words); break;
+        default: break;
+      }
+      continue;
+    }
     // A short last block repeats its last row in the unused lanes.
     const int valid = std::min(16, n1 - n);
     const uint32_t* rows[16];
@@ -1570,15 +1611,31 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     enc.set_input_array(w);
     enc.set_input_array(scales);
     enc.set_input_array(biases);
+    const uint8_t* vnni_rows = nullptr;
+    if (inputs.size() == 5) {
+      detail::QuantizedView view;
+      view.scale_type = static_cast<detail::Scalar>(j.sty);
+      view.n = j.N;
+      view.k = j.K;
+      view.group = j.group;
+      view.bits = j.bits;
+      // A copy of another layout (or none for this path) is not read.
+      if (j.path == Path::Avx512Vnni && (size_t)inputs[4].nbytes() == (size_t)(j.N / 16) * detail::vnni_block_bytes(view)) {
+        vnni_rows = inputs[4].data<uint8_t>();
+        j.vnni_block = detail::vnni_block_bytes(view);
+      }
+      enc.set_input_array(inputs[4]);
+    }
     enc.set_output_array(out);
     // MLX's cpu::eval keeps the inputs' buffers alive until this task has run.
     enc.dispatch([j, xp = x.data<void>(), xty = ty_of(x.dtype()), offsets = std::move(offsets), step,
-                  wp = w.data<uint8_t>(), sp = scales.data<void>(), bp = biases.data<void>(),
+                  wp = w.data<uint8_t>(), sp = scales.data<void>(), bp = biases.data<void>(), vnni_rows,
                   op = out.data<void>(), oty = ty_of(out.dtype())]() mutable {
       if (j.M == 0 || j.N == 0) return;
       j.w = wp;
       j.scales = sp;
       j.biases = bp;
+      j.vnni_rows = vnni_rows;
       compute(j, xp, xty, offsets, step, op, oty);
     });
   }
@@ -1626,12 +1683,80 @@ Scalar scalar_of(mx::Dtype dtype, const char* what) {
 
 float load_f32(const void* p, Scalar type, size_t i) { return load_as_f32(p, static_cast<Ty>(type), i); }
 
+namespace {
+
+// Reads the interleaved copy of `w`, when it has one, where j runs the VNNI loop.
+void use_vnni_rows(Job& j, const QuantizedView& w) {
+  if (w.vnni_rows && j.path == Path::Avx512Vnni && j.bits == w.bits && j.group == w.group) {
+    j.vnni_rows = w.vnni_rows;
+    j.vnni_block = vnni_block_bytes(w);
+  }
+}
+
+std::atomic<size_t> g_vnni_rows_bytes{0};
+
+}  // namespace
+
+size_t vnni_block_bytes(const QuantizedView& w) {
+  const size_t scale_bytes = w.scale_type == Scalar::F32 ? 4 : 2;
+  return 2 * 16 * (size_t)(w.k / w.group) * scale_bytes + 16 * ((size_t)w.k * w.bits / 8);
+}
+
+VnniRows::VnniRows(const QuantizedView& w) {
+  const int blocks = w.n / 16;
+  const size_t block_bytes = vnni_block_bytes(w);
+  bytes_ = (size_t)blocks * block_bytes;
+  if (bytes_ == 0) return;
+  data_ = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes_ + 63) / 64 * 64));
+  if (!data_) throw std::bad_alloc();
+  const size_t scale_bytes = w.scale_type == Scalar::F32 ? 4 : 2;
+  const size_t groups = (size_t)(w.k / w.group), words = (size_t)w.k * w.bits / 32;
+  const size_t group_block = 16 * groups * scale_bytes;
+  const auto* scales = static_cast<const uint8_t*>(w.scales);
+  const auto* biases = static_cast<const uint8_t*>(w.biases);
+  const auto* weight = reinterpret_cast<const uint32_t*>(w.weight);
+  for (int b = 0; b < blocks; ++b) {
+    uint8_t* block = data_ + (size_t)b * block_bytes;
+    auto* block_words = reinterpret_cast<uint32_t*>(block + 2 * group_block);
+    for (int l = 0; l < 16; ++l) {
+      const size_t row = (size_t)b * 16 + l;
+      for (size_t g = 0; g < groups; ++g) {
+        std::memcpy(block + (g * 16 + l) * scale_bytes, scales + (row * groups + g) * scale_bytes, scale_bytes);
+        std::memcpy(block + group_block + (g * 16 + l) * scale_bytes, biases + (row * groups + g) * scale_bytes,
+                    scale_bytes);
+      }
+      for (size_t k = 0; k < words; ++k) block_words[k * 16 + l] = weight[row * words + k];
+    }
+  }
+  g_vnni_rows_bytes.fetch_add(bytes_, std::memory_order_relaxed);
+}
+
+VnniRows::~VnniRows() {
+  if (data_) g_vnni_rows_bytes.fetch_sub(bytes_, std::memory_order_relaxed);
+  std::free(data_);
+}
+
+std::shared_ptr<const VnniRows> make_vnni_rows(const QuantizedView& w) {
+  static const bool wanted = [] {
+    const char* env = std::getenv("MLXCEL_REPACK");
+    return !(env && std::string(env) == "0");
+  }();
+  if (!wanted || w.n < 16 || w.weight == nullptr) return nullptr;
+  const Job j = make_job(1, w.n, w.k, w.group, w.bits, (size_t)w.k * w.bits / 8, static_cast<Ty>(w.scale_type),
+                         Path::Auto);
+  if (j.path != Path::Avx512Vnni) return nullptr;
+  return std::make_shared<const VnniRows>(w);
+}
+
+size_t vnni_rows_bytes() { return g_vnni_rows_bytes.load(std::memory_order_relaxed); }
+
 void quantized_matmul_f32(const QuantizedView& w, const float* x, int m, float* y, Path path) {
   if (m == 0 || w.n == 0) return;
   Job j = make_job(m, w.n, w.k, w.group, w.bits, (size_t)w.k * w.bits / 8, static_cast<Ty>(w.scale_type), path);
   j.w = w.weight;
   j.scales = w.scales;
   j.biases = w.biases;
+  use_vnni_rows(j, w);
   std::vector<int64_t> offsets(m);
   for (int r = 0; r < m; ++r) offsets[r] = (int64_t)r * w.k;
   compute(j, x, Ty::F32, offsets, 1, y, Ty::F32);
@@ -1645,6 +1770,7 @@ void quantized_matmul_f32_many(const QuantizedView* ws, int count, const float* 
     j.w = w.weight;
     j.scales = w.scales;
     j.biases = w.biases;
+    use_vnni_rows(j, w);
     return j;
   };
   MultiJob mj;
@@ -1724,7 +1850,8 @@ mx::array quantized_matmul(
     int group_size,
     int bits,
     Path path,
-    mx::StreamOrDevice s) {
+    mx::StreamOrDevice s,
+    const std::optional<mx::array>& vnni_rows) {
   mx::Stream stream = mx::to_stream(s);
   // MLX's node validates the arguments and fixes the output shape and dtype.
   mx::array ref = mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", stream);
@@ -1733,9 +1860,45 @@ mx::array quantized_matmul(
       !detail::is_float(ref.dtype()) || ref.size() == 0) {
     return ref;
   }
+  std::vector<mx::array> inputs = {x, detail::row_contiguous(w, stream), detail::row_contiguous(scales, stream),
+                                   detail::row_contiguous(biases, stream)};
+  if (vnni_rows) {
+    if (vnni_rows->dtype() != mx::uint8 || vnni_rows->ndim() != 1) {
+      throw std::invalid_argument("[mlxcel::kernels::quantized_matmul] vnni_rows must be the uint8 array vnni_rows made");
+    }
+    inputs.push_back(*vnni_rows);
+  }
   return mx::array(ref.shape(), ref.dtype(), std::make_shared<QuantizedMatvec>(stream, group_size, bits, path),
-                   {x, detail::row_contiguous(w, stream), detail::row_contiguous(scales, stream),
-                    detail::row_contiguous(biases, stream)});
+                   std::move(inputs));
+}
+
+std::optional<mx::array> vnni_rows(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                                   int bits) {
+  if (w.ndim() != 2 || scales.ndim() != 2 || biases.shape() != scales.shape() || scales.dtype() != biases.dtype() ||
+      !detail::is_float(scales.dtype()) || !supports(group_size, bits) || w.dtype() != mx::uint32) {
+    return std::nullopt;
+  }
+  const int64_t n = w.shape(0), k = (int64_t)w.shape(1) * 32 / bits;
+  if (k % group_size != 0 || scales.shape(0) != n || scales.shape(1) != k / group_size || n > INT32_MAX || k > INT32_MAX) {
+    return std::nullopt;
+  }
+  mx::Stream stream = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> dense = {detail::row_contiguous(w, stream), detail::row_contiguous(scales, stream),
+                                  detail::row_contiguous(biases, stream)};
+  mx::eval(dense);
+  detail::QuantizedView view;
+  view.weight = dense[0].data<uint8_t>();
+  view.scales = dense[1].data<void>();
+  view.biases = dense[2].data<void>();
+  view.scale_type = detail::scalar_of(dense[1].dtype(), "scales");
+  view.n = (int)n;
+  view.k = (int)k;
+  view.group = group_size;
+  view.bits = bits;
+  std::shared_ptr<const detail::VnniRows> rows = detail::make_vnni_rows(view);
+  if (!rows || rows->bytes() == 0) return std::nullopt;
+  // The array borrows the copy's buffer and keeps it alive.
+  return mx::array(const_cast<uint8_t*>(rows->data()), mx::Shape{(int)rows->bytes()}, mx::uint8, [rows](void*) {});
 }
 
 }  // namespace mlxcel::kernels

@@ -11,6 +11,7 @@
 // unchanged.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "mlx/mlx.h"
@@ -65,6 +66,22 @@ mlx::core::array quantized_matmul(
     int group_size,
     int bits,
     Path path = Path::Auto,
-    mlx::core::StreamOrDevice s = {});
+    mlx::core::StreamOrDevice s = {},
+    const std::optional<mlx::core::array>& vnni_rows = std::nullopt);
+
+// A copy of the weight in the order the AVX-512 VNNI matvec streams it
+// (full blocks of 16 rows, output-interleaved; see detail::VnniRows), as a
+// 1-D uint8 array to pass to `quantized_matmul` with the same weight. Made
+// only where this process's matvec runs the VNNI loop on the layout (bits 4
+// or 8, groups a multiple of 16 up to 256, at least 16 rows) and
+// MLXCEL_REPACK is not "0"; nullopt otherwise. Evaluates w, scales and
+// biases. The copy costs as much memory as the weight; with it the matvec
+// reads one forward stream and transposes nothing.
+std::optional<mlx::core::array> vnni_rows(
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const mlx::core::array& biases,
+    int group_size,
+    int bits);
 
 }  // namespace mlxcel::kernels

@@ -14,6 +14,7 @@
 #include "quantized_gemm.h"
 #include "causal_attention.h"
 #include "kv_pool.h"
+#include "detail.h"
 
 namespace mx = mlx::core;
 
@@ -425,6 +426,13 @@ kernels::Path to_path(int32_t path) {
 ArrayPtr kernels_quantized_matmul(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path) {
   return wrap(kernels::quantized_matmul(x, w, scales, biases, group_size, bits, to_path(path)));
 }
+ArrayPtr kernels_quantized_matmul_vnni_rows(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path, const array& vnni_rows) {
+  return wrap(kernels::quantized_matmul(x, w, scales, biases, group_size, bits, to_path(path), {}, vnni_rows));
+}
+ArrayPtr kernels_vnni_rows(const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits) {
+  std::optional<array> rows = kernels::vnni_rows(w, scales, biases, group_size, bits);
+  return rows ? wrap(std::move(*rows)) : nullptr;
+}
 rust::String kernels_path_name(int32_t path) {
   return rust::String(kernels::path_name(kernels::resolve_path(to_path(path))));
 }
@@ -572,6 +580,7 @@ void kernels_kv_pool_release(const array& pool, rust::Slice<const int32_t> ids) 
   kernels::kv_pool_release(pool, std::vector<int32_t>(ids.begin(), ids.end()));
 }
 size_t kernels_resident_bytes(const array& a) { return kernels::resident_bytes(a); }
+size_t kernels_vnni_rows_bytes() { return kernels::detail::vnni_rows_bytes(); }
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype) {
   return wrap(kernels::quantized_embedding(ids, w, scales, biases, group_size, bits, to_dtype(dtype)));
 }

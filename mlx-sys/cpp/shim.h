@@ -201,6 +201,9 @@ rust::String blas_library();
 namespace mlxcel {
 // mlxcel's own CPU kernels (../kernels). `path`: -1 auto, 0 portable, 1 avx2, 2 avx512.
 ArrayPtr kernels_quantized_matmul(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path);
+ArrayPtr kernels_quantized_matmul_vnni_rows(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path, const array& vnni_rows);
+// The VNNI matvec's copy of a weight (kernels::vnni_rows), or null where there is none.
+ArrayPtr kernels_vnni_rows(const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits);
 rust::String kernels_path_name(int32_t path);
 int32_t kernels_num_threads();
 bool kernels_supports(int32_t group_size, int32_t bits);
@@ -234,6 +237,8 @@ ArrayPtr kernels_kv_pool_buffer(int32_t blocks, int32_t kv_heads, int32_t block,
 ArrayPtr kernels_kv_pool_buffer_q8(int32_t blocks, int32_t layers, int32_t kv_heads, int32_t block, int32_t head_dim);
 void kernels_kv_pool_release(const array& pool, rust::Slice<const int32_t> ids);
 size_t kernels_resident_bytes(const array& a);
+// Bytes of the weight copies the VNNI matvec reads (kernels/detail.h, VnniRows).
+size_t kernels_vnni_rows_bytes();
 // Dequantized rows of a quantized embedding table (kernels/quantized_embedding.h).
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype);
 // The name of the op that computes an unevaluated array ("" for a leaf).

@@ -214,6 +214,9 @@ mod bridge {
         fn tensor_file_meta_key(file: &TensorFile, index: usize) -> Result<String>;
         fn tensor_file_meta_value(file: &TensorFile, index: usize) -> Result<String>;
         fn kernels_quantized_matmul(x: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, path: i32) -> Result<UniquePtr<MlxArray>>;
+        #[allow(clippy::too_many_arguments)]
+        fn kernels_quantized_matmul_vnni_rows(x: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, path: i32, vnni_rows: &MlxArray) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_vnni_rows(w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_path_name(path: i32) -> Result<String>;
         fn kernels_num_threads() -> i32;
         fn kernels_supports(group_size: i32, bits: i32) -> bool;
@@ -241,6 +244,7 @@ mod bridge {
         fn kernels_kv_pool_buffer_q8(blocks: i32, layers: i32, kv_heads: i32, block: i32, head_dim: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_kv_pool_release(pool: &MlxArray, ids: &[i32]) -> Result<()>;
         fn kernels_resident_bytes(a: &MlxArray) -> Result<usize>;
+        fn kernels_vnni_rows_bytes() -> usize;
         #[allow(clippy::too_many_arguments)]
         fn kernels_quantized_embedding(ids: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_primitive_name(a: &MlxArray) -> String;

@@ -87,6 +87,43 @@ pub fn quantized_matmul_with_path(
     ))
 }
 
+/// The copy of a quantized weight that the AVX-512 VNNI matvec streams in
+/// order (full blocks of 16 rows, output-interleaved), for
+/// [`quantized_matmul_with_vnni_rows`] with the same weight. `None` where
+/// this process's matvec would not read it: another loop, a layout the VNNI
+/// loop does not take (bits 4 and 8, groups a multiple of 16 up to 256), fewer
+/// than 16 rows, or `MLXCEL_REPACK=0`. It costs as much memory as the
+/// weight (in MLX's memory) and is built once: keep it with
+/// the weight. Evaluates `w`, `scales` and `biases`.
+pub fn vnni_rows(w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<Option<Array>> {
+    let rows = ffi::kernels_vnni_rows(&w.raw, &scales.raw, &biases.raw, group_size, bits)?;
+    Ok(if rows.is_null() { None } else { Some(Array::wrap(rows)) })
+}
+
+/// [`quantized_matmul`] reading `vnni_rows` (from [`vnni_rows`] of this
+/// weight) where it runs the VNNI loop: the same result bit for bit, without
+/// transposing each block of the weight.
+pub fn quantized_matmul_with_vnni_rows(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+    vnni_rows: &Array,
+) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_quantized_matmul_vnni_rows(
+        &x.raw,
+        &w.raw,
+        &scales.raw,
+        &biases.raw,
+        group_size,
+        bits,
+        KernelPath::Auto as i32,
+        &vnni_rows.raw,
+    ))
+}
+
 /// The loop `path` resolves to on this CPU: `"avx512"`, `"avx2"` or `"portable"`.
 pub fn path_name(path: KernelPath) -> String {
     ffi::kernels_path_name(path as i32).unwrap_or_else(|_| "unknown".into())
@@ -394,6 +431,15 @@ pub fn kv_pool_release(pool: &Array, ids: &[i32]) -> Result<()> {
 /// Bytes of an evaluated array's buffer that are resident in memory.
 pub fn resident_bytes(a: &Array) -> Result<usize> {
     Ok(ffi::kernels_resident_bytes(&a.raw)?)
+}
+
+/// Bytes held by the weight copies the AVX-512 VNNI matvec streams in its
+/// own order that live [`PreparedDecoderLayer`]s hold (made by
+/// [`PreparedDecoderLayer::new`] on CPUs where decode runs that loop, unless
+/// `MLXCEL_REPACK=0`), on top of the weights themselves. Copies from
+/// [`vnni_rows`] are MLX arrays, counted in MLX's memory instead.
+pub fn vnni_rows_bytes() -> usize {
+    ffi::kernels_vnni_rows_bytes()
 }
 
 fn three_arrays(list: &ffi::ArrayList) -> Result<(Array, Array, Array)> {

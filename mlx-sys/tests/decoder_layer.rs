@@ -567,13 +567,23 @@ fn prepared_weights_give_the_same_block() {
         (31, LLAMA, 5, 1),
         (32, Config { qkv_bias: true, qk_norm: true, rope_freqs: true, ..LLAMA }, 3, 3),
         (33, Config { bits: 8, group: 32, sdtype: Dtype::Float16, ..LLAMA }, 0, 2),
+        // k and v of 24 rows: one full block of 16 in the VNNI copy, 8 rows
+        // read in place.
+        (34, Config { kv_heads: 1, head_dim: 24, ..LLAMA }, 2, 1),
+        (35, Config { bits: 8, group: 32, kv_heads: 1, head_dim: 24, sdtype: Dtype::Bfloat16, ..LLAMA }, 1, 5),
     ] {
         let layer = Layer::new(seed, c);
         let x = randn(seed ^ 0x5eed, &[1, l, c.hidden], 1.0);
         let keys = random_cache(seed ^ 0xe1, &layer, offset + 2 * l + 1);
         let values = random_cache(seed ^ 0xe2, &layer, offset + 2 * l + 1);
         let spec = layer.spec(offset);
+        let copies_before = kernels::vnni_rows_bytes();
         let prepared = kernels::PreparedDecoderLayer::new(&layer.weights(), &spec).unwrap();
+        // On a VNNI CPU the prepared block streams its own copies (compared
+        // bit for bit with the unprepared block below, which has none).
+        if kernels::path_name(kernels::KernelPath::Auto) == "avx512-vnni" && std::env::var("MLXCEL_REPACK").as_deref() != Ok("0") {
+            assert!(kernels::vnni_rows_bytes() > copies_before, "seed {seed}: no VNNI copies were made");
+        }
         let direct = kernels::decoder_layer(&x, &layer.weights(), &detached_copy(&keys), &detached_copy(&values), &spec).unwrap();
         let (out, k, v) = prepared.forward(&x, &detached_copy(&keys), &detached_copy(&values), &spec).unwrap();
         assert_eq!(kernels::array_inputs(&out), 3, "seed {seed}: x, keys and values are the only inputs");

@@ -572,3 +572,44 @@ fn gelu_erf_matches_an_f64_reference_on_every_path() {
     let got: Vec<f32> = kernels::gelu_erf(&half).unwrap().astype(Dtype::Float32).unwrap().to_vec().unwrap();
     assert!((got[0] - 0.8413).abs() < 1e-3 && (got[1] + 0.0455).abs() < 1e-3, "{got:?}");
 }
+
+/// The VNNI matvec's copy of a weight gives the same result bit for bit as
+/// the weight read in place, for every row count a decode or a draft
+/// verification takes, with a last block of fewer than 16 rows; it exists
+/// exactly where the matvec runs the VNNI loop.
+#[test]
+fn vnni_rows_copy_gives_the_same_result() {
+    let _g = lock();
+    for (seed, n, k, group, bits, sdtype) in
+        [(81, 200, 576, 32, 8, Dtype::Float16), (82, 72, 256, 64, 4, Dtype::Float32), (83, 16, 128, 32, 4, Dtype::Bfloat16), (84, 8, 128, 32, 8, Dtype::Float16)]
+    {
+        let q = make_weights(seed, n, k, group, bits, sdtype);
+        let rows = kernels::vnni_rows(&q.w, &q.scales, &q.biases, group, bits).unwrap();
+        let expected = uses_vnni(KernelPath::Auto, bits as usize, group as usize) && n >= 16 && std::env::var("MLXCEL_REPACK").as_deref() != Ok("0");
+        assert_eq!(rows.is_some(), expected, "seed {seed}: a copy exactly where the VNNI loop reads it");
+        let Some(rows) = rows else { continue };
+        assert_eq!(rows.size(), (n as usize / 16) * (16 * k as usize * bits as usize / 8 + 2 * 16 * (k / group) as usize * if sdtype == Dtype::Float32 { 4 } else { 2 }));
+        for m in [1, 3, 5, 9] {
+            let x = make_x(seed ^ m as u64, &[m, k], Dtype::Float32);
+            let plain = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, group, bits).unwrap();
+            let copied = kernels::quantized_matmul_with_vnni_rows(&x, &q.w, &q.scales, &q.biases, group, bits, &rows).unwrap();
+            assert_eq!(to_f32(&copied), to_f32(&plain), "seed {seed}, {m} rows: the copy changed the result");
+        }
+    }
+    // A copy of another weight's size is refused, not misread.
+    let q = make_weights(85, 32, 128, 32, 4, Dtype::Float16);
+    let other = make_weights(86, 48, 128, 32, 4, Dtype::Float16);
+    if let Some(rows) = kernels::vnni_rows(&other.w, &other.scales, &other.biases, 32, 4).unwrap() {
+        let x = make_x(87, &[1, 128], Dtype::Float32);
+        let plain = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, 32, 4).unwrap();
+        let mismatched = kernels::quantized_matmul_with_vnni_rows(&x, &q.w, &q.scales, &q.biases, 32, 4, &rows).unwrap();
+        assert_eq!(to_f32(&mismatched), to_f32(&plain), "a copy that does not fit the weight is not read");
+        // One that fits is read: another weight's copy of the same shape
+        // gives that weight's rows.
+        let same_shape = make_weights(88, 32, 128, 32, 4, Dtype::Float16);
+        let its_copy = kernels::vnni_rows(&same_shape.w, &same_shape.scales, &same_shape.biases, 32, 4).unwrap().unwrap();
+        let read = kernels::quantized_matmul_with_vnni_rows(&x, &q.w, &q.scales, &q.biases, 32, 4, &its_copy).unwrap();
+        let theirs = kernels::quantized_matmul(&x, &same_shape.w, &same_shape.scales, &same_shape.biases, 32, 4).unwrap();
+        assert_eq!(to_f32(&read), to_f32(&theirs), "the copy passed is the one read");
+    }
+}

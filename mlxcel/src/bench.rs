@@ -293,6 +293,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "loaded_rss_bytes": loaded_rss,
             "process_peak_mlx_bytes": process_peak_mlx_bytes,
             "weight_bytes": weight_bytes,
+            "vnni_rows_bytes": mlx_sys::kernels::vnni_rows_bytes(),
             "kv_bytes": kv_bytes,
             "kv_bits": engine.kv_pool().format().bits(),
             "quantized_at_load": engine.model().info().quantized_at_load.map(|q| serde_json::json!({"bits": q.bits, "group_size": q.group_size})),
@@ -359,7 +360,10 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("baseline RSS", baseline_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (before loading the model)", mib(b)))),
         ("loaded RSS", loaded_rss.map_or_else(|| "n/a".to_string(), |b| format!("{} (model loaded, before generating)", mib(b)))),
         ("peak MLX", format!("{} (process-wide, highest run)", mib(process_peak_mlx_bytes as u64))),
-        ("weights", mib(weight_bytes)),
+        ("weights", match mlx_sys::kernels::vnni_rows_bytes() {
+            0 => mib(weight_bytes),
+            copies => format!("{} (+ {} of the fused blocks' copies the VNNI matvec streams in order, + the logits' copy in MLX memory; MLXCEL_REPACK=0 leaves them out)", mib(weight_bytes), mib(copies as u64)),
+        }),
         ("KV cache", format!("{} ({kv_positions} positions, {})", human_bytes(kv_bytes), match engine.kv_pool().format() {
             mlxcel_models::KvFormat::F32 => "f32",
             mlxcel_models::KvFormat::Q8 => "8 bits, group 64",
