@@ -1,7 +1,8 @@
 //! Thread scaling of the quantized matvec: `count` independent [n, k]
 //! products of one activation row (random weights, group 32, f16 scales),
 //! evaluated together, best of 30; prints µs per product and GB/s of weights.
-//! Run it with MLXCEL_NUM_THREADS=1 and =2 (and MLXCEL_KERNELS) to compare.
+//! Run it with MLXCEL_NUM_THREADS=1 and =2 (and MLXCEL_KERNELS) to compare,
+//! and with MLXCEL_PROBE_COPIES=1 to give each weight its VNNI copy.
 //!
 //! `cargo run --release -p mlx-sys --example scaling_probe -- N K BITS COUNT`
 //! (SmolLM2-135M decode: 576 576 4 120, 1536 576 4 60; its lm_head: 49152 576 8 1).
@@ -31,16 +32,30 @@ fn main() -> mlx_sys::Result<()> {
         mlx_sys::eval([&w, &s, &b])?;
         ws.push((w, s, b));
     }
+    // MLXCEL_PROBE_COPIES=1: each weight with its VNNI copy (kernels::vnni_rows).
+    let copies = std::env::var("MLXCEL_PROBE_COPIES").as_deref() == Ok("1");
+    let rows = ws
+        .iter()
+        .map(|(w, s, b)| if copies { kernels::vnni_rows(w, s, b, 32, bits) } else { Ok(None) })
+        .collect::<mlx_sys::Result<Vec<_>>>()?;
     let x = random::normal(&[1, k], Dtype::Float32, 0.0, 1.0, &key)?;
     x.eval()?;
     let mut best = f64::MAX;
     for _ in 0..30 {
-        let outs = ws.iter().map(|(w, s, b)| kernels::quantized_matmul(&x, w, s, b, 32, bits)).collect::<mlx_sys::Result<Vec<_>>>()?;
+        let outs = ws
+            .iter()
+            .zip(&rows)
+            .map(|((w, s, b), copy)| match copy {
+                Some(copy) => kernels::quantized_matmul_with_vnni_rows(&x, w, s, b, 32, bits, copy),
+                None => kernels::quantized_matmul(&x, w, s, b, 32, bits),
+            })
+            .collect::<mlx_sys::Result<Vec<_>>>()?;
         let t = Instant::now();
         mlx_sys::eval(outs.iter())?;
         best = best.min(t.elapsed().as_secs_f64());
     }
     let bytes: usize = ws.iter().map(|(w, s, b)| w.nbytes() + s.nbytes() + b.nbytes()).sum();
-    println!("threads {} n {n} k {k} bits {bits} x{batch}: {:.1} us per call, {:.1} GB/s", kernels::num_threads(), best * 1e6 / batch as f64, bytes as f64 / best / 1e9);
+    let with = if rows.iter().any(Option::is_some) { ", VNNI copies" } else { "" };
+    println!("threads {}{with} n {n} k {k} bits {bits} x{batch}: {:.1} us per call, {:.1} GB/s", kernels::num_threads(), best * 1e6 / batch as f64, bytes as f64 / best / 1e9);
     Ok(())
 }

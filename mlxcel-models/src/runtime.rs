@@ -14,7 +14,10 @@
 //! environment by the first model load or engine ([`get`]). A later [`init`]
 //! with a different configuration is an error rather than a silent change
 //! under running generations. The kernels' thread count is read by the
-//! kernels themselves (`MLXCEL_NUM_THREADS`, default: all cores).
+//! kernels themselves (`MLXCEL_NUM_THREADS`, default: all cores), and so is
+//! `MLXCEL_REPACK` (`1` or `0`, default `1`: on CPUs where decode runs the
+//! AVX-512 VNNI matvec, keep a copy of each decode weight in that loop's
+//! order, as much memory again as those weights; checked at load here).
 
 use std::sync::OnceLock;
 
@@ -90,6 +93,12 @@ impl RuntimeConfig {
                 "0" => false,
                 _ => return Err(invalid("MLXCEL_FUSED", &v, "`1` or `0`")),
             };
+        }
+        // Read by the kernels themselves; checked here so a typo fails the load.
+        if let Some(v) = lookup("MLXCEL_REPACK") {
+            if !matches!(v.as_str(), "1" | "0" | "") {
+                return Err(invalid("MLXCEL_REPACK", &v, "`1` or `0`"));
+            }
         }
         if let Some(v) = lookup("MLXCEL_MLX_CACHE_LIMIT") {
             config.mlx_cache_limit = match v.as_str() {
@@ -182,11 +191,14 @@ mod tests {
         assert_eq!(c, RuntimeConfig { prefill: PrefillBackend::Mlx, fused_decode: false, mlx_cache_limit: Some(1 << 20) });
         let c = RuntimeConfig::from_lookup(lookup(&[("MLXCEL_MLX_CACHE_LIMIT", "default")])).unwrap();
         assert_eq!(c.mlx_cache_limit, None);
+        for repack in ["0", "1"] {
+            assert_eq!(RuntimeConfig::from_lookup(lookup(&[("MLXCEL_REPACK", repack)])).unwrap(), RuntimeConfig::default());
+        }
     }
 
     #[test]
     fn invalid_values_name_the_variable() {
-        for (name, value) in [("MLXCEL_PREFILL", "fast"), ("MLXCEL_FUSED", "yes"), ("MLXCEL_MLX_CACHE_LIMIT", "1G")] {
+        for (name, value) in [("MLXCEL_PREFILL", "fast"), ("MLXCEL_FUSED", "yes"), ("MLXCEL_MLX_CACHE_LIMIT", "1G"), ("MLXCEL_REPACK", "off")] {
             let e = RuntimeConfig::from_lookup(lookup(&[(name, value)])).unwrap_err().to_string();
             assert!(e.contains(name) && e.contains(value), "{e}");
         }
