@@ -55,9 +55,6 @@ pub struct QuantizedWeight {
     pub scales: Array,
     pub biases: Array,
     pub params: QuantParams,
-    /// The copy the AVX-512 VNNI matvec streams in order
-    /// ([`keep_vnni_rows`](Self::keep_vnni_rows)), or None.
-    pub vnni_rows: Option<Array>,
 }
 
 impl QuantizedWeight {
@@ -80,18 +77,7 @@ impl QuantizedWeight {
             scales: scope.get_stored("scales", &[out_features, groups])?,
             biases: scope.get_stored("biases", &[out_features, groups])?,
             params,
-            vnni_rows: None,
         })
-    }
-
-    /// Keeps the copy of this weight that the AVX-512 VNNI matvec streams in
-    /// order ([`kernels::vnni_rows`]): for a weight decode reads every token
-    /// outside the fused block (the logits). It costs as much memory as the
-    /// weight; where this CPU's matvec would not read it, none is made.
-    pub fn keep_vnni_rows(&mut self) -> Result<()> {
-        let p = self.params;
-        self.vnni_rows = kernels::vnni_rows(&self.weight, &self.scales, &self.biases, p.group_size, p.bits)?;
-        Ok(())
     }
 
     /// `x @ W.T`. Many rows (prefill) run as our quantized GEMM kernel
@@ -119,10 +105,7 @@ impl QuantizedWeight {
             let w = mlx_sys::dequantize(&self.weight, &scales, &biases, p.group_size, p.bits)?;
             return Ok(x.matmul(&w.transpose(&[1, 0])?)?);
         }
-        Ok(match &self.vnni_rows {
-            Some(rows) => kernels::quantized_matmul_with_vnni_rows(x, &self.weight, &self.scales, &self.biases, p.group_size, p.bits, rows)?,
-            None => kernels::quantized_matmul(x, &self.weight, &self.scales, &self.biases, p.group_size, p.bits)?,
-        })
+        Ok(kernels::quantized_matmul(x, &self.weight, &self.scales, &self.biases, p.group_size, p.bits)?)
     }
 }
 
@@ -159,15 +142,6 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Keeps the VNNI matvec's copy of a quantized weight
-    /// ([`QuantizedWeight::keep_vnni_rows`]); a dense weight has none.
-    pub fn keep_vnni_rows(&mut self) -> Result<()> {
-        match &mut self.weight {
-            LinearWeight::Quantized(q) => q.keep_vnni_rows(),
-            LinearWeight::Dense(_) => Ok(()),
-        }
-    }
-
     /// A dense layer from its evaluated weight [out, in] and bias [out].
     pub fn from_dense(weight: Array, bias: Option<Array>) -> Self {
         Linear { weight: LinearWeight::Dense(weight), bias }
@@ -214,7 +188,6 @@ impl Linear {
                     scales: take(&q.scales)?,
                     biases: take(&q.biases)?,
                     params: q.params,
-                    vnni_rows: None,
                 }),
             };
             parts.push(Linear { weight, bias: self.bias.as_ref().map(take).transpose()? });
@@ -243,7 +216,7 @@ impl Linear {
                 let biases = scope.get_stored("biases", &[experts, out_features, groups])?;
                 let each = (0..experts)
                     .map(|e| {
-                        let q = QuantizedWeight { weight: expert(&weight, e)?, scales: expert(&scales, e)?, biases: expert(&biases, e)?, params, vnni_rows: None };
+                        let q = QuantizedWeight { weight: expert(&weight, e)?, scales: expert(&scales, e)?, biases: expert(&biases, e)?, params };
                         Ok(Linear { weight: LinearWeight::Quantized(q), bias: None })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -253,7 +226,7 @@ impl Linear {
                     flat.eval()?;
                     Ok(flat)
                 };
-                let stacked = QuantizedWeight { weight: rows(&weight)?, scales: rows(&scales)?, biases: rows(&biases)?, params, vnni_rows: None };
+                let stacked = QuantizedWeight { weight: rows(&weight)?, scales: rows(&scales)?, biases: rows(&biases)?, params };
                 Ok((each, Some(stacked)))
             }
             None => {
@@ -398,15 +371,6 @@ impl Embedding {
                 mlx_sys::dequantize(&rows(&q.weight)?, &as_dtype(&q.scales)?, &as_dtype(&q.biases)?, p.group_size, p.bits)?
             }
         })
-    }
-
-    /// Keeps the VNNI matvec's copy of quantized embeddings used as the
-    /// logits' weight ([`QuantizedWeight::keep_vnni_rows`]).
-    pub fn keep_vnni_rows(&mut self) -> Result<()> {
-        match self {
-            Embedding::Quantized(q) => q.keep_vnni_rows(),
-            Embedding::Dense(_) => Ok(()),
-        }
     }
 
     /// `x @ E.T`: logits through tied embeddings.

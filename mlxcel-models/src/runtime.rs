@@ -16,8 +16,9 @@
 //! under running generations. The kernels' thread count is read by the
 //! kernels themselves (`MLXCEL_NUM_THREADS`, default: all cores), and so is
 //! `MLXCEL_REPACK` (`1` or `0`, default `1`: on CPUs where decode runs the
-//! AVX-512 VNNI matvec, keep a copy of each decode weight in that loop's
-//! order, as much memory again as those weights; checked at load here).
+//! AVX-512 VNNI matvec, keep a copy of the fused decoder blocks' weights in
+//! that loop's order, as much memory again as those weights; checked at load
+//! here).
 
 use std::sync::OnceLock;
 

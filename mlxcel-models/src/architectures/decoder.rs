@@ -192,7 +192,7 @@ pub fn load_pre_norm_in<B: Block>(
     if tied {
         root.weights.skip(&root.path("lm_head."));
     }
-    Transformer {
+    Ok(Transformer {
         shape: args.shape(root.dtype),
         embed_tokens: Embedding::load(&model.pp("embed_tokens"), args.vocab_size, args.hidden_size)?,
         embed_scale: None,
@@ -201,8 +201,7 @@ pub fn load_pre_norm_in<B: Block>(
         norm: RmsNorm::load(&model.pp("norm"), args.hidden_size, args.rms_norm_eps)?,
         lm_head: load_lm_head(root, args, tied)?,
         final_softcap: None,
-    }
-    .with_vnni_logits()
+    })
 }
 
 /// The untied lm_head (None when `tied`).

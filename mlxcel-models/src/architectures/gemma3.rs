@@ -297,7 +297,7 @@ fn load_model(root: &Scope, config_path: &std::path::Path, args: &Gemma3Args) ->
             GemmaBlock::load(&model.pp("layers").pp(i), spec, rope, args.intermediate_size, eps, true)
         })
         .collect::<Result<Vec<_>>>()?;
-    Transformer {
+    Ok(Transformer {
         shape: ModelShape {
             num_layers: args.num_hidden_layers as usize,
             hidden_size: hidden as usize,
@@ -314,8 +314,7 @@ fn load_model(root: &Scope, config_path: &std::path::Path, args: &Gemma3Args) ->
         norm: RmsNorm::load_with_offset(&model.pp("norm"), hidden, eps, 1.0)?,
         lm_head: untied_lm_head(root, hidden, args.vocab_size)?,
         final_softcap: None,
-    }
-    .with_vnni_logits()
+    })
 }
 
 /// mlx-lm's Gemma sanitize: tied exactly when the checkpoint has no lm_head.

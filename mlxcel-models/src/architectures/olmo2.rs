@@ -82,6 +82,5 @@ pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
         // tied embeddings stays unread (an error), as mlx-lm refuses it.
         lm_head: load_lm_head(root, &args, args.tie_word_embeddings.unwrap_or(true))?,
         final_softcap: None,
-    }
-    .with_vnni_logits()?))
+    }))
 }

@@ -46,17 +46,6 @@ pub struct Transformer<B> {
 }
 
 impl<B: Block> Transformer<B> {
-    /// Gives the logits' weight (the lm_head, or the tied embeddings) the
-    /// copy the VNNI matvec streams in order, as the fused blocks' prepared
-    /// weights have: every decode step reads it once.
-    pub fn with_vnni_logits(mut self) -> Result<Self> {
-        match &mut self.lm_head {
-            Some(head) => head.keep_vnni_rows()?,
-            None => self.embed_tokens.keep_vnni_rows()?,
-        }
-        Ok(self)
-    }
-
     fn embed(&self, tokens: &Array) -> Result<Array> {
         let h = self.embed_tokens.forward(tokens, self.shape.dtype)?;
         Ok(match self.embed_scale {
