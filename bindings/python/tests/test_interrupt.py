@@ -14,7 +14,10 @@ import mlxcel
 
 CHILD = textwrap.dedent(
     """
-    import sys, time, mlxcel
+    import signal, sys, time, mlxcel
+    # Python leaves SIGINT ignored when it starts with it ignored (a
+    # background job of a non-interactive shell): Ctrl-C is what is tested.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     model = mlxcel.load()
     prompt = "The quick brown fox jumps over the lazy dog. " * 700  # ~7000 tokens
     mode = sys.argv[1]
