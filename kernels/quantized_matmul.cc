@@ -384,9 +384,8 @@ struct Job {
   size_t xq_stride = 0;  // bytes per row of x
   const float* xscale = nullptr;  // [M, G]
   // Avx512Vnni: the full blocks of 16 rows as detail::VnniRows lays them
-  // out, vnni_block bytes each (null: every block is read from w).
+  // out (null: every block is read from w).
   const uint8_t* vnni_rows = nullptr;
-  size_t vnni_block = 0;
   float* y = nullptr;           // [M, N] f32 results
   int rows_per_task = 0;
   // Rows ahead whose weights the SIMD loops prefetch: about 12 KiB, so the
@@ -1128,8 +1127,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
   for (int n = n0; n < n1; n += 16) {
     if (j.vnni_rows && n % 16 == 0 && n + 16 <= j.N) {
       // A full block of the interleaved copy: scales, biases, then words.
-      const uint8_t* block = j.vnni_rows + (size_t)(n / 16) * j.vnni_block;
+      // Scales and biases, 16 rows per group, then 16 rows of words.
       const size_t group_block = 16 * gs * group_bytes;
+      const uint8_t* block = j.vnni_rows + (size_t)(n / 16) * (2 * group_block + (size_t)j.wpr * 64);
       for (int g = 0; g < G; ++g) {
         _mm512_storeu_ps(st.data() + (size_t)g * 16, load16_as_f32(block, j.sty, (size_t)g * 16, 16));
         _mm512_storeu_ps(bt.data() + (size_t)g * 16, load16_as_f32(block + group_block, j.sty, (size_t)g * 16, 16));
@@ -1622,7 +1622,6 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
       // A copy of another layout (or none for this path) is not read.
       if (j.path == Path::Avx512Vnni && (size_t)inputs[4].nbytes() == (size_t)(j.N / 16) * detail::vnni_block_bytes(view)) {
         vnni_rows = inputs[4].data<uint8_t>();
-        j.vnni_block = detail::vnni_block_bytes(view);
       }
       enc.set_input_array(inputs[4]);
     }
@@ -1687,10 +1686,7 @@ namespace {
 
 // Reads the interleaved copy of `w`, when it has one, where j runs the VNNI loop.
 void use_vnni_rows(Job& j, const QuantizedView& w) {
-  if (w.vnni_rows && j.path == Path::Avx512Vnni && j.bits == w.bits && j.group == w.group) {
-    j.vnni_rows = w.vnni_rows;
-    j.vnni_block = vnni_block_bytes(w);
-  }
+  if (w.vnni_rows && j.path == Path::Avx512Vnni && j.bits == w.bits && j.group == w.group) j.vnni_rows = w.vnni_rows;
 }
 
 std::atomic<size_t> g_vnni_rows_bytes{0};
