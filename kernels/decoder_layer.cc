@@ -11,6 +11,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -48,6 +49,8 @@ struct Slots {
   bool operator==(const Slots&) const = default;
 };
 
+struct Pointers;
+
 }  // namespace
 
 struct PreparedDecoderLayer {
@@ -57,6 +60,8 @@ struct PreparedDecoderLayer {
   // By slot of `arrays`: the dense projections' copies for the VNNI matvec
   // (detail::make_vnni_rows), null where there is none.
   std::vector<std::shared_ptr<const detail::VnniRows>> vnni_rows;
+  // The weights' pointers as every node binds them (bind_weights), made once.
+  std::shared_ptr<const Pointers> bound;
 };
 
 namespace {
@@ -1248,6 +1253,91 @@ void bind_weights(Pointers& p, const std::vector<mx::array>& arrays, const Slots
   if (spec.experts > 0) p.router = proj(at.router, spec.experts, H);
 }
 
+// One block's pointers for a node: the caches (inputs at `at`, outputs from
+// out_keys and out_values on, one per buffer) and the weights; x and out
+// are the caller's. Allocates or shares the cache outputs.
+Pointers bind_node(const DecoderLayerSpec& spec, const Slots& at, const std::vector<int>& offsets,
+                   const std::vector<std::vector<int32_t>>& tables, const PreparedDecoderLayer* prepared,
+                   const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, int out_keys, int out_values) {
+  const int B = (int)offsets.size();
+  const bool paged = !tables.empty();
+  Pointers p = prepared ? *prepared->bound : Pointers{};
+  p.spec = spec;
+  p.B = B;
+  p.L = inputs[at.x].shape(1);
+  p.caches.resize(B);
+  // The caches: write the input buffer in place when the caller owns it
+  // (spec.cache_in_place), else copy it. (MLX's donation check cannot help
+  // here: each output holds its own copy of the inputs.) A paged layer has
+  // one pool for every sequence.
+  const bool q8 = paged && inputs[at.keys].dtype() == mx::uint8;
+  const int buffers = paged ? 1 : B;
+  if (q8) {
+    // One 8-bit pool for keys and values, always written in place (check_paged).
+    outputs[out_keys].copy_shared_buffer(inputs[at.keys]);
+    outputs[out_values].copy_shared_buffer(inputs[at.values]);
+    const mx::array& pool = inputs[at.keys];
+    detail::KvQ8Layout layout{pool.shape(1), pool.shape(3), 0, spec.head_dim};
+    layout.block = (int)(pool.shape(4) / layout.row_bytes());
+    for (int b = 0; b < B; ++b) {
+      CacheRef& cache = p.caches[b];
+      cache.q8 = outputs[out_keys].data<uint8_t>();
+      cache.q8_layout = layout;
+      cache.layer = spec.kv_layer;
+      cache.block = layout.block;
+      cache.block_shift = __builtin_ctz((unsigned)cache.block);
+      cache.blocks = pool.shape(0);
+      cache.table = tables[b];
+      cache.capacity = (int)cache.table.size() * cache.block;
+    }
+  }
+  for (int b = 0; b < (q8 ? 0 : buffers); ++b) {
+    CacheRef& cache = p.caches[b];
+    for (int c = 0; c < 2; ++c) {
+      const mx::array& in = inputs[(c == 0 ? at.keys : at.values) + b];
+      mx::array& o = outputs[(c == 0 ? out_keys : out_values) + b];
+      const bool dense = in.flags().row_contiguous && in.data_size() == in.size();
+      const bool reuse = dense && spec.cache_in_place;
+      if (reuse) {
+        o.copy_shared_buffer(in);
+      } else {
+        o.set_data(mx::allocator::malloc(o.nbytes()));
+      }
+      (c == 0 ? cache.copy_keys : cache.copy_values) = !reuse;
+      int64_t* st = c == 0 ? cache.keys_in_strides : cache.values_in_strides;
+      for (int d = 0; d < 4; ++d) st[d] = in.strides()[d];
+      (c == 0 ? cache.keys_in : cache.values_in) = in.data<float>();
+      (c == 0 ? cache.keys : cache.values) = o.data<float>();
+    }
+  }
+  if (paged && !q8) {
+    const mx::array& pool = inputs[at.keys];
+    for (int d = 0; d < 4; ++d) p.pool_shape[d] = pool.shape(d);
+    if (p.caches[0].copy_keys || p.caches[0].copy_values) p.pool_copy = p.caches[0];
+    for (int b = 0; b < B; ++b) {
+      CacheRef& cache = p.caches[b];
+      cache = p.caches[0];
+      cache.copy_keys = cache.copy_values = false;
+      cache.block = pool.shape(2);
+      cache.block_shift = __builtin_ctz((unsigned)cache.block);
+      cache.blocks = pool.shape(1);
+      cache.table = tables[b];
+      cache.capacity = (int)cache.table.size() * cache.block;
+    }
+  } else if (!paged) {
+    for (int b = 0; b < B; ++b) p.caches[b].capacity = p.caches[b].block = inputs[at.keys + b].shape(2);
+  }
+  for (int b = 0; b < B; ++b) {
+    p.caches[b].offset = offsets[b];
+    p.caches[b].window = spec.kv_window;
+    p.caches[b].keep = spec.kv_keep;
+    p.caches[b].kv_heads = spec.kv_heads;
+    p.caches[b].dim = spec.head_dim;
+  }
+  if (!prepared) bind_weights(p, inputs, at, spec);
+  return p;
+}
+
 // ---------------------------------------------------------------------------
 // The MLX primitive.
 
@@ -1266,99 +1356,17 @@ class DecoderLayer : public mx::Primitive {
         prepared_(std::move(prepared)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const Slots& at = slots_;
-    const int B = (int)offsets_.size();
-    const bool paged = !tables_.empty();
-    Pointers p;
-    p.spec = spec_;
-    const mx::array& x = inputs[at.x];
-    p.B = B;
-    p.L = x.shape(1);
-    p.caches.resize(B);
-
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    // The caches: write the input buffer in place when the caller owns it
-    // (spec.cache_in_place), else copy it. (MLX's donation check cannot help
-    // here: each output holds its own copy of the inputs.) A paged layer has
-    // one pool for every sequence.
-    const bool q8 = paged && inputs[at.keys].dtype() == mx::uint8;
-    const int buffers = paged ? 1 : B;
-    if (q8) {
-      // One 8-bit pool for keys and values, always written in place (check_paged).
-      outputs[1].copy_shared_buffer(inputs[at.keys]);
-      outputs[2].copy_shared_buffer(inputs[at.values]);
-      const mx::array& pool = inputs[at.keys];
-      detail::KvQ8Layout layout{pool.shape(1), pool.shape(3), 0, spec_.head_dim};
-      layout.block = (int)(pool.shape(4) / layout.row_bytes());
-      for (int b = 0; b < B; ++b) {
-        CacheRef& cache = p.caches[b];
-        cache.q8 = outputs[1].data<uint8_t>();
-        cache.q8_layout = layout;
-        cache.layer = spec_.kv_layer;
-        cache.block = layout.block;
-        cache.block_shift = __builtin_ctz((unsigned)cache.block);
-        cache.blocks = pool.shape(0);
-        cache.table = tables_[b];
-        cache.capacity = (int)cache.table.size() * cache.block;
-      }
-    }
-    for (int b = 0; b < (q8 ? 0 : buffers); ++b) {
-      CacheRef& cache = p.caches[b];
-      for (int c = 0; c < 2; ++c) {
-        const mx::array& in = inputs[(c == 0 ? at.keys : at.values) + b];
-        mx::array& o = outputs[1 + c * buffers + b];
-        const bool dense = in.flags().row_contiguous && in.data_size() == in.size();
-        const bool reuse = dense && spec_.cache_in_place;
-        if (reuse) {
-          o.copy_shared_buffer(in);
-        } else {
-          o.set_data(mx::allocator::malloc(o.nbytes()));
-        }
-        (c == 0 ? cache.copy_keys : cache.copy_values) = !reuse;
-        int64_t* st = c == 0 ? cache.keys_in_strides : cache.values_in_strides;
-        for (int d = 0; d < 4; ++d) st[d] = in.strides()[d];
-        (c == 0 ? cache.keys_in : cache.values_in) = in.data<float>();
-        (c == 0 ? cache.keys : cache.values) = o.data<float>();
-      }
-    }
-    if (paged && !q8) {
-      const mx::array& pool = inputs[at.keys];
-      for (int d = 0; d < 4; ++d) p.pool_shape[d] = pool.shape(d);
-      if (p.caches[0].copy_keys || p.caches[0].copy_values) p.pool_copy = p.caches[0];
-      for (int b = 0; b < B; ++b) {
-        CacheRef& cache = p.caches[b];
-        cache = p.caches[0];
-        cache.copy_keys = cache.copy_values = false;
-        cache.block = pool.shape(2);
-        cache.block_shift = __builtin_ctz((unsigned)cache.block);
-        cache.blocks = pool.shape(1);
-        cache.table = tables_[b];
-        cache.capacity = (int)cache.table.size() * cache.block;
-      }
-    } else if (!paged) {
-      for (int b = 0; b < B; ++b) p.caches[b].capacity = p.caches[b].block = inputs[at.keys + b].shape(2);
-    }
-    for (int b = 0; b < B; ++b) {
-      p.caches[b].offset = offsets_[b];
-      p.caches[b].window = spec_.kv_window;
-      p.caches[b].keep = spec_.kv_keep;
-      p.caches[b].kv_heads = spec_.kv_heads;
-      p.caches[b].dim = spec_.head_dim;
-    }
-
+    const int buffers = tables_.empty() ? (int)offsets_.size() : 1;
+    Pointers p = bind_node(spec_, slots_, offsets_, tables_, prepared_.get(), inputs, outputs, 1, 1 + buffers);
+    const mx::array& x = inputs[slots_.x];
+    p.x = x.data<float>();
+    for (int d = 0; d < 3; ++d) p.x_strides[d] = x.strides()[d];
+    p.out = out.data<float>();
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
     for (auto& a : outputs) enc.set_output_array(a);
-
-    p.x = x.data<float>();
-    for (int d = 0; d < 3; ++d) p.x_strides[d] = x.strides()[d];
-    if (prepared_) {
-      bind_weights(p, prepared_->arrays, prepared_->slots, spec_, prepared_.get());
-    } else {
-      bind_weights(p, inputs, at, spec_);
-    }
-    p.out = out.data<float>();
     // MLX's cpu::eval keeps the inputs' buffers alive until this task has
     // run; the task holds the prepared weights.
     enc.dispatch([p, keep = prepared_]() { run_layer(p); });
@@ -1402,6 +1410,85 @@ class DecoderLayer : public mx::Primitive {
   // The weights, when they are not graph inputs (the inputs are then x,
   // keys and values only).
   std::shared_ptr<const PreparedDecoderLayer> prepared_;
+};
+
+// Consecutive paged blocks as one node: layer i's output is layer i + 1's
+// input inside the node, so a decode step costs MLX one node for the whole
+// stack instead of one per layer (on the evaluating thread: graph building,
+// traversal, a task per node, and the throttle that makes the caller wait
+// for tasks to finish once about ten are queued). Each layer runs exactly
+// as its own DecoderLayer node would.
+// Inputs: x, keys[0..n), values[0..n). Outputs: out, keys[0..n), values[0..n).
+class DecoderStack : public mx::Primitive {
+ public:
+  DecoderStack(mx::Stream stream, std::vector<std::shared_ptr<const PreparedDecoderLayer>> layers,
+               std::vector<DecoderLayerSpec> specs, std::vector<int> offsets, std::vector<std::vector<int32_t>> tables)
+      : mx::Primitive(stream),
+        layers_(std::move(layers)),
+        specs_(std::move(specs)),
+        offsets_(std::move(offsets)),
+        tables_(std::move(tables)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const int n = (int)layers_.size();
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    Slots at;
+    at.x = 0;
+    at.keys = 1;
+    at.values = 2;
+    std::vector<Pointers> blocks;
+    blocks.reserve(n);
+    for (int i = 0; i < n; ++i) {
+      const std::vector<mx::array> layer_inputs{inputs[0], inputs[1 + i], inputs[1 + n + i]};
+      std::vector<mx::array> layer_outputs{out, outputs[1 + i], outputs[1 + n + i]};
+      blocks.push_back(bind_node(specs_[i], at, offsets_, tables_, layers_[i].get(), layer_inputs, layer_outputs, 1, 2));
+    }
+    const mx::array& x = inputs[0];
+    const int64_t H = x.shape(2);
+    // Layer 0 reads x through its strides; every later one reads the
+    // output before it, dense, from `out` (run_layer copies its x before
+    // writing its output).
+    for (int i = 0; i < n; ++i) {
+      Pointers& p = blocks[i];
+      if (i == 0) {
+        p.x = x.data<float>();
+        for (int d = 0; d < 3; ++d) p.x_strides[d] = x.strides()[d];
+      } else {
+        p.x = out.data<float>();
+        p.x_strides[0] = (int64_t)x.shape(1) * H;
+        p.x_strides[1] = H;
+        p.x_strides[2] = 1;
+      }
+      p.out = out.data<float>();
+    }
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    for (auto& a : outputs) enc.set_output_array(a);
+    enc.dispatch([blocks = std::move(blocks), keep = layers_]() {
+      for (const Pointers& p : blocks) run_layer(p);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxcel::kernels::DecoderStack] has no GPU evaluation");
+  }
+
+  const char* name() const override { return "MlxcelDecoderStack"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override { return this == &other; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    std::vector<mx::Shape> shapes{inputs[0].shape()};
+    for (size_t i = 1; i < inputs.size(); ++i) shapes.push_back(inputs[i].shape());
+    return shapes;
+  }
+
+ private:
+  std::vector<std::shared_ptr<const PreparedDecoderLayer>> layers_;
+  std::vector<DecoderLayerSpec> specs_;
+  std::vector<int> offsets_;
+  std::vector<std::vector<int32_t>> tables_;
 };
 
 }  // namespace
@@ -1539,6 +1626,9 @@ std::shared_ptr<const PreparedDecoderLayer> prepare_decoder_layer(const DecoderL
       if (slot >= 0) prepared->vnni_rows[slot] = detail::make_vnni_rows(projection->view);
     }
   }
+  auto bound = std::make_shared<Pointers>();
+  bind_weights(*bound, prepared->arrays, prepared->slots, spec, prepared.get());
+  prepared->bound = std::move(bound);
   return prepared;
 }
 
@@ -1671,5 +1761,49 @@ std::vector<mx::array> decoder_layer_paged(const std::shared_ptr<const PreparedD
                                 std::make_shared<DecoderLayer>(stream, spec, slots, offsets, weights, tables),
                                 {x, pool_keys, pool_values});
 }
+
+namespace {
+std::atomic<uint64_t> stack_nodes{0};
+}  // namespace
+
+std::vector<mx::array> decoder_stack_paged(const std::vector<std::shared_ptr<const PreparedDecoderLayer>>& layers,
+                                           const mx::array& x, const std::vector<mx::array>& pool_keys,
+                                           const std::vector<mx::array>& pool_values,
+                                           const std::vector<std::vector<int32_t>>& tables,
+                                           const std::vector<int>& offsets, const std::vector<DecoderLayerSpec>& specs,
+                                           mx::StreamOrDevice s) {
+  const size_t n = layers.size();
+  if (n == 0) fail("a stack needs at least one layer");
+  if (specs.size() != n || pool_keys.size() != n || pool_values.size() != n) {
+    fail("a stack of " + std::to_string(n) + " layers got " + std::to_string(specs.size()) + " specs, " +
+         std::to_string(pool_keys.size()) + " key pools and " + std::to_string(pool_values.size()) + " value pools");
+  }
+  mx::Stream stream = cpu_stream(s);
+  std::vector<mx::Shape> shapes{x.shape()};
+  std::vector<mx::Dtype> dtypes{mx::float32};
+  std::vector<mx::array> inputs{x};
+  for (size_t i = 0; i < n; ++i) {
+    if (!layers[i]) fail("no prepared weights for layer " + std::to_string(i));
+    try {
+      check_prepared_spec(*layers[i], specs[i]);
+      check_paged(x, pool_keys[i], pool_values[i], tables, offsets, specs[i]);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("[mlxcel::kernels::decoder_stack_paged] layer " + std::to_string(i) + ": " + e.what());
+    }
+    if (layers[i]->spec.hidden != layers[0]->spec.hidden) fail("the stack's layers differ in hidden size");
+  }
+  for (const auto* pools : {&pool_keys, &pool_values}) {
+    for (const mx::array& pool : *pools) {
+      shapes.push_back(pool.shape());
+      dtypes.push_back(pool.dtype());
+      inputs.push_back(pool);
+    }
+  }
+  stack_nodes.fetch_add(1, std::memory_order_relaxed);
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
+                                std::make_shared<DecoderStack>(stream, layers, specs, offsets, tables), std::move(inputs));
+}
+
+uint64_t decoder_stack_nodes() { return stack_nodes.load(std::memory_order_relaxed); }
 
 }  // namespace mlxcel::kernels

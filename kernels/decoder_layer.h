@@ -192,4 +192,25 @@ std::vector<mlx::core::array> decoder_layer_paged(
     const DecoderLayerSpec& spec,
     mlx::core::StreamOrDevice s = {});
 
+// Consecutive decoder_layer_paged blocks as one node: layers[i] with
+// specs[i] over pool_keys[i] / pool_values[i], the output of each the input
+// of the next, every sequence over the same tables and offsets. Decode
+// builds one such node per step instead of one per layer, which keeps MLX's
+// per-node work (graph building, traversal, a task per node, the caller's
+// wait once ~10 tasks are queued) out of the step. Each layer computes
+// exactly what its own decoder_layer_paged node computes. Returns
+// {out [B, L, hidden], keys[0..n), values[0..n)}.
+std::vector<mlx::core::array> decoder_stack_paged(
+    const std::vector<std::shared_ptr<const PreparedDecoderLayer>>& layers,
+    const mlx::core::array& x,
+    const std::vector<mlx::core::array>& pool_keys,
+    const std::vector<mlx::core::array>& pool_values,
+    const std::vector<std::vector<int32_t>>& tables,
+    const std::vector<int>& offsets,
+    const std::vector<DecoderLayerSpec>& specs,
+    mlx::core::StreamOrDevice s = {});
+
+// How many decoder_stack_paged nodes this process has built.
+uint64_t decoder_stack_nodes();
+
 }  // namespace mlxcel::kernels

@@ -552,17 +552,36 @@ std::unique_ptr<ArrayList> kernels_decoder_layer_batch(const PreparedLayer& weig
                                              std::vector<int>(offsets.begin(), offsets.end()), to_kernel_spec(spec));
   return list;
 }
-std::unique_ptr<ArrayList> kernels_decoder_layer_paged(const PreparedLayer& weights, const array& x, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> tables, rust::Slice<const int32_t> table_lens, rust::Slice<const int32_t> offsets, const DecoderLayerSpec& spec) {
+namespace {
+// tables[b] is table_lens[b] ids of the flat list.
+std::vector<std::vector<int32_t>> split_tables(rust::Slice<const int32_t> tables, rust::Slice<const int32_t> table_lens, const char* caller) {
   std::vector<std::vector<int32_t>> split;
   size_t at = 0;
   for (int32_t n : table_lens) {
-    if (n < 0 || at + (size_t)n > tables.size()) throw std::invalid_argument("[kernels_decoder_layer_paged] table lengths exceed the ids given");
+    if (n < 0 || at + (size_t)n > tables.size()) throw std::invalid_argument(std::string("[") + caller + "] table lengths exceed the ids given");
     split.emplace_back(tables.begin() + at, tables.begin() + at + n);
     at += n;
   }
+  return split;
+}
+}  // namespace
+
+std::unique_ptr<ArrayList> kernels_decoder_layer_paged(const PreparedLayer& weights, const array& x, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> tables, rust::Slice<const int32_t> table_lens, rust::Slice<const int32_t> offsets, const DecoderLayerSpec& spec) {
   auto list = std::make_unique<ArrayList>();
-  list->items = kernels::decoder_layer_paged(weights.weights, x, pool_keys, pool_values, split,
+  list->items = kernels::decoder_layer_paged(weights.weights, x, pool_keys, pool_values, split_tables(tables, table_lens, "kernels_decoder_layer_paged"),
                                              std::vector<int>(offsets.begin(), offsets.end()), to_kernel_spec(spec));
+  return list;
+}
+std::unique_ptr<PreparedStack> kernels_prepared_stack_new() { return std::make_unique<PreparedStack>(); }
+void kernels_prepared_stack_push(PreparedStack& stack, const PreparedLayer& layer) { stack.layers.push_back(layer.weights); }
+uint64_t kernels_decoder_stack_nodes() { return kernels::decoder_stack_nodes(); }
+std::unique_ptr<ArrayList> kernels_decoder_stack_paged(const PreparedStack& stack, const array& x, const ArrayList& pool_keys, const ArrayList& pool_values, rust::Slice<const int32_t> tables, rust::Slice<const int32_t> table_lens, rust::Slice<const int32_t> offsets, rust::Slice<const DecoderLayerSpec> specs) {
+  std::vector<kernels::DecoderLayerSpec> kernel_specs;
+  kernel_specs.reserve(specs.size());
+  for (const DecoderLayerSpec& spec : specs) kernel_specs.push_back(to_kernel_spec(spec));
+  auto list = std::make_unique<ArrayList>();
+  list->items = kernels::decoder_stack_paged(stack.layers, x, pool_keys.items, pool_values.items, split_tables(tables, table_lens, "kernels_decoder_stack_paged"),
+                                             std::vector<int>(offsets.begin(), offsets.end()), kernel_specs);
   return list;
 }
 std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale, int32_t window, int32_t keep, int32_t layer) {

@@ -28,6 +28,11 @@ struct PreparedLayer {
   std::shared_ptr<const kernels::PreparedDecoderLayer> weights;
 };
 
+// Prepared blocks in model order, for kernels::decoder_stack_paged.
+struct PreparedStack {
+  std::vector<std::shared_ptr<const kernels::PreparedDecoderLayer>> layers;
+};
+
 // An owned list of arrays, for the calls that take or return several.
 struct ArrayList {
   std::vector<array> items;
@@ -230,6 +235,11 @@ std::unique_ptr<ArrayList> kernels_decoder_layer_prepared(const PreparedLayer& w
 std::unique_ptr<ArrayList> kernels_decoder_layer_batch(const PreparedLayer& weights, const array& x, const ArrayList& keys, const ArrayList& values, rust::Slice<const int32_t> offsets, const DecoderLayerSpec& spec);
 // decoder_layer_batch over a paged pool; tables[b] is table_lens[b] ids of the flat list.
 std::unique_ptr<ArrayList> kernels_decoder_layer_paged(const PreparedLayer& weights, const array& x, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> tables, rust::Slice<const int32_t> table_lens, rust::Slice<const int32_t> offsets, const DecoderLayerSpec& spec);
+// Consecutive paged blocks as one node: {out, keys[0..n), values[0..n)}.
+std::unique_ptr<PreparedStack> kernels_prepared_stack_new();
+void kernels_prepared_stack_push(PreparedStack& stack, const PreparedLayer& layer);
+uint64_t kernels_decoder_stack_nodes();
+std::unique_ptr<ArrayList> kernels_decoder_stack_paged(const PreparedStack& stack, const array& x, const ArrayList& pool_keys, const ArrayList& pool_values, rust::Slice<const int32_t> tables, rust::Slice<const int32_t> table_lens, rust::Slice<const int32_t> offsets, rust::Slice<const DecoderLayerSpec> specs);
 // Causal attention over a paged pool (kernels/causal_attention.h): {out, keys pool, values pool}.
 std::unique_ptr<ArrayList> kernels_paged_causal_attention(const array& q, const array& k, const array& v, const array& pool_keys, const array& pool_values, rust::Slice<const int32_t> table, int32_t offset, float scale, int32_t window, int32_t keep, int32_t layer);
 // KV pool memory (kernels/kv_pool.h).

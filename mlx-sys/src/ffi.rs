@@ -86,6 +86,7 @@ mod bridge {
         type ArrayList;
         type TensorFile;
         type PreparedLayer;
+        type PreparedStack;
 
         fn mlx_version() -> String;
         fn blas_threads() -> i32;
@@ -238,6 +239,10 @@ mod bridge {
         fn kernels_decoder_layer_batch(weights: &PreparedLayer, x: &MlxArray, keys: &ArrayList, values: &ArrayList, offsets: &[i32], spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
         #[allow(clippy::too_many_arguments)]
         fn kernels_decoder_layer_paged(weights: &PreparedLayer, x: &MlxArray, pool_keys: &MlxArray, pool_values: &MlxArray, tables: &[i32], table_lens: &[i32], offsets: &[i32], spec: &DecoderLayerSpec) -> Result<UniquePtr<ArrayList>>;
+        fn kernels_prepared_stack_new() -> UniquePtr<PreparedStack>;
+        fn kernels_prepared_stack_push(stack: Pin<&mut PreparedStack>, layer: &PreparedLayer);
+        fn kernels_decoder_stack_nodes() -> u64;
+        fn kernels_decoder_stack_paged(stack: &PreparedStack, x: &MlxArray, pool_keys: &ArrayList, pool_values: &ArrayList, tables: &[i32], table_lens: &[i32], offsets: &[i32], specs: &[DecoderLayerSpec]) -> Result<UniquePtr<ArrayList>>;
         #[allow(clippy::too_many_arguments)]
         fn kernels_paged_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, pool_keys: &MlxArray, pool_values: &MlxArray, table: &[i32], offset: i32, scale: f32, window: i32, keep: i32, layer: i32) -> Result<UniquePtr<ArrayList>>;
         fn kernels_kv_pool_buffer(blocks: i32, kv_heads: i32, block: i32, head_dim: i32) -> Result<UniquePtr<MlxArray>>;

@@ -325,6 +325,82 @@ impl PreparedDecoderLayer {
     }
 }
 
+/// Prepared blocks in model order, run as one node per call by
+/// [`forward_paged`](Self::forward_paged): a decode step then costs MLX one
+/// node for every layer (graph building, traversal, one task, and no wait
+/// for queued tasks) instead of one node per layer.
+///
+/// Immutable; `Send + Sync`, cheap to clone (shared).
+#[derive(Clone)]
+pub struct PreparedDecoderStack {
+    inner: std::sync::Arc<cxx::UniquePtr<ffi::PreparedStack>>,
+    layers: usize,
+}
+
+// SAFETY: as for PreparedDecoderLayer: the C++ object is immutable once
+// built and holds only prepared (evaluated, immutable) layers.
+unsafe impl Send for PreparedDecoderStack {}
+unsafe impl Sync for PreparedDecoderStack {}
+
+impl PreparedDecoderStack {
+    /// The stack of `layers`, first to last.
+    pub fn new<'a>(layers: impl IntoIterator<Item = &'a PreparedDecoderLayer>) -> PreparedDecoderStack {
+        let mut stack = ffi::kernels_prepared_stack_new();
+        let mut count = 0;
+        for layer in layers {
+            ffi::kernels_prepared_stack_push(stack.pin_mut(), &layer.inner);
+            count += 1;
+        }
+        PreparedDecoderStack { inner: std::sync::Arc::new(stack), layers: count }
+    }
+
+    /// The number of layers.
+    pub fn len(&self) -> usize {
+        self.layers
+    }
+
+    /// Whether the stack has no layer (it then cannot run).
+    pub fn is_empty(&self) -> bool {
+        self.layers == 0
+    }
+
+    /// Every layer's [`PreparedDecoderLayer::forward_paged`] in one node:
+    /// layer i with `specs[i]` over `pools[i]` (keys, values), the output of
+    /// each the input of the next, every layer over the same `sequences`.
+    /// Each layer computes exactly what its own node computes. Returns the
+    /// last layer's output and every layer's pools with the new positions
+    /// written.
+    pub fn forward_paged(
+        &self,
+        x: &Array,
+        pools: &[(Array, Array)],
+        sequences: &[PagedSequence<'_>],
+        specs: &[DecoderLayerSpec],
+    ) -> Result<(Array, Vec<(Array, Array)>)> {
+        let tables: Vec<i32> = sequences.iter().flat_map(|s| s.table.iter().copied()).collect();
+        let lens: Vec<i32> = sequences.iter().map(|s| s.table.len() as i32).collect();
+        let offsets: Vec<i32> = sequences.iter().map(|s| s.offset).collect();
+        let keys = array_list(pools.iter().map(|(k, _)| k));
+        let values = array_list(pools.iter().map(|(_, v)| v));
+        let list = ffi::kernels_decoder_stack_paged(&self.inner, &x.raw, &keys, &values, &tables, &lens, &offsets, specs)?;
+        let mut out = from_array_list(&list)?;
+        let n = pools.len();
+        if out.len() != 1 + 2 * n {
+            unreachable!("decoder_stack_paged returns 1 + 2n arrays");
+        }
+        let values = out.split_off(1 + n);
+        let keys = out.split_off(1);
+        let h = out.pop().expect("the output");
+        Ok((h, keys.into_iter().zip(values).collect()))
+    }
+}
+
+/// How many [`PreparedDecoderStack::forward_paged`] nodes this process has
+/// built (a decode step builds one when its blocks run as a stack).
+pub fn decoder_stack_nodes() -> u64 {
+    ffi::kernels_decoder_stack_nodes()
+}
+
 /// [`causal_attention`] for one sequence whose keys and values live in a
 /// paged pool: `k` and `v` (`[1, H_kv, L, D]`) are its positions
 /// `offset..offset + L`, written into the pools (`f32 [H_kv, blocks, block,

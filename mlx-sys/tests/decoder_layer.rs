@@ -1975,3 +1975,127 @@ fn exact_kernel_paths_in_subprocesses() {
         eprintln!("MLXCEL_KERNELS={path}: {cases} checks passed, worst max|Δ|/max|ref| vs MLX matmul {worst:.2e}");
     }
 }
+
+/// Layers run as one stack node compute exactly what the chain of their
+/// own nodes computes, bit for bit, and write the same rows into every
+/// layer's pools: f32 pools (several sequences, decode and a few prompt
+/// rows, a layer with its own window) and an 8-bit pool holding every layer.
+#[test]
+fn stacked_layers_match_the_chain_of_layer_nodes() {
+    let _g = lock();
+    let wide = Config { hidden: 128, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 128, ..LLAMA };
+    let configs = [wide, Config { qk_norm: true, ..wide }, wide];
+    let layers: Vec<Layer> = configs.iter().enumerate().map(|(i, &c)| Layer::new(201 + i as u64, c)).collect();
+    let specs: Vec<DecoderLayerSpec> = layers
+        .iter()
+        .enumerate()
+        .map(|(i, layer)| DecoderLayerSpec {
+            cache_in_place: true,
+            kv_window: if i == 1 { 24 } else { 0 },
+            kv_keep: if i == 1 { 4 } else { 0 },
+            ..layer.spec(0)
+        })
+        .collect();
+    let prepared: Vec<kernels::PreparedDecoderLayer> =
+        layers.iter().zip(&specs).map(|(l, s)| kernels::PreparedDecoderLayer::new(&l.weights(), s).unwrap()).collect();
+    let stack = kernels::PreparedDecoderStack::new(&prepared);
+    assert_eq!(stack.len(), 3);
+
+    // f32 pools, one pair per layer.
+    for l in [1, 3] {
+        let offsets = [0, 7, 40];
+        let needed: Vec<i32> = offsets.iter().map(|o| o + l).collect();
+        let blocks = 29;
+        let tables = scattered_tables(&needed, blocks);
+        let sequences: Vec<kernels::PagedSequence<'_>> =
+            tables.iter().zip(offsets).map(|(table, offset)| kernels::PagedSequence { table, offset }).collect();
+        let x = randn(0x57ac + l as u64, &[3, l, wide.hidden], 1.0);
+        // Two copies of the same pools: one for the chain, one for the stack.
+        let pools = |layer: usize| {
+            let shape = [wide.kv_heads, blocks, POOL_BLOCK, wide.head_dim];
+            (randn(300 + layer as u64, &shape, 1.0), randn(400 + layer as u64, &shape, 1.0))
+        };
+        let mut h = x.clone();
+        let mut chained = Vec::new();
+        for (i, p) in prepared.iter().enumerate() {
+            let (k, v) = pools(i);
+            let (out, k, v) = p.forward_paged(&h, &k, &v, &sequences, &specs[i]).unwrap();
+            h = out;
+            chained.push((k, v));
+        }
+        let stack_pools: Vec<(Array, Array)> = (0..3).map(pools).collect();
+        let (got, written) = stack.forward_paged(&x, &stack_pools, &sequences, &specs).unwrap();
+        assert_eq!(to_f32(&got), to_f32(&h), "L {l}: the stack's output differs from the chain's");
+        assert_eq!(written.len(), 3);
+        for (i, ((k, v), (ck, cv))) in written.iter().zip(&chained).enumerate() {
+            assert_eq!(to_f32(k), to_f32(ck), "L {l}, layer {i}: keys");
+            assert_eq!(to_f32(v), to_f32(cv), "L {l}, layer {i}: values");
+        }
+    }
+
+    // One 8-bit pool for every layer: a prompt, then a decode step.
+    let q8_specs: Vec<DecoderLayerSpec> = specs.iter().enumerate().map(|(i, s)| DecoderLayerSpec { kv_layer: i as i32, ..*s }).collect();
+    let (prompt, blocks) = (21, 13);
+    let table = scattered_tables(&[prompt + 1], blocks).remove(0);
+    let seq = |offset| [kernels::PagedSequence { table: &table, offset }];
+    let x = randn(0x58, &[1, prompt + 1, wide.hidden], 1.0);
+    let run = |stacked: bool| {
+        let mut pool = kernels::kv_pool_buffer_q8(blocks, 3, wide.kv_heads, POOL_BLOCK, wide.head_dim).unwrap();
+        let mut out = None;
+        for (start, end) in [(0, prompt), (prompt, prompt + 1)] {
+            let mut h = x.slice_axis(1, start, end).unwrap();
+            if stacked {
+                let pools = vec![(pool.clone(), pool.clone()); 3];
+                let (o, written) = stack.forward_paged(&h, &pools, &seq(start), &q8_specs).unwrap();
+                h = o;
+                pool = written[2].0.clone();
+            } else {
+                for (i, p) in prepared.iter().enumerate() {
+                    let (o, written, _) = p.forward_paged(&h, &pool, &pool, &seq(start), &q8_specs[i]).unwrap();
+                    h = o;
+                    pool = written;
+                }
+            }
+            out = Some(h);
+        }
+        (to_f32(&out.unwrap()), to_f32(&pool.astype(Dtype::Float32).unwrap()))
+    };
+    let (chain_out, chain_pool) = run(false);
+    let (stack_out, stack_pool) = run(true);
+    assert_eq!(stack_out, chain_out, "8-bit pool: the stack's output differs from the chain's");
+    assert_eq!(stack_pool, chain_pool, "8-bit pool: the stack wrote other rows");
+}
+
+/// A stack's inputs that do not match its layers are errors that name what
+/// is wrong, and the layer.
+#[test]
+fn stack_bad_inputs_are_errors() {
+    let _g = lock();
+    let wide = Config { hidden: 128, heads: 4, kv_heads: 2, head_dim: 64, intermediate: 128, ..LLAMA };
+    let layers = [Layer::new(211, wide), Layer::new(212, LLAMA)];
+    let specs: Vec<DecoderLayerSpec> = layers.iter().map(|l| DecoderLayerSpec { cache_in_place: true, ..l.spec(0) }).collect();
+    let prepared: Vec<kernels::PreparedDecoderLayer> =
+        layers.iter().zip(&specs).map(|(l, s)| kernels::PreparedDecoderLayer::new(&l.weights(), s).unwrap()).collect();
+    let table = [0, 1];
+    let seq = [kernels::PagedSequence { table: &table, offset: 3 }];
+    let pool = |c: Config| {
+        let shape = [c.kv_heads, 4, POOL_BLOCK, c.head_dim];
+        (randn(1, &shape, 1.0), randn(2, &shape, 1.0))
+    };
+    let x = randn(3, &[1, 1, wide.hidden], 1.0);
+    let error = |stack: &kernels::PreparedDecoderStack, pools: &[(Array, Array)], specs: &[DecoderLayerSpec]| {
+        stack.forward_paged(&x, pools, &seq, specs).err().expect("an error").to_string()
+    };
+    let empty = kernels::PreparedDecoderStack::new(std::iter::empty());
+    assert!(empty.is_empty());
+    let e = error(&empty, &[], &[]);
+    assert!(e.contains("at least one layer"), "{e}");
+    let one = kernels::PreparedDecoderStack::new(&prepared[..1]);
+    let e = error(&one, &[pool(wide), pool(wide)], &specs[..1]);
+    assert!(e.contains("1 layers got 1 specs, 2 key pools"), "{e}");
+    // Layer 1 has another hidden size than x.
+    let both = kernels::PreparedDecoderStack::new(&prepared);
+    let e = error(&both, &[pool(wide), pool(LLAMA)], &specs);
+    assert!(e.contains("layer 1"), "{e}");
+    assert!(one.forward_paged(&x, &[pool(wide)], &seq, &specs[..1]).is_ok());
+}

@@ -262,6 +262,11 @@ impl Block for MoeBlock {
         each_sequence_alone(x, caches, |x, cache| MoeBlock::forward(self, x, cache, RowKernels::ByCount))
     }
 
+    /// One sequence only: `forward_batch` runs sequences one by one.
+    fn stacked(&self, x: &Array) -> Option<&FusedBlock> {
+        self.fused.as_ref().filter(|_| x.ndim() == 3 && x.dim(0) == 1 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32)
+    }
+
     fn describe(&self) -> String {
         let ffn = match &self.ffn {
             FeedForward::Dense(mlp) => mlp.describe(),

@@ -1045,14 +1045,20 @@ impl DecoderBlock {
     pub fn is_fused(&self) -> bool {
         self.fused.is_some()
     }
+
+    /// The fused block where [`forward_batch`](Self::forward_batch) runs it
+    /// for `x` over paged caches (few f32 rows).
+    pub(crate) fn fused_for(&self, x: &Array) -> Option<&FusedBlock> {
+        self.fused.as_ref().filter(|_| x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32)
+    }
 }
 
 /// A decoder block as one CPU kernel node (`kernels::decoder_layer`): used
 /// for decode when every projection is affine-quantized in a layout the
 /// kernels support. `RuntimeConfig::fused_decode` (`MLXCEL_FUSED=0`) turns
-/// it off (for comparisons).
+/// it off (for comparisons). Opaque outside this crate.
 #[derive(Clone)]
-pub(crate) struct FusedBlock {
+pub struct FusedBlock {
     spec: DecoderLayerSpec,
     weights: PreparedDecoderLayer,
 }
@@ -1244,15 +1250,28 @@ impl FusedBlock {
             .map(|(table, c)| kernels::PagedSequence { table, offset: c.offset() as i32 })
             .collect();
         let (pool_keys, pool_values) = caches[0].layer_pools()?;
-        let layer = KvWindow { window: self.spec.kv_window, keep: self.spec.kv_keep };
-        let window = crate::paged::layer_window(caches[0].pool().window(), layer);
-        let spec = DecoderLayerSpec { kv_window: window.window, kv_keep: window.keep, kv_layer: caches[0].layer() as i32, ..self.spec };
+        let spec = self.paged_spec(caches[0]);
         let (out, keys, values) = self.weights.forward_paged(x, &pool_keys, &pool_values, &sequences, &spec)?;
         caches[0].set_layer_pools(keys, values);
         for cache in caches.iter_mut() {
             cache.advance(length);
         }
         Ok(out)
+    }
+}
+
+impl FusedBlock {
+    /// The prepared weights.
+    pub(crate) fn prepared(&self) -> &PreparedDecoderLayer {
+        &self.weights
+    }
+
+    /// The spec of a node over `cache`'s layer of a paged pool: the
+    /// layer's window within the pool's, and its place in an 8-bit pool.
+    pub(crate) fn paged_spec(&self, cache: &PagedKvCache) -> DecoderLayerSpec {
+        let layer = KvWindow { window: self.spec.kv_window, keep: self.spec.kv_keep };
+        let window = crate::paged::layer_window(cache.pool().window(), layer);
+        DecoderLayerSpec { kv_window: window.window, kv_keep: window.keep, kv_layer: cache.layer() as i32, ..self.spec }
     }
 }
 

@@ -7,6 +7,7 @@
 //! | --- | --- | --- | --- |
 //! | [`prefill`](RuntimeConfig::prefill) | `MLXCEL_PREFILL` = `kernels` \| `mlx` | `kernels` | how the matmuls outside the fused decode block (prompt rows, dense weights) and attention run: mlxcel's kernels, which never call BLAS, or dequantize + MLX's matmul and attention, which do (for comparisons) |
 //! | [`fused_decode`](RuntimeConfig::fused_decode) | `MLXCEL_FUSED` = `1` \| `0` | `1` on the CPU | decode runs each quantized decoder block as one fused kernel node; `0` uses MLX's ops per layer (for comparisons). Never on a GPU |
+//! | [`stacked_decode`](RuntimeConfig::stacked_decode) | `MLXCEL_STACK` = `1` \| `0` | `1` | when every block runs its fused node, a decode step runs them all as one node instead of one per layer (the same arithmetic; far less of MLX's per-node work on the thread that builds the steps); `0` keeps a node per layer (for comparisons) |
 //! | [`mlx_cache_limit`](RuntimeConfig::mlx_cache_limit) | `MLXCEL_MLX_CACHE_LIMIT` = bytes \| `default` | `0` on the CPU, MLX's own on a GPU | MLX's buffer cache of freed allocations. On the CPU malloc serves the same sizes as fast, and the cache kept freed prefill activations resident for the whole run |
 //!
 //! The configuration is fixed the first time it is needed: by
@@ -52,6 +53,8 @@ pub struct RuntimeConfig {
     /// Decode through one fused kernel node per quantized decoder block on
     /// the CPU (`MLXCEL_FUSED`).
     pub fused_decode: bool,
+    /// Run a step's fused blocks as one node (`MLXCEL_STACK`).
+    pub stacked_decode: bool,
     /// MLX's buffer-cache limit in bytes; `None` leaves MLX's default
     /// (`MLXCEL_MLX_CACHE_LIMIT`).
     pub mlx_cache_limit: Option<usize>,
@@ -61,7 +64,7 @@ impl Default for RuntimeConfig {
     /// The defaults for the current default device.
     fn default() -> Self {
         let cpu = mlx_sys::Device::default_device() == mlx_sys::Device::Cpu;
-        RuntimeConfig { prefill: PrefillBackend::Kernels, fused_decode: true, mlx_cache_limit: cpu.then_some(0) }
+        RuntimeConfig { prefill: PrefillBackend::Kernels, fused_decode: true, stacked_decode: true, mlx_cache_limit: cpu.then_some(0) }
     }
 }
 
@@ -93,6 +96,13 @@ impl RuntimeConfig {
                 "1" | "" => true,
                 "0" => false,
                 _ => return Err(invalid("MLXCEL_FUSED", &v, "`1` or `0`")),
+            };
+        }
+        if let Some(v) = lookup("MLXCEL_STACK") {
+            config.stacked_decode = match v.as_str() {
+                "1" | "" => true,
+                "0" => false,
+                _ => return Err(invalid("MLXCEL_STACK", &v, "`1` or `0`")),
             };
         }
         // Read by the kernels themselves; checked here so a typo fails the load.
@@ -186,10 +196,14 @@ mod tests {
         let c = RuntimeConfig::from_lookup(lookup(&[
             ("MLXCEL_PREFILL", "mlx"),
             ("MLXCEL_FUSED", "0"),
+            ("MLXCEL_STACK", "0"),
             ("MLXCEL_MLX_CACHE_LIMIT", "1048576"),
         ]))
         .unwrap();
-        assert_eq!(c, RuntimeConfig { prefill: PrefillBackend::Mlx, fused_decode: false, mlx_cache_limit: Some(1 << 20) });
+        assert_eq!(
+            c,
+            RuntimeConfig { prefill: PrefillBackend::Mlx, fused_decode: false, stacked_decode: false, mlx_cache_limit: Some(1 << 20) }
+        );
         let c = RuntimeConfig::from_lookup(lookup(&[("MLXCEL_MLX_CACHE_LIMIT", "default")])).unwrap();
         assert_eq!(c.mlx_cache_limit, None);
         for repack in ["0", "1"] {
@@ -199,7 +213,7 @@ mod tests {
 
     #[test]
     fn invalid_values_name_the_variable() {
-        for (name, value) in [("MLXCEL_PREFILL", "fast"), ("MLXCEL_FUSED", "yes"), ("MLXCEL_MLX_CACHE_LIMIT", "1G"), ("MLXCEL_REPACK", "off")] {
+        for (name, value) in [("MLXCEL_PREFILL", "fast"), ("MLXCEL_FUSED", "yes"), ("MLXCEL_STACK", "on"), ("MLXCEL_MLX_CACHE_LIMIT", "1G"), ("MLXCEL_REPACK", "off")] {
             let e = RuntimeConfig::from_lookup(lookup(&[(name, value)])).unwrap_err().to_string();
             assert!(e.contains(name) && e.contains(value), "{e}");
         }

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::model::ModelShape;
-use crate::nn::{Attention, AttentionSpec, DecoderBlock, Embedding, GatedMlp, Linear, RmsNorm, Rope, RopeScaling, RowKernels};
+use crate::nn::{Attention, AttentionSpec, DecoderBlock, Embedding, FusedBlock, GatedMlp, Linear, RmsNorm, Rope, RopeScaling, RowKernels};
 use crate::weights::Scope;
 use super::transformer::{Block, Transformer};
 use super::LoadContext;
@@ -116,6 +116,10 @@ impl Block for DecoderBlock {
     fn describe(&self) -> String {
         DecoderBlock::describe(self)
     }
+
+    fn stacked(&self, x: &Array) -> Option<&FusedBlock> {
+        self.fused_for(x)
+    }
 }
 
 impl DecoderModel {
@@ -201,6 +205,7 @@ pub fn load_pre_norm_in<B: Block>(
         norm: RmsNorm::load(&model.pp("norm"), args.hidden_size, args.rms_norm_eps)?,
         lm_head: load_lm_head(root, args, tied)?,
         final_softcap: None,
+        stack: Default::default(),
     })
 }
 

@@ -109,5 +109,6 @@ pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
         norm: RmsNorm::load_with_offset(&model.pp("norm"), hidden, eps, 1.0)?,
         lm_head: None,
         final_softcap: args.final_logit_softcapping,
+        stack: Default::default(),
     }))
 }

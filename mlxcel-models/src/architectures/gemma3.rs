@@ -215,6 +215,10 @@ impl Block for GemmaBlock {
         self.forward_alone(x, cache)
     }
 
+    fn stacked(&self, x: &Array) -> Option<&FusedBlock> {
+        self.fused.as_ref().filter(|_| Self::fused_takes(x))
+    }
+
     fn describe(&self) -> String {
         let fused = if self.fused.is_some() { " [one fused kernel node at decode]" } else { "" };
         format!("pre- and post-norms (1 + w gains): {} → {}{fused}", self.self_attn.describe(), self.mlp.describe())
@@ -314,6 +318,7 @@ fn load_model(root: &Scope, config_path: &std::path::Path, args: &Gemma3Args) ->
         norm: RmsNorm::load_with_offset(&model.pp("norm"), hidden, eps, 1.0)?,
         lm_head: untied_lm_head(root, hidden, args.vocab_size)?,
         final_softcap: None,
+        stack: Default::default(),
     })
 }
 

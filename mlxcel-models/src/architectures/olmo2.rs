@@ -82,5 +82,6 @@ pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
         // tied embeddings stays unread (an error), as mlx-lm refuses it.
         lm_head: load_lm_head(root, &args, args.tie_word_embeddings.unwrap_or(true))?,
         final_softcap: None,
+        stack: Default::default(),
     }))
 }

@@ -168,6 +168,7 @@ pub fn load(ctx: &LoadContext) -> Result<Box<dyn LanguageModel>> {
         // stays unread, an error, as mlx-lm refuses it).
         lm_head: load_lm_head(root, base, base.tie_word_embeddings.unwrap_or(false))?,
         final_softcap: None,
+        stack: Default::default(),
     };
     Ok(Box::new(model_out))
 }

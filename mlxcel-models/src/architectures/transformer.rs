@@ -3,12 +3,15 @@
 //! final norm, and the lm_head or the tied embeddings (optionally
 //! soft-capped). Each family brings its own [`Block`].
 
+use std::sync::{Arc, OnceLock};
+
+use mlx_sys::kernels::{PagedSequence, PreparedDecoderStack};
 use mlx_sys::Array;
 
 use crate::cache::{KvCache, StandardKvCache};
 use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelLayout, ModelShape};
-use crate::nn::{softcap, Embedding, Linear, RmsNorm, RowKernels};
+use crate::nn::{softcap, Embedding, FusedBlock, Linear, RmsNorm, RowKernels};
 
 /// One decoder block as [`Transformer`] runs it.
 pub trait Block: Send + Sync {
@@ -26,6 +29,13 @@ pub trait Block: Send + Sync {
     }
     /// The block's layout in a line (norms, attention, MLP), for `mlxcel inspect`.
     fn describe(&self) -> String;
+    /// The fused kernel block that computes this block for `x` exactly as
+    /// [`forward_batch`](Self::forward_batch) does over paged caches of one
+    /// pool, so that consecutive blocks can run as one node; None where
+    /// `forward_batch` would not run it.
+    fn stacked(&self, _x: &Array) -> Option<&FusedBlock> {
+        None
+    }
 }
 
 /// Embeddings, blocks, final norm and head: a [`LanguageModel`].
@@ -43,6 +53,9 @@ pub struct Transformer<B> {
     pub lm_head: Option<Linear>,
     /// Gemma 2's `final_logit_softcapping`: `cap * tanh(logits / cap)`.
     pub final_softcap: Option<f32>,
+    /// Every block's fused kernel as one node per step, made the first time
+    /// every block runs its fused kernel (see `stacked`).
+    pub stack: OnceLock<PreparedDecoderStack>,
 }
 
 impl<B: Block> Transformer<B> {
@@ -69,6 +82,11 @@ impl<B: Block> Transformer<B> {
     /// [`hidden`](Self::hidden) from input embeddings [B, L, hidden].
     fn hidden_from(&self, mut h: Array, caches: &mut [Box<dyn KvCache>], kernels: RowKernels) -> Result<Array> {
         self.check_caches(caches.len())?;
+        if kernels == RowKernels::ByCount && h.ndim() == 3 && h.dim(0) == 1 {
+            if let Some(out) = self.stacked(&h, &mut [caches])? {
+                return Ok(out);
+            }
+        }
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             h = layer.forward(&h, cache.as_mut(), kernels)?;
         }
@@ -84,11 +102,75 @@ impl<B: Block> Transformer<B> {
             self.check_caches(c.len())?;
         }
         let mut h = self.embed(tokens)?;
+        if let Some(out) = self.stacked(&h, caches)? {
+            return Ok(out);
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             let mut layer_caches: Vec<&mut Box<dyn KvCache>> = caches.iter_mut().map(|c| &mut c[i]).collect();
             h = layer.forward_batch(&h, &mut layer_caches)?;
         }
         Ok(h)
+    }
+
+    /// Every block over `rows` (row b: sequence b's caches, one per layer)
+    /// as one kernel node, when every block runs its fused kernel for `h`
+    /// ([`Block::stacked`]) and every cache is a layer of one paged pool with
+    /// the layers of a row at one offset: exactly what the blocks compute
+    /// one node each, for one node in MLX's graph per step instead of one a
+    /// layer. None (nothing written) otherwise.
+    fn stacked(&self, h: &Array, rows: &mut [&mut [Box<dyn KvCache>]]) -> Result<Option<Array>> {
+        if !crate::runtime::current().stacked_decode || rows.is_empty() {
+            return Ok(None);
+        }
+        let Some(blocks) = self.layers.iter().map(|l| l.stacked(h)).collect::<Option<Vec<&FusedBlock>>>() else {
+            return Ok(None);
+        };
+        // The blocks' fused kernels are the same whatever `h` is.
+        let stack = self.stack.get_or_init(|| PreparedDecoderStack::new(blocks.iter().map(|f| f.prepared())));
+        let length = h.dim(1) as usize;
+        let mut tables = Vec::with_capacity(rows.len());
+        let mut offsets = Vec::with_capacity(rows.len());
+        let mut pool = None;
+        for row in rows.iter_mut() {
+            let mut first = None;
+            for cache in row.iter_mut() {
+                let Some(paged) = cache.as_paged() else { return Ok(None) };
+                let pool = pool.get_or_insert_with(|| paged.pool().clone());
+                let same_row = first.as_ref().is_none_or(|(blocks, offset)| {
+                    Arc::ptr_eq(blocks, paged.row_blocks()) && *offset == paged.offset()
+                });
+                if !Arc::ptr_eq(pool, paged.pool()) || !same_row {
+                    return Ok(None);
+                }
+                first.get_or_insert_with(|| (paged.row_blocks().clone(), paged.offset()));
+            }
+            let Some(first) = row.first_mut().and_then(|c| c.as_paged()) else { return Ok(None) };
+            tables.push(first.table_for(length)?);
+            offsets.push(first.offset() as i32);
+        }
+        let sequences: Vec<PagedSequence<'_>> =
+            tables.iter().zip(&offsets).map(|(table, &offset)| PagedSequence { table, offset }).collect();
+        let mut pools = Vec::with_capacity(blocks.len());
+        let mut specs = Vec::with_capacity(blocks.len());
+        for (i, block) in blocks.iter().enumerate() {
+            let Some(cache) = rows[0][i].as_paged() else { return Ok(None) };
+            pools.push(cache.layer_pools()?);
+            specs.push(block.paged_spec(cache));
+        }
+        let (out, written) = stack.forward_paged(h, &pools, &sequences, &specs)?;
+        for (i, (keys, values)) in written.into_iter().enumerate() {
+            if let Some(cache) = rows[0][i].as_paged() {
+                cache.set_layer_pools(keys, values);
+            }
+        }
+        for row in rows.iter_mut() {
+            for cache in row.iter_mut() {
+                if let Some(paged) = cache.as_paged() {
+                    paged.advance(length);
+                }
+            }
+        }
+        Ok(Some(out))
     }
 
     /// Final norm, head and cap; `per_sequence`: `h` [B, L, hidden] as B
