@@ -13,6 +13,12 @@ use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelLayout, ModelShape};
 use crate::nn::{softcap, Embedding, FusedBlock, Linear, RmsNorm, RowKernels};
 
+/// The most blocks one stacked node runs. A node's outputs are each
+/// other's siblings in MLX's graph, which costs the thread that builds and
+/// retires the step work quadratic in their number (two pools a block): 30
+/// blocks in one node spent about a third of that thread's time there.
+pub const MAX_STACKED_BLOCKS: usize = 16;
+
 /// One decoder block as [`Transformer`] runs it.
 pub trait Block: Send + Sync {
     /// `x` [B, L, hidden] → [B, L, hidden], appending to `cache`, with the
@@ -53,9 +59,10 @@ pub struct Transformer<B> {
     pub lm_head: Option<Linear>,
     /// Gemma 2's `final_logit_softcapping`: `cap * tanh(logits / cap)`.
     pub final_softcap: Option<f32>,
-    /// Every block's fused kernel as one node per step, made the first time
-    /// every block runs its fused kernel (see `stacked`).
-    pub stack: OnceLock<PreparedDecoderStack>,
+    /// The blocks' fused kernels as a few nodes per step (consecutive runs
+    /// of at most [`MAX_STACKED_BLOCKS`]), made the first time every block
+    /// runs its fused kernel (see `stacked`).
+    pub stack: OnceLock<Vec<PreparedDecoderStack>>,
 }
 
 impl<B: Block> Transformer<B> {
@@ -113,11 +120,12 @@ impl<B: Block> Transformer<B> {
     }
 
     /// Every block over `rows` (row b: sequence b's caches, one per layer)
-    /// as one kernel node, when every block runs its fused kernel for `h`
-    /// ([`Block::stacked`]) and every cache is a layer of one paged pool with
-    /// the layers of a row at one offset: exactly what the blocks compute
-    /// one node each, for one node in MLX's graph per step instead of one a
-    /// layer. None (nothing written) otherwise.
+    /// in a few kernel nodes (runs of up to [`MAX_STACKED_BLOCKS`] blocks),
+    /// when every block runs its fused kernel for `h` ([`Block::stacked`])
+    /// and every cache is a layer of one paged pool with the layers of a row
+    /// at one offset: exactly what the blocks compute one node each, for a
+    /// few nodes in MLX's graph per step instead of one a layer. None
+    /// (nothing written) otherwise.
     fn stacked(&self, h: &Array, rows: &mut [&mut [Box<dyn KvCache>]]) -> Result<Option<Array>> {
         if !crate::runtime::current().stacked_decode || rows.is_empty() {
             return Ok(None);
@@ -126,7 +134,11 @@ impl<B: Block> Transformer<B> {
             return Ok(None);
         };
         // The blocks' fused kernels are the same whatever `h` is.
-        let stack = self.stack.get_or_init(|| PreparedDecoderStack::new(blocks.iter().map(|f| f.prepared())));
+        let stacks = self.stack.get_or_init(|| {
+            let nodes = blocks.len().div_ceil(MAX_STACKED_BLOCKS);
+            let per_node = blocks.len().div_ceil(nodes.max(1)).max(1);
+            blocks.chunks(per_node).map(|c| PreparedDecoderStack::new(c.iter().map(|f| f.prepared()))).collect()
+        });
         let length = h.dim(1) as usize;
         let mut tables = Vec::with_capacity(rows.len());
         let mut offsets = Vec::with_capacity(rows.len());
@@ -157,11 +169,18 @@ impl<B: Block> Transformer<B> {
             pools.push(cache.layer_pools()?);
             specs.push(block.paged_spec(cache));
         }
-        let (out, written) = stack.forward_paged(h, &pools, &sequences, &specs)?;
-        for (i, (keys, values)) in written.into_iter().enumerate() {
-            if let Some(cache) = rows[0][i].as_paged() {
-                cache.set_layer_pools(keys, values);
+        let mut out = h.clone();
+        let mut first = 0;
+        for stack in stacks {
+            let layers = first..first + stack.len();
+            let (o, written) = stack.forward_paged(&out, &pools[layers.clone()], &sequences, &specs[layers])?;
+            out = o;
+            for (i, (keys, values)) in written.into_iter().enumerate() {
+                if let Some(cache) = rows[0][first + i].as_paged() {
+                    cache.set_layer_pools(keys, values);
+                }
             }
+            first += stack.len();
         }
         for row in rows.iter_mut() {
             for cache in row.iter_mut() {
