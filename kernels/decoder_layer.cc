@@ -1437,27 +1437,24 @@ class DecoderStack : public mx::Primitive {
     at.x = 0;
     at.keys = 1;
     at.values = 2;
+    const mx::array& x = inputs[0];
     std::vector<Pointers> blocks;
     blocks.reserve(n);
     for (int i = 0; i < n; ++i) {
-      const std::vector<mx::array> layer_inputs{inputs[0], inputs[1 + i], inputs[1 + n + i]};
+      const std::vector<mx::array> layer_inputs{x, inputs[1 + i], inputs[1 + n + i]};
       std::vector<mx::array> layer_outputs{out, outputs[1 + i], outputs[1 + n + i]};
-      blocks.push_back(bind_node(specs_[i], at, offsets_, tables_, layers_[i].get(), layer_inputs, layer_outputs, 1, 2));
-    }
-    const mx::array& x = inputs[0];
-    const int64_t H = x.shape(2);
-    // Layer 0 reads x through its strides; every later one reads the
-    // output before it, dense, from `out` (run_layer copies its x before
-    // writing its output).
-    for (int i = 0; i < n; ++i) {
-      Pointers& p = blocks[i];
+      Pointers& p = blocks.emplace_back(
+          bind_node(specs_[i], at, offsets_, tables_, layers_[i].get(), layer_inputs, layer_outputs, 1, 2));
+      // Layer 0 reads x through its strides; every later one reads the
+      // output before it, dense, from `out` (run_layer copies its x before
+      // writing its output).
       if (i == 0) {
         p.x = x.data<float>();
         for (int d = 0; d < 3; ++d) p.x_strides[d] = x.strides()[d];
       } else {
         p.x = out.data<float>();
-        p.x_strides[0] = (int64_t)x.shape(1) * H;
-        p.x_strides[1] = H;
+        p.x_strides[0] = (int64_t)x.shape(1) * x.shape(2);
+        p.x_strides[1] = x.shape(2);
         p.x_strides[2] = 1;
       }
       p.out = out.data<float>();
@@ -1790,7 +1787,6 @@ std::vector<mx::array> decoder_stack_paged(const std::vector<std::shared_ptr<con
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument("[mlxcel::kernels::decoder_stack_paged] layer " + std::to_string(i) + ": " + e.what());
     }
-    if (layers[i]->spec.hidden != layers[0]->spec.hidden) fail("the stack's layers differ in hidden size");
   }
   for (const auto* pools : {&pool_keys, &pool_values}) {
     for (const mx::array& pool : *pools) {

@@ -279,15 +279,7 @@ impl PreparedDecoderLayer {
         let values = array_list(caches.iter().map(|c| c.values));
         let offsets: Vec<i32> = caches.iter().map(|c| c.offset).collect();
         let list = ffi::kernels_decoder_layer_batch(&self.inner, &x.raw, &keys, &values, &offsets, spec)?;
-        let mut out = from_array_list(&list)?;
-        let b = caches.len();
-        if out.len() != 1 + 2 * b {
-            unreachable!("decoder_layer_batch returns 1 + 2B arrays");
-        }
-        let values = out.split_off(1 + b);
-        let keys = out.split_off(1);
-        let h = out.pop().expect("the output");
-        Ok((h, keys.into_iter().zip(values).collect()))
+        output_and_caches(&list, caches.len())
     }
 }
 
@@ -317,9 +309,7 @@ impl PreparedDecoderLayer {
         sequences: &[PagedSequence<'_>],
         spec: &DecoderLayerSpec,
     ) -> Result<(Array, Array, Array)> {
-        let tables: Vec<i32> = sequences.iter().flat_map(|s| s.table.iter().copied()).collect();
-        let lens: Vec<i32> = sequences.iter().map(|s| s.table.len() as i32).collect();
-        let offsets: Vec<i32> = sequences.iter().map(|s| s.offset).collect();
+        let (tables, lens, offsets) = flat_tables(sequences);
         let list = ffi::kernels_decoder_layer_paged(&self.inner, &x.raw, &pool_keys.raw, &pool_values.raw, &tables, &lens, &offsets, spec)?;
         three_arrays(&list)
     }
@@ -377,22 +367,33 @@ impl PreparedDecoderStack {
         sequences: &[PagedSequence<'_>],
         specs: &[DecoderLayerSpec],
     ) -> Result<(Array, Vec<(Array, Array)>)> {
-        let tables: Vec<i32> = sequences.iter().flat_map(|s| s.table.iter().copied()).collect();
-        let lens: Vec<i32> = sequences.iter().map(|s| s.table.len() as i32).collect();
-        let offsets: Vec<i32> = sequences.iter().map(|s| s.offset).collect();
+        let (tables, lens, offsets) = flat_tables(sequences);
         let keys = array_list(pools.iter().map(|(k, _)| k));
         let values = array_list(pools.iter().map(|(_, v)| v));
         let list = ffi::kernels_decoder_stack_paged(&self.inner, &x.raw, &keys, &values, &tables, &lens, &offsets, specs)?;
-        let mut out = from_array_list(&list)?;
-        let n = pools.len();
-        if out.len() != 1 + 2 * n {
-            unreachable!("decoder_stack_paged returns 1 + 2n arrays");
-        }
-        let values = out.split_off(1 + n);
-        let keys = out.split_off(1);
-        let h = out.pop().expect("the output");
-        Ok((h, keys.into_iter().zip(values).collect()))
+        output_and_caches(&list, pools.len())
     }
+}
+
+/// Paged sequences as the FFI takes them: every table's ids in one list,
+/// each table's length, each sequence's offset.
+fn flat_tables(sequences: &[PagedSequence<'_>]) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    let tables = sequences.iter().flat_map(|s| s.table.iter().copied()).collect();
+    let lens = sequences.iter().map(|s| s.table.len() as i32).collect();
+    let offsets = sequences.iter().map(|s| s.offset).collect();
+    (tables, lens, offsets)
+}
+
+/// `{out, keys[0..n), values[0..n)}` as the output and n (keys, values) pairs.
+fn output_and_caches(list: &ffi::ArrayList, n: usize) -> Result<(Array, Vec<(Array, Array)>)> {
+    let mut out = from_array_list(list)?;
+    if out.len() != 1 + 2 * n {
+        unreachable!("the decoder kernels return 1 + 2n arrays");
+    }
+    let values = out.split_off(1 + n);
+    let keys = out.split_off(1);
+    let h = out.pop().expect("the output");
+    Ok((h, keys.into_iter().zip(values).collect()))
 }
 
 /// How many [`PreparedDecoderStack::forward_paged`] nodes this process has

@@ -18,8 +18,7 @@ use crate::architectures::LoadContext;
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::nn::{
-    Attention, AttentionSpec, FusedBlock, FusedParts, GatedMlp, Linear, RmsNorm, RowKernels, StackedExperts,
-    FUSED_MAX_ROWS,
+    fused_takes, Attention, AttentionSpec, FusedBlock, FusedParts, GatedMlp, Linear, RmsNorm, RowKernels, StackedExperts,
 };
 use crate::weights::Scope;
 
@@ -241,7 +240,7 @@ impl MoeBlock {
 
     fn forward(&self, x: &Array, cache: &mut dyn KvCache, kernels: RowKernels) -> Result<Array> {
         if let (Some(fused), RowKernels::ByCount) = (&self.fused, kernels) {
-            if x.ndim() == 3 && x.dim(0) == 1 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32 {
+            if fused_takes(x) && x.dim(0) == 1 {
                 if let Some(out) = fused.forward(x, cache)? {
                     return Ok(out);
                 }
@@ -264,7 +263,7 @@ impl Block for MoeBlock {
 
     /// One sequence only: `forward_batch` runs sequences one by one.
     fn stacked(&self, x: &Array) -> Option<&FusedBlock> {
-        self.fused.as_ref().filter(|_| x.ndim() == 3 && x.dim(0) == 1 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32)
+        self.fused.as_ref().filter(|_| fused_takes(x) && x.dim(0) == 1)
     }
 
     fn describe(&self) -> String {

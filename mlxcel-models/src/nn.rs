@@ -969,6 +969,12 @@ pub struct DecoderBlock {
 /// GEMMs, which amortize their dispatch.
 pub(crate) const FUSED_MAX_ROWS: i32 = 32;
 
+/// Whether `x` is what the fused block takes: [B, L, hidden] float32 with
+/// at most [`FUSED_MAX_ROWS`] new tokens per sequence.
+pub(crate) fn fused_takes(x: &Array) -> bool {
+    x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32
+}
+
 impl DecoderBlock {
     /// Its layout, for `mlxcel inspect`.
     pub fn describe(&self) -> String {
@@ -996,7 +1002,7 @@ impl DecoderBlock {
     /// (`Prefill` never takes the fused block).
     pub fn forward_with(&self, x: &Array, cache: &mut dyn KvCache, kernels: RowKernels) -> Result<Array> {
         if let (Some(fused), RowKernels::ByCount) = (&self.fused, kernels) {
-            if x.ndim() == 3 && x.dim(0) == 1 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32 {
+            if fused_takes(x) && x.dim(0) == 1 {
                 if let Some(out) = fused.forward(x, cache)? {
                     return Ok(out);
                 }
@@ -1024,8 +1030,7 @@ impl DecoderBlock {
         if let [cache] = caches {
             return self.forward(x, cache.as_mut());
         }
-        let fused_alone = x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32;
-        if let Some(fused) = self.fused.as_ref().filter(|_| fused_alone) {
+        if let Some(fused) = self.fused_for(x) {
             if let Some(out) = fused.forward_batch(x, caches)? {
                 return Ok(out);
             }
@@ -1049,7 +1054,7 @@ impl DecoderBlock {
     /// The fused block where [`forward_batch`](Self::forward_batch) runs it
     /// for `x` over paged caches (few f32 rows).
     pub(crate) fn fused_for(&self, x: &Array) -> Option<&FusedBlock> {
-        self.fused.as_ref().filter(|_| x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32)
+        self.fused.as_ref().filter(|_| fused_takes(x))
     }
 }
 

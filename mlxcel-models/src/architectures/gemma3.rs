@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::model::{LanguageModel, ModelShape};
 use crate::nn::{
     Activation, Attention, AttentionSpec, Embedding, FusedBlock, FusedParts, GatedMlp, Linear, RmsNorm, Rope, RopeScaling,
-    RowKernels, FUSED_MAX_ROWS,
+    fused_takes, RowKernels,
 };
 use crate::weights::Scope;
 
@@ -192,13 +192,8 @@ impl GemmaBlock {
         }
     }
 
-    /// Rows the fused block takes: few f32 rows (decode, short prompts).
-    fn fused_takes(x: &Array) -> bool {
-        x.ndim() == 3 && x.dim(1) <= FUSED_MAX_ROWS && x.dtype() == Dtype::Float32
-    }
-
     fn forward_alone(&self, x: &Array, cache: &mut dyn KvCache) -> Result<Array> {
-        if let Some(fused) = self.fused.as_ref().filter(|_| Self::fused_takes(x) && x.dim(0) == 1) {
+        if let Some(fused) = self.fused.as_ref().filter(|_| fused_takes(x) && x.dim(0) == 1) {
             if let Some(out) = fused.forward(x, cache)? {
                 return Ok(out);
             }
@@ -216,7 +211,7 @@ impl Block for GemmaBlock {
     }
 
     fn stacked(&self, x: &Array) -> Option<&FusedBlock> {
-        self.fused.as_ref().filter(|_| Self::fused_takes(x))
+        self.fused.as_ref().filter(|_| fused_takes(x))
     }
 
     fn describe(&self) -> String {
@@ -230,7 +225,7 @@ impl Block for GemmaBlock {
         if let [cache] = caches {
             return self.forward_alone(x, cache.as_mut());
         }
-        if let Some(fused) = self.fused.as_ref().filter(|_| Self::fused_takes(x)) {
+        if let Some(fused) = self.fused.as_ref().filter(|_| fused_takes(x)) {
             if let Some(out) = fused.forward_batch(x, caches)? {
                 return Ok(out);
             }

@@ -170,17 +170,17 @@ impl<B: Block> Transformer<B> {
             specs.push(block.paged_spec(cache));
         }
         let mut out = h.clone();
-        let mut first = 0;
+        let mut start = 0;
         for stack in stacks {
-            let layers = first..first + stack.len();
+            let layers = start..start + stack.len();
             let (o, written) = stack.forward_paged(&out, &pools[layers.clone()], &sequences, &specs[layers])?;
             out = o;
             for (i, (keys, values)) in written.into_iter().enumerate() {
-                if let Some(cache) = rows[0][first + i].as_paged() {
+                if let Some(cache) = rows[0][start + i].as_paged() {
                     cache.set_layer_pools(keys, values);
                 }
             }
-            first += stack.len();
+            start += stack.len();
         }
         for row in rows.iter_mut() {
             for cache in row.iter_mut() {
