@@ -4,6 +4,7 @@
 //
 //   cc -O2 -march=native -pthread benches/membw.c -o /tmp/membw
 //   for m in 32 64 96 128 150 400; do /tmp/membw $m 2; done
+//   /tmp/membw 96 2 huge    # the buffer on 2 MiB transparent huge pages
 //
 // Decode streams every weight once a token, so a model's decode working set
 // against this curve says which limit it runs into (docs/performance.md).
@@ -13,6 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 typedef struct {
   const char* data;
@@ -48,15 +52,20 @@ static double seconds(void) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 3 || atoi(argv[1]) <= 0 || atoi(argv[2]) <= 0 || atoi(argv[2]) > 64) {
-    fprintf(stderr, "usage: membw MIB THREADS\n");
+  const int huge = argc == 4 && strcmp(argv[3], "huge") == 0;
+  if ((argc != 3 && !huge) || atoi(argv[1]) <= 0 || atoi(argv[2]) <= 0 || atoi(argv[2]) > 64) {
+    fprintf(stderr, "usage: membw MIB THREADS [huge]\n");
     return 2;
   }
   const size_t mib = (size_t)atoi(argv[1]);
   const int threads = atoi(argv[2]);
   const size_t bytes = mib << 20, part = bytes / threads / 256 * 256;
-  char* data = aligned_alloc(4096, bytes);
+  // 2 MiB aligned, so that huge pages can back it whole.
+  char* data = aligned_alloc(2 << 20, (bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20));
   if (!data) return 1;
+#ifdef MADV_HUGEPAGE
+  if (huge && madvise(data, bytes, MADV_HUGEPAGE) != 0) perror("madvise(MADV_HUGEPAGE)");
+#endif
   memset(data, 1, bytes);
   const int passes = (int)(4096 / mib) + 1;
   pthread_t ids[64];
@@ -71,7 +80,7 @@ int main(int argc, char** argv) {
     for (int t = 0; t < threads; ++t) pthread_join(ids[t], NULL);
     elapsed = seconds() - start;
   }
-  printf("%zu MiB, %d threads: %.1f GB/s\n", mib, threads, (double)part * threads * passes / elapsed / 1e9);
+  printf("%zu MiB, %d threads%s: %.1f GB/s\n", mib, threads, huge ? ", huge pages" : "", (double)part * threads * passes / elapsed / 1e9);
   free(data);
   return 0;
 }

@@ -435,7 +435,8 @@ typedef struct mlxcel_generation_result {
     // From the first generated token to the last.
     double decode_seconds;
     // Process-wide: MLX's allocator high-water mark when the run ended, over
-    // every model and generation in the process (not reset by any run).
+    // every model and generation in the process (not reset by any run), plus
+    // the weights the kernels keep in their own memory on the CPU.
     uint64_t process_peak_memory_bytes;
     // Speculative decoding: draft tokens proposed, and those accepted (both
     // 0 without it). Since ABI 5.0.

@@ -958,8 +958,38 @@ void attention_task(void* ctx, int task) {
   }
 }
 
+// RoPE's cosines and sines for one position, kept while consecutive layers
+// (and rows) ask for the same position and frequencies: every block of a
+// decode step rotates the same position.
+struct RopeAngles {
+  std::vector<float> cs, sn, freqs;  // freqs: the explicit frequencies used, if any
+  float position = NAN, log_base_per_dim = NAN;
+  bool explicit_freqs = false;
+
+  void compute(float at, float log_base, int half, const VectorRef& explicit_inv) {
+    bool same = at == position && log_base == log_base_per_dim && (int)cs.size() == half &&
+                explicit_freqs == (bool)explicit_inv;
+    for (int i = 0; same && explicit_inv && i < half; ++i) same = freqs[i] == explicit_inv[i];
+    if (same) return;
+    position = at;
+    log_base_per_dim = log_base;
+    explicit_freqs = (bool)explicit_inv;
+    freqs.resize(explicit_inv ? (size_t)half : 0);
+    cs.resize((size_t)half);
+    sn.resize((size_t)half);
+    for (int i = 0; i < half; ++i) {
+      if (explicit_inv) freqs[i] = explicit_inv[i];
+      const float inv_freq = explicit_inv ? 1.0f / freqs[i] : std::exp(-(float)i * log_base);
+      const float theta = at * inv_freq;
+      cs[i] = std::cos(theta);
+      sn[i] = std::sin(theta);
+    }
+  }
+};
+
 struct Scratch {
-  std::vector<float> x, n, q, k, v, att, o, h, g, u, cs, sn;
+  std::vector<float> x, n, q, k, v, att, o, h, g, u;
+  RopeAngles rope;
   // Mixture of experts: router logits, each (row, slot)'s weighted expert
   // output, one expert's gathered rows and their down projections.
   std::vector<float> logits, slots, rows, y;
@@ -1119,17 +1149,10 @@ void run_layer(const Pointers& p) {
   // RoPE as MLX's fast::rope computes it: positions (offset + l) * scale,
   // inverse frequencies exp(-i * log(base) / half) or 1 / freqs[i].
   const int half = s.rope_dims / 2;
-  sc.cs.resize((size_t)half);
-  sc.sn.resize((size_t)half);
   const float log_base_per_dim = std::log(s.rope_base) / (float)half;
   for (int l = 0; l < L; ++l) {
     const float position = ((float)(l % p.L) + (float)p.caches[l / p.L].offset) * s.rope_scale;
-    for (int i = 0; i < half; ++i) {
-      const float inv_freq = p.freqs ? 1.0f / p.freqs[i] : std::exp(-(float)i * log_base_per_dim);
-      const float theta = position * inv_freq;
-      sc.cs[i] = std::cos(theta);
-      sc.sn[i] = std::sin(theta);
-    }
+    sc.rope.compute(position, log_base_per_dim, half, p.freqs);
     if (s.rope_mscale != 1.0f) {
       for (int h = 0; h < s.heads; ++h) {
         for (int i = 0; i < s.rope_dims; ++i) sc.q[(size_t)l * qn + (size_t)h * D + i] *= s.rope_mscale;
@@ -1138,8 +1161,9 @@ void run_layer(const Pointers& p) {
         for (int i = 0; i < s.rope_dims; ++i) sc.k[(size_t)l * kvn + (size_t)h * D + i] *= s.rope_mscale;
       }
     }
-    rope_row(&sc.q[(size_t)l * qn], s.heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
-    rope_row(&sc.k[(size_t)l * kvn], s.kv_heads, D, s.rope_dims, s.rope_traditional, sc.cs.data(), sc.sn.data());
+    const float *cs = sc.rope.cs.data(), *sn = sc.rope.sn.data();
+    rope_row(&sc.q[(size_t)l * qn], s.heads, D, s.rope_dims, s.rope_traditional, cs, sn);
+    rope_row(&sc.k[(size_t)l * kvn], s.kv_heads, D, s.rope_dims, s.rope_traditional, cs, sn);
   }
   // New keys and values into each sequence's cache.
   for (int l = 0; l < L; ++l) {
@@ -1160,17 +1184,20 @@ void run_layer(const Pointers& p) {
   }
   // MLX's attention scales q before the product.
   for (float& q : sc.q) q *= s.attn_scale;
-  // One task per sequence and head when there is enough work, else one
-  // task per sequence (each row's arithmetic is the same either way).
+  // When there is enough work, one task per sequence and KV head (its query
+  // heads read its keys and values once from memory), or per query head
+  // where that is too few tasks; else one task per sequence. Each row's
+  // arithmetic is the same either way.
   double work = 0.0;
   for (const CacheRef& c : p.caches) work += (double)s.heads * p.L * (c.offset + p.L) * D;
   AttentionJob job{&p, sc.q.data(), sc.att.data(), s.heads, 1};
-  if (work < 64.0 * 1024) {
+  if (work < 16.0 * 1024) {
     for (int b = 0; b < p.B; ++b) attention_task(&job, b);
   } else {
-    job.heads_per_task = 1;
-    job.tasks_per_sequence = s.heads;
-    detail::parallel_for(p.B * s.heads, attention_task, &job);
+    const bool by_kv_head = p.B * s.kv_heads >= 2;
+    job.heads_per_task = by_kv_head ? s.heads / s.kv_heads : 1;
+    job.tasks_per_sequence = by_kv_head ? s.kv_heads : s.heads;
+    detail::parallel_for(p.B * job.tasks_per_sequence, attention_task, &job);
   }
   project(p.o, sc.att.data(), L, sc.o.data(), gemm);
   if (p.attn_out_norm) {

@@ -54,7 +54,8 @@ class VnniRows {
   size_t bytes() const { return bytes_; }
 
  private:
-  uint8_t* data_ = nullptr;
+  uint8_t* data_ = nullptr;  // in the weight arena (weight_arena.h)
+  std::shared_ptr<void> owner_;
   size_t bytes_ = 0;
 };
 

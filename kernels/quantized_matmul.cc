@@ -21,6 +21,7 @@
 #include "cpu_features.h"
 #include "detail.h"
 #include "simd_math.h"
+#include "weight_arena.h"
 
 #ifdef MLXCEL_X86
 // GCC 12 reports the `_mm512_undefined_*` idiom inside its own AVX-512
@@ -1703,8 +1704,9 @@ VnniRows::VnniRows(const QuantizedView& w) {
   const size_t block_bytes = vnni_block_bytes(w);
   bytes_ = (size_t)blocks * block_bytes;
   if (bytes_ == 0) return;
-  data_ = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes_ + 63) / 64 * 64));
-  if (!data_) throw std::bad_alloc();
+  ArenaSlice slice = arena_allocate(bytes_);
+  data_ = slice.data;
+  owner_ = std::move(slice.owner);
   const size_t scale_bytes = w.scale_type == Scalar::F32 ? 4 : 2;
   const size_t groups = (size_t)(w.k / w.group), words = (size_t)w.k * w.bits / 32;
   const size_t group_block = 16 * groups * scale_bytes;
@@ -1729,7 +1731,6 @@ VnniRows::VnniRows(const QuantizedView& w) {
 
 VnniRows::~VnniRows() {
   if (data_) g_vnni_rows_bytes.fetch_sub(bytes_, std::memory_order_relaxed);
-  std::free(data_);
 }
 
 std::shared_ptr<const VnniRows> make_vnni_rows(const QuantizedView& w) {

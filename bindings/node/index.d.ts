@@ -104,7 +104,7 @@ export interface GenerationStats {
   decodeMs: number
   /** Bytes of this run's KV cache when it ended. */
   kvCacheBytes: number
-  /** Process-wide: MLX's allocator high-water mark over every run in the process; runs never reset it. */
+  /** Process-wide: MLX's allocator high-water mark over every run in the process (runs never reset it), plus the weights the kernels keep in their own memory on the CPU. */
   processPeakMemoryBytes: number
   /** Prompt tokens whose keys and values came from the prefix cache (included in promptTokens). */
   cachedTokens: number

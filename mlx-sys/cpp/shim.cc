@@ -14,6 +14,7 @@
 #include "quantized_gemm.h"
 #include "causal_attention.h"
 #include "kv_pool.h"
+#include "weight_arena.h"
 #include "detail.h"
 
 namespace mx = mlx::core;
@@ -600,6 +601,18 @@ void kernels_kv_pool_release(const array& pool, rust::Slice<const int32_t> ids) 
 }
 size_t kernels_resident_bytes(const array& a) { return kernels::resident_bytes(a); }
 size_t kernels_vnni_rows_bytes() { return kernels::detail::vnni_rows_bytes(); }
+ArrayPtr kernels_weight_array(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype) {
+  return wrap(kernels::weight_array(data.data(), data.size(), to_shape(shape), to_dtype(dtype)));
+}
+size_t kernels_weight_arena_bytes() { return kernels::weight_arena_bytes(); }
+bool kernels_weight_arena_huge_pages() { return kernels::weight_arena_huge_pages(); }
+rust::Vec<size_t> kernels_weight_arena_pages() {
+  const kernels::ArenaPages pages = kernels::weight_arena_pages();
+  rust::Vec<size_t> out;
+  out.push_back(pages.eligible);
+  out.push_back(pages.huge);
+  return out;
+}
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype) {
   return wrap(kernels::quantized_embedding(ids, w, scales, biases, group_size, bits, to_dtype(dtype)));
 }

@@ -249,6 +249,12 @@ void kernels_kv_pool_release(const array& pool, rust::Slice<const int32_t> ids);
 size_t kernels_resident_bytes(const array& a);
 // Bytes of the weight copies the VNNI matvec reads (kernels/detail.h, VnniRows).
 size_t kernels_vnni_rows_bytes();
+// Weights in huge-page memory (kernels/weight_arena.h).
+ArrayPtr kernels_weight_array(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype);
+size_t kernels_weight_arena_bytes();
+bool kernels_weight_arena_huge_pages();
+// {eligible, huge} bytes of the arena's mappings (kernels::weight_arena_pages).
+rust::Vec<size_t> kernels_weight_arena_pages();
 // Dequantized rows of a quantized embedding table (kernels/quantized_embedding.h).
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype);
 // The name of the op that computes an unevaluated array ("" for a leaf).

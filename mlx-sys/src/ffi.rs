@@ -250,6 +250,10 @@ mod bridge {
         fn kernels_kv_pool_release(pool: &MlxArray, ids: &[i32]) -> Result<()>;
         fn kernels_resident_bytes(a: &MlxArray) -> Result<usize>;
         fn kernels_vnni_rows_bytes() -> usize;
+        fn kernels_weight_array(data: &[u8], shape: &[i32], dtype: u8) -> Result<UniquePtr<MlxArray>>;
+        fn kernels_weight_arena_bytes() -> usize;
+        fn kernels_weight_arena_huge_pages() -> bool;
+        fn kernels_weight_arena_pages() -> Vec<usize>;
         #[allow(clippy::too_many_arguments)]
         fn kernels_quantized_embedding(ids: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, dtype: u8) -> Result<UniquePtr<MlxArray>>;
         fn array_primitive_name(a: &MlxArray) -> String;

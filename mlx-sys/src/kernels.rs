@@ -519,6 +519,43 @@ pub fn vnni_rows_bytes() -> usize {
     ffi::kernels_vnni_rows_bytes()
 }
 
+/// Copies `bytes` into a new evaluated array in the weight arena: memory that
+/// Linux backs with 2 MiB transparent huge pages, for weights that decode
+/// streams once a token (fewer TLB misses; `MLXCEL_HUGE_PAGES=0` leaves the
+/// default pages). For arrays the CPU reads: the memory is not a GPU
+/// allocator's. An error names a byte length that does not fill `shape`.
+pub fn weight_array(bytes: &[u8], shape: &[i32], dtype: crate::Dtype) -> Result<Array> {
+    Array::from_ffi(ffi::kernels_weight_array(bytes, shape, dtype as u8))
+}
+
+/// Bytes of the weight arena's live allocations: weights placed with
+/// [`weight_array`] and the VNNI copies of [`vnni_rows_bytes`].
+pub fn weight_arena_bytes() -> usize {
+    ffi::kernels_weight_arena_bytes()
+}
+
+/// The weight arena's mappings as the kernel reports them
+/// (`/proc/self/smaps`; zeros elsewhere than Linux).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ArenaPages {
+    /// Bytes in mappings eligible for transparent huge pages.
+    pub eligible: usize,
+    /// Bytes backed by huge pages now.
+    pub huge: usize,
+}
+
+/// Where the weight arena's memory stands; see [`ArenaPages`].
+pub fn weight_arena_pages() -> ArenaPages {
+    let v = ffi::kernels_weight_arena_pages();
+    ArenaPages { eligible: v[0], huge: v[1] }
+}
+
+/// Whether the weight arena asks for huge pages: `MLXCEL_HUGE_PAGES` is not
+/// `0` and the system's transparent huge pages are not `never`.
+pub fn weight_arena_huge_pages() -> bool {
+    ffi::kernels_weight_arena_huge_pages()
+}
+
 fn three_arrays(list: &ffi::ArrayList) -> Result<(Array, Array, Array)> {
     let mut out = from_array_list(list)?.into_iter();
     match (out.next(), out.next(), out.next()) {

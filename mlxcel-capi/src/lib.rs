@@ -318,7 +318,8 @@ pub struct mlxcel_generation_result {
     /// From the first generated token to the last.
     pub decode_seconds: f64,
     /// Process-wide: MLX's allocator high-water mark when the run ended, over
-    /// every model and generation in the process (not reset by any run).
+    /// every model and generation in the process (not reset by any run), plus
+    /// the weights the kernels keep in their own memory on the CPU.
     pub process_peak_memory_bytes: u64,
     /// Speculative decoding: draft tokens proposed, and those accepted (both
     /// 0 without it). Since ABI 5.0.

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mlx_sys::kernels::KvWindow;
-use mlx_sys::{async_eval, concatenate, eval, memory, Array, Dtype};
+use mlx_sys::{async_eval, concatenate, eval, Array, Dtype};
 use mlxcel_models::nn::RowKernels;
 use mlxcel_models::paged::{KvFormat, KvPool, PagedKvCache, RowBlocks};
 use mlxcel_models::{KvCache, LanguageModel, Model};
@@ -217,7 +217,7 @@ impl Row {
             kv_cache_bytes: self.caches.iter().map(|c| c.nbytes()).sum(),
             draft_tokens: self.spec.as_ref().map_or(0, |s| s.policy.drafted),
             accepted_tokens: self.spec.as_ref().map_or(0, |s| s.policy.accepted),
-            process_peak_memory_bytes: memory::peak_memory(),
+            process_peak_memory_bytes: crate::generate::process_peak_memory_bytes(),
             cached_tokens: self.cached_tokens,
             mask_time: self.sampler.mask_time(),
         }
@@ -1018,7 +1018,7 @@ pub(crate) fn unopened_output(request: &RowRequest, reason: FinishReason) -> Gen
         finish_reason: reason,
         stats: GenerationStats {
             prompt_tokens: request.prompt.len(),
-            process_peak_memory_bytes: memory::peak_memory(),
+            process_peak_memory_bytes: crate::generate::process_peak_memory_bytes(),
             ..GenerationStats::default()
         },
     }

@@ -125,7 +125,9 @@ pub struct GenerationStats {
     /// Process-wide: MLX's allocator high-water mark when the run ended,
     /// over every model and generation in the process since it started (or
     /// since the owner of the process last called
-    /// `mlx_sys::memory::reset_peak_memory`). Generations never reset it.
+    /// `mlx_sys::memory::reset_peak_memory`), plus the bytes then held in the
+    /// kernels' weight arena (on the CPU, the weights and their VNNI copies:
+    /// `mlx_sys::kernels::weight_arena_bytes`). Generations never reset it.
     pub process_peak_memory_bytes: usize,
     /// Prompt tokens whose keys and values came from the prefix cache
     /// instead of being prefilled (included in `prompt_tokens`).
@@ -609,4 +611,10 @@ pub fn generate_batch(rows: &[(&Engine, &GenerationRequest)]) -> Vec<Result<Gene
             Err(Error::ShuttingDown)
         })
         .collect()
+}
+
+/// [`GenerationStats::process_peak_memory_bytes`] now: MLX's high-water mark
+/// and the weight arena's live bytes (weights that are not MLX's buffers).
+pub(crate) fn process_peak_memory_bytes() -> usize {
+    mlx_sys::memory::peak_memory() + mlx_sys::kernels::weight_arena_bytes()
 }

@@ -19,7 +19,10 @@
 //! `MLXCEL_REPACK` (`1` or `0`, default `1`: on CPUs where decode runs the
 //! AVX-512 VNNI matvec, keep a copy of the fused decoder blocks' weights in
 //! that loop's order, as much memory again as those weights; checked at load
-//! here).
+//! here), and `MLXCEL_HUGE_PAGES` (`1` or `0`, default `1`: on the CPU the
+//! weights and those copies live in 2 MiB-aligned memory that Linux backs
+//! with transparent huge pages, which decode streams faster; `0` leaves the
+//! system's default pages; checked at load here).
 
 use std::sync::OnceLock;
 
@@ -106,9 +109,11 @@ impl RuntimeConfig {
             };
         }
         // Read by the kernels themselves; checked here so a typo fails the load.
-        if let Some(v) = lookup("MLXCEL_REPACK") {
-            if !matches!(v.as_str(), "1" | "0" | "") {
-                return Err(invalid("MLXCEL_REPACK", &v, "`1` or `0`"));
+        for name in ["MLXCEL_REPACK", "MLXCEL_HUGE_PAGES"] {
+            if let Some(v) = lookup(name) {
+                if !matches!(v.as_str(), "1" | "0" | "") {
+                    return Err(invalid(name, &v, "`1` or `0`"));
+                }
             }
         }
         if let Some(v) = lookup("MLXCEL_MLX_CACHE_LIMIT") {
@@ -206,14 +211,14 @@ mod tests {
         );
         let c = RuntimeConfig::from_lookup(lookup(&[("MLXCEL_MLX_CACHE_LIMIT", "default")])).unwrap();
         assert_eq!(c.mlx_cache_limit, None);
-        for repack in ["0", "1"] {
-            assert_eq!(RuntimeConfig::from_lookup(lookup(&[("MLXCEL_REPACK", repack)])).unwrap(), RuntimeConfig::default());
+        for (name, value) in [("MLXCEL_REPACK", "0"), ("MLXCEL_REPACK", "1"), ("MLXCEL_HUGE_PAGES", "0"), ("MLXCEL_HUGE_PAGES", "1")] {
+            assert_eq!(RuntimeConfig::from_lookup(lookup(&[(name, value)])).unwrap(), RuntimeConfig::default());
         }
     }
 
     #[test]
     fn invalid_values_name_the_variable() {
-        for (name, value) in [("MLXCEL_PREFILL", "fast"), ("MLXCEL_FUSED", "yes"), ("MLXCEL_STACK", "on"), ("MLXCEL_MLX_CACHE_LIMIT", "1G"), ("MLXCEL_REPACK", "off")] {
+        for (name, value) in [("MLXCEL_PREFILL", "fast"), ("MLXCEL_FUSED", "yes"), ("MLXCEL_STACK", "on"), ("MLXCEL_MLX_CACHE_LIMIT", "1G"), ("MLXCEL_REPACK", "off"), ("MLXCEL_HUGE_PAGES", "yes")] {
             let e = RuntimeConfig::from_lookup(lookup(&[(name, value)])).unwrap_err().to_string();
             assert!(e.contains(name) && e.contains(value), "{e}");
         }

@@ -60,6 +60,22 @@ pub fn safetensors_files(dir: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
     }
 }
 
+/// On the CPU, weights live in the kernels' huge-page arena
+/// (`mlx_sys::kernels::weight_array`), which decode streams faster than
+/// MLX's own buffers; a GPU reads its own allocator's.
+fn weights_in_arena() -> bool {
+    mlx_sys::Device::default_device() == mlx_sys::Device::Cpu
+}
+
+/// `array` evaluated, and moved into the weight arena where weights live there.
+fn in_weight_arena(array: Array) -> mlx_sys::Result<Array> {
+    array.eval()?;
+    if !weights_in_arena() {
+        return Ok(array);
+    }
+    mlx_sys::kernels::weight_array(&array.to_bytes()?, &array.shape(), array.dtype())
+}
+
 fn to_dtype(dtype: safetensors::Dtype, path: &Path, name: &str) -> Result<Dtype> {
     use safetensors::Dtype as S;
     Ok(match dtype {
@@ -87,6 +103,7 @@ impl Weights {
     /// error naming it) and copies the tensors into MLX arrays.
     pub fn load(dir: &Path) -> Result<Weights> {
         let (origin, files) = safetensors_files(dir)?;
+        let in_arena = weights_in_arena();
         let mut tensors = HashMap::new();
         for path in files {
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
@@ -98,8 +115,12 @@ impl Weights {
             for (name, view) in st.tensors() {
                 let dtype = to_dtype(view.dtype(), &path, &name)?;
                 let shape: Vec<i32> = view.shape().iter().map(|&d| d as i32).collect();
-                let array = Array::from_bytes(view.data(), &shape, dtype)
-                    .map_err(|e| Error::invalid_file(&path, format!("tensor `{name}`: {e}")))?;
+                let array = if in_arena {
+                    mlx_sys::kernels::weight_array(view.data(), &shape, dtype)
+                } else {
+                    Array::from_bytes(view.data(), &shape, dtype)
+                }
+                .map_err(|e| Error::invalid_file(&path, format!("tensor `{name}`: {e}")))?;
                 // The copy is made: drop the file's pages from this process,
                 // so that loading holds about one copy of the weights, not two.
                 #[cfg(unix)]
@@ -330,10 +351,8 @@ impl<'a> Scope<'a> {
         let dense = self.as_converted(dense)?;
         let (w, scales, biases) = mlx_sys::quantize(&dense, params.group_size, params.bits)
             .map_err(|e| Error::invalid_file(self.weights.origin(), format!("quantizing `{name}`: {e}")))?;
-        for array in [&w, &scales, &biases] {
-            array.eval()?;
-        }
-        self.weights.store_quantized(self.module_path(), [w, scales, biases]);
+        let [w, scales, biases] = [w, scales, biases].map(|a| in_weight_arena(a).map_err(|e| Error::invalid_file(self.weights.origin(), format!("quantizing `{name}`: {e}"))));
+        self.weights.store_quantized(self.module_path(), [w?, scales?, biases?]);
         Ok(Some(params))
     }
 

@@ -294,6 +294,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             "process_peak_mlx_bytes": process_peak_mlx_bytes,
             "weight_bytes": weight_bytes,
             "vnni_rows_bytes": mlx_sys::kernels::vnni_rows_bytes(),
+            "weight_arena": arena_json(),
             "kv_bytes": kv_bytes,
             "kv_bits": engine.kv_pool().format().bits(),
             "quantized_at_load": engine.model().info().quantized_at_load.map(|q| serde_json::json!({"bits": q.bits, "group_size": q.group_size})),
@@ -364,6 +365,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
             0 => mib(weight_bytes),
             copies => format!("{} (+ {} of the fused blocks' copies the VNNI matvec streams in order; MLXCEL_REPACK=0 leaves them out)", mib(weight_bytes), mib(copies as u64)),
         }),
+        ("huge pages", huge_pages_line()),
         ("KV cache", format!("{} ({kv_positions} positions, {})", human_bytes(kv_bytes), match engine.kv_pool().format() {
             mlxcel_models::KvFormat::F32 => "f32",
             mlxcel_models::KvFormat::Q8 => "8 bits, group 64",
@@ -623,6 +625,23 @@ fn run_batch(engine: &Engine, rows: &[Vec<u32>], params: &SamplingParams, prefil
         aggregate_decode_tps: decoded as f64 / (last - first).max(1e-9),
         process_peak_mlx_bytes: outputs.iter().map(|o| o.stats.process_peak_memory_bytes).max().unwrap_or(0),
     })
+}
+
+/// The weight arena's bytes and those on huge pages, for the JSON report.
+fn arena_json() -> serde_json::Value {
+    serde_json::json!({"bytes": mlx_sys::kernels::weight_arena_bytes(), "huge_page_bytes": mlx_sys::kernels::weight_arena_pages().huge})
+}
+
+/// The weight arena's pages: how much of the weights (and copies) the
+/// system backs with 2 MiB pages.
+fn huge_pages_line() -> String {
+    let mib = |bytes: usize| format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0));
+    let pages = mlx_sys::kernels::weight_arena_pages();
+    let arena = mlx_sys::kernels::weight_arena_bytes();
+    if !mlx_sys::kernels::weight_arena_huge_pages() {
+        return format!("off ({} of weights on the system's default pages; MLXCEL_HUGE_PAGES=0 or no transparent huge pages)", mib(arena));
+    }
+    format!("{} of weights and copies, in mappings with {} on 2 MiB pages (MLXCEL_HUGE_PAGES=0 turns this off)", mib(arena), mib(pages.huge))
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {

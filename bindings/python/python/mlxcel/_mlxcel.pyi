@@ -93,7 +93,8 @@ class Stream(Iterator[Chunk]):
         """prompt_tokens, generated_tokens, time_to_first_token (s),
         prompt_tokens_per_second, decode_tokens_per_second, kv_cache_bytes
         (this run's KV cache), process_peak_memory_bytes (process-wide: MLX's
-        high-water mark over every run in the process, never reset by a run),
+        high-water mark over every run in the process, never reset by a run,
+        plus the weights the kernels keep in their own memory on the CPU),
         cached_tokens (prompt tokens taken from the prefix cache),
         draft_tokens and accepted_tokens (speculative decoding's draft tokens
         proposed and accepted; 0 without it), mask_time (s; structured
