@@ -3,6 +3,7 @@
 #include "weight_arena.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -95,6 +96,19 @@ Arena& arena() {
   return *a;
 }
 
+size_t page_bytes() {
+  static const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  return page;
+}
+
+// Hands the pages wholly inside [data, data + bytes) back to the system.
+void release_pages(uint8_t* data, size_t bytes) {
+  const size_t page = page_bytes();
+  const uintptr_t start = reinterpret_cast<uintptr_t>(data), end = start + bytes;
+  const uintptr_t first = (start + page - 1) / page * page, last = end / page * page;
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 // Bytes MLX's CPU buffers keep in front of the data (a size header).
 size_t mlx_header_bytes() {
   static const size_t delta = [] {
@@ -125,8 +139,14 @@ ArenaSlice arena_allocate(size_t bytes) {
   uint8_t* data = chunk->base() + a.used;
   a.used += rounded;
   g_live_bytes.fetch_add(rounded, std::memory_order_relaxed);
-  // The slice's owner keeps the chunk; releasing it returns the bytes to the count.
-  std::shared_ptr<void> owner(data, [chunk, rounded](void*) { g_live_bytes.fetch_sub(rounded, std::memory_order_relaxed); });
+  // The slice's owner keeps the chunk. Releasing it returns the bytes to the
+  // count and the pages wholly inside the slice to the system: the cursor
+  // never comes back to them, and a weight replaced at load (converted,
+  // quantized, skipped) would otherwise stay resident with its chunk.
+  std::shared_ptr<void> owner(data, [chunk, rounded](void* at) {
+    g_live_bytes.fetch_sub(rounded, std::memory_order_relaxed);
+    release_pages(static_cast<uint8_t*>(at), rounded);
+  });
   return ArenaSlice{data, std::move(owner)};
 }
 
@@ -185,6 +205,7 @@ ArenaPages weight_arena_pages() {
     if (!inside) continue;
     size_t kb = 0;
     if (std::sscanf(line, "AnonHugePages: %zu kB", &kb) == 1) pages.huge += kb * 1024;
+    if (std::sscanf(line, "Rss: %zu kB", &kb) == 1) pages.resident += kb * 1024;
     if (std::sscanf(line, "THPeligible: %zu", &kb) == 1 && kb == 1) pages.eligible += size_kb * 1024;
   }
   std::fclose(f);

@@ -24,9 +24,9 @@ size_t weight_arena_bytes();
 
 // The arena's mapped bytes as the kernel reports them (/proc/self/smaps;
 // zeros elsewhere than Linux): those in mappings eligible for transparent
-// huge pages, and those backed by huge pages now.
+// huge pages, those backed by huge pages now, and those resident.
 struct ArenaPages {
-  size_t eligible = 0, huge = 0;
+  size_t eligible = 0, huge = 0, resident = 0;
 };
 ArenaPages weight_arena_pages();
 
@@ -37,7 +37,8 @@ bool weight_arena_huge_pages();
 namespace detail {
 
 // `bytes` bytes, 64-byte aligned, in the arena; the memory lives as long as
-// the returned owner (any copy of it).
+// the returned owner (any copy of it), and its whole pages go back to the
+// system when the owner is released.
 struct ArenaSlice {
   uint8_t* data = nullptr;
   std::shared_ptr<void> owner;

@@ -611,6 +611,7 @@ rust::Vec<size_t> kernels_weight_arena_pages() {
   rust::Vec<size_t> out;
   out.push_back(pages.eligible);
   out.push_back(pages.huge);
+  out.push_back(pages.resident);
   return out;
 }
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype) {

@@ -253,7 +253,7 @@ size_t kernels_vnni_rows_bytes();
 ArrayPtr kernels_weight_array(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype);
 size_t kernels_weight_arena_bytes();
 bool kernels_weight_arena_huge_pages();
-// {eligible, huge} bytes of the arena's mappings (kernels::weight_arena_pages).
+// {eligible, huge, resident} bytes of the arena's mappings (kernels::weight_arena_pages).
 rust::Vec<size_t> kernels_weight_arena_pages();
 // Dequantized rows of a quantized embedding table (kernels/quantized_embedding.h).
 ArrayPtr kernels_quantized_embedding(const array& ids, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, uint8_t dtype);

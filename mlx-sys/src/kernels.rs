@@ -542,12 +542,14 @@ pub struct ArenaPages {
     pub eligible: usize,
     /// Bytes backed by huge pages now.
     pub huge: usize,
+    /// Bytes resident in memory.
+    pub resident: usize,
 }
 
 /// Where the weight arena's memory stands; see [`ArenaPages`].
 pub fn weight_arena_pages() -> ArenaPages {
     let v = ffi::kernels_weight_arena_pages();
-    ArenaPages { eligible: v[0], huge: v[1] }
+    ArenaPages { eligible: v[0], huge: v[1], resident: v[2] }
 }
 
 /// Whether the weight arena asks for huge pages: `MLXCEL_HUGE_PAGES` is not

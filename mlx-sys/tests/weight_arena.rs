@@ -1,7 +1,8 @@
 //! Weights in the huge-page arena (`kernels::weight_array`): the same bytes
 //! and behaviour as an MLX array, errors for lengths that do not fill the
 //! shape, live-byte accounting, huge pages asked for (and not, with
-//! `MLXCEL_HUGE_PAGES=0`), and allocation from several threads.
+//! `MLXCEL_HUGE_PAGES=0`), pages handed back when a weight goes, and
+//! allocation from several threads.
 
 use std::process::Command;
 use std::sync::Mutex;
@@ -143,4 +144,23 @@ fn threads_allocate_side_by_side() {
             assert_eq!(array.to_vec::<f32>().unwrap(), values);
         }
     }
+}
+
+#[test]
+fn a_dropped_weight_hands_its_pages_back() {
+    let _arena = arena_to_myself();
+    if !cfg!(target_os = "linux") {
+        return; // weight_arena_pages reads /proc/self/smaps
+    }
+    // A small neighbour keeps the chunk mapped while the big weight goes.
+    let neighbour = weight_array(&[3u8; 4096], &[4096], Dtype::Uint8).unwrap();
+    let before = weight_arena_pages().resident;
+    let big = weight_array(&vec![5u8; 16 << 20], &[16 << 20], Dtype::Uint8).unwrap();
+    let held = weight_arena_pages().resident;
+    assert!(held >= before + (16 << 20), "{before} -> {held}");
+    drop(big);
+    let after = weight_arena_pages().resident;
+    // At most the two pages it shares with its neighbours (2 MiB each when huge) stay.
+    assert!(after <= before + (4 << 20), "{before} -> {held} -> {after}");
+    assert_eq!(neighbour.to_vec::<u8>().unwrap(), vec![3u8; 4096]);
 }

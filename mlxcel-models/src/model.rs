@@ -439,7 +439,7 @@ fn load_parts(dir: &Path, quantize: Option<QuantParams>) -> Result<(Box<dyn Lang
     if let Some(params) = quantize {
         check_quantize_params(params).map_err(|(name, message)| Error::InvalidInput(format!("{name} {message}")))?;
     }
-    let weights = Weights::load(dir)?;
+    let weights = if quantize.is_some() { Weights::load_for_quantizing(dir)? } else { Weights::load(dir)? };
     let at_load = match quantize {
         None => None,
         Some(params) => {

@@ -102,8 +102,20 @@ impl Weights {
     /// Reads and validates every file (a truncated or corrupt file is an
     /// error naming it) and copies the tensors into MLX arrays.
     pub fn load(dir: &Path) -> Result<Weights> {
+        Self::load_placing(dir, true)
+    }
+
+    /// Like [`load`](Self::load), for a checkpoint quantized as it loads:
+    /// floating-point tensors stay in MLX's memory, since most are replaced
+    /// by their quantized form (which goes to the weight arena), and freeing
+    /// them there hands their memory back whole.
+    pub fn load_for_quantizing(dir: &Path) -> Result<Weights> {
+        Self::load_placing(dir, false)
+    }
+
+    fn load_placing(dir: &Path, floats_in_arena: bool) -> Result<Weights> {
         let (origin, files) = safetensors_files(dir)?;
-        let in_arena = weights_in_arena();
+        let arena = weights_in_arena();
         let mut tensors = HashMap::new();
         for path in files {
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
@@ -115,7 +127,7 @@ impl Weights {
             for (name, view) in st.tensors() {
                 let dtype = to_dtype(view.dtype(), &path, &name)?;
                 let shape: Vec<i32> = view.shape().iter().map(|&d| d as i32).collect();
-                let array = if in_arena {
+                let array = if arena && (floats_in_arena || !dtype.is_floating()) {
                     mlx_sys::kernels::weight_array(view.data(), &shape, dtype)
                 } else {
                     Array::from_bytes(view.data(), &shape, dtype)
