@@ -41,7 +41,7 @@ bool huge_pages_wanted() {
 }
 
 // One mapping, 2 MiB aligned; slices are carved from it front to back and
-// it is unmapped when the last of them (and the arena's cursor) lets go.
+// it is unmapped when the last of them lets go.
 class Chunk {
  public:
   explicit Chunk(size_t bytes) : bytes_(bytes) {
@@ -128,16 +128,22 @@ ArenaSlice arena_allocate(size_t bytes) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
   Arena& a = arena();
   std::lock_guard<std::mutex> lock(a.mu);
-  std::shared_ptr<Chunk> chunk = a.current.lock();
-  if (!chunk || a.used + rounded > chunk->bytes()) {
-    const size_t size = std::max(kChunkBytes, (rounded + kHugePage - 1) / kHugePage * kHugePage);
-    chunk = std::make_shared<Chunk>(size);
-    a.used = 0;
-    // A chunk made for one large slice is not worth keeping as the cursor.
-    if (size == kChunkBytes) a.current = chunk;
+  std::shared_ptr<Chunk> chunk;
+  uint8_t* data = nullptr;
+  if (rounded > kChunkBytes) {
+    // A slice larger than a chunk gets a mapping of its own; the cursor stays.
+    chunk = std::make_shared<Chunk>((rounded + kHugePage - 1) / kHugePage * kHugePage);
+    data = chunk->base();
+  } else {
+    chunk = a.current.lock();
+    if (!chunk || a.used + rounded > chunk->bytes()) {
+      chunk = std::make_shared<Chunk>(kChunkBytes);
+      a.current = chunk;
+      a.used = 0;
+    }
+    data = chunk->base() + a.used;
+    a.used += rounded;
   }
-  uint8_t* data = chunk->base() + a.used;
-  a.used += rounded;
   g_live_bytes.fetch_add(rounded, std::memory_order_relaxed);
   // The slice's owner keeps the chunk. Releasing it returns the bytes to the
   // count and the pages wholly inside the slice to the system: the cursor

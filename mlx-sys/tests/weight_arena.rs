@@ -164,3 +164,17 @@ fn a_dropped_weight_hands_its_pages_back() {
     assert!(after <= before + (4 << 20), "{before} -> {held} -> {after}");
     assert_eq!(neighbour.to_vec::<u8>().unwrap(), vec![3u8; 4096]);
 }
+
+#[test]
+fn a_weight_larger_than_a_chunk_leaves_its_neighbours_alone() {
+    let _arena = arena_to_myself();
+    // Arena chunks are 64 MiB: the big weight gets a mapping of its own, and
+    // the weights before and after it share the ordinary chunk.
+    let before = weight_array(&[1u8; 1000], &[1000], Dtype::Uint8).unwrap();
+    let big = weight_array(&vec![2u8; 80 << 20], &[80 << 20], Dtype::Uint8).unwrap();
+    let after = weight_array(&[3u8; 1000], &[1000], Dtype::Uint8).unwrap();
+    assert_eq!(before.to_vec::<u8>().unwrap(), vec![1u8; 1000]);
+    assert_eq!(after.to_vec::<u8>().unwrap(), vec![3u8; 1000]);
+    let sum = big.astype(Dtype::Uint32).unwrap().sum(&[0], false).unwrap().to_vec::<u32>().unwrap();
+    assert_eq!(sum, vec![2 * (80 << 20) as u32]);
+}
