@@ -964,17 +964,16 @@ void attention_task(void* ctx, int task) {
 struct RopeAngles {
   std::vector<float> cs, sn, freqs;  // freqs: the explicit frequencies used, if any
   float position = NAN, log_base_per_dim = NAN;
-  bool explicit_freqs = false;
 
   void compute(float at, float log_base, int half, const VectorRef& explicit_inv) {
+    const size_t explicit_count = explicit_inv ? (size_t)half : 0;
     bool same = at == position && log_base == log_base_per_dim && (int)cs.size() == half &&
-                explicit_freqs == (bool)explicit_inv;
-    for (int i = 0; same && explicit_inv && i < half; ++i) same = freqs[i] == explicit_inv[i];
+                freqs.size() == explicit_count;
+    for (size_t i = 0; same && i < explicit_count; ++i) same = freqs[i] == explicit_inv[i];
     if (same) return;
     position = at;
     log_base_per_dim = log_base;
-    explicit_freqs = (bool)explicit_inv;
-    freqs.resize(explicit_inv ? (size_t)half : 0);
+    freqs.resize(explicit_count);
     cs.resize((size_t)half);
     sn.resize((size_t)half);
     for (int i = 0; i < half; ++i) {

@@ -3,6 +3,7 @@
 #include "kv_pool.h"
 
 #include "kv_q8.h"
+#include "weight_arena.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -22,31 +23,22 @@ size_t page_size() {
   return page;
 }
 
-// An evaluated, page-aligned array of `shape` over an anonymous mapping.
+// An evaluated, page-aligned array of `shape` over an anonymous mapping:
+// the mapping starts one page early, for MLX's buffer header, so that the
+// data, and with it every block, is page aligned.
 mx::array mapped_array(const mx::Shape& shape, mx::Dtype dtype) {
   size_t bytes = dtype.size();
   for (int d : shape) bytes *= (size_t)d;
-  // An MLX buffer points at the allocator's header, `delta` bytes before the
-  // data (a size on the CPU): the mapping starts one page early, so that
-  // the data, and with it every block, is page aligned.
-  char probe[64];
-  const ptrdiff_t delta = static_cast<char*>(mx::allocator::Buffer(probe).raw_ptr()) - probe;
-  const size_t page = page_size();
-  if (delta < 0 || (size_t)delta + sizeof(size_t) > page) {
-    throw std::runtime_error("[mlxcel::kernels::kv_pool_buffer] unexpected MLX buffer layout");
-  }
-  const size_t mapped = bytes + page;
+  const size_t page = page_size(), mapped = bytes + page;
   void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) throw std::bad_alloc();
-  char* data = static_cast<char*>(base) + page;
-  char* header = data - delta;
-  if (delta >= (ptrdiff_t)sizeof(size_t)) *reinterpret_cast<size_t*>(header) = bytes;
-  mx::allocator::Data owned(mx::allocator::Buffer(header), [base, mapped](mx::allocator::Buffer) { munmap(base, mapped); });
-  mx::array pool(std::move(owned), shape, dtype);
-  if (pool.data<void>() != data) {
-    throw std::runtime_error("[mlxcel::kernels::kv_pool_buffer] MLX did not take the mapping as it is");
+  try {
+    return detail::array_over(static_cast<uint8_t*>(base) + page, bytes, page, shape, dtype,
+                              [base, mapped] { munmap(base, mapped); }, "mlxcel::kernels::kv_pool_buffer");
+  } catch (...) {
+    munmap(base, mapped);
+    throw;
   }
-  return pool;
 }
 
 }  // namespace

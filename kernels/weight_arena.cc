@@ -109,17 +109,6 @@ void release_pages(uint8_t* data, size_t bytes) {
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
-// Bytes MLX's CPU buffers keep in front of the data (a size header).
-size_t mlx_header_bytes() {
-  static const size_t delta = [] {
-    char probe[64];
-    const ptrdiff_t d = static_cast<char*>(mx::allocator::Buffer(probe).raw_ptr()) - probe;
-    if (d < 0 || (size_t)d > kAlign) throw std::runtime_error("[mlxcel::kernels::weight_array] unexpected MLX buffer layout");
-    return (size_t)d;
-  }();
-  return delta;
-}
-
 }  // namespace
 
 namespace detail {
@@ -156,6 +145,23 @@ ArenaSlice arena_allocate(size_t bytes) {
   return ArenaSlice{data, std::move(owner)};
 }
 
+mx::array array_over(uint8_t* data, size_t bytes, size_t header_room, const mx::Shape& shape, mx::Dtype dtype,
+                     std::function<void()> release, const char* caller) {
+  // An MLX buffer points at the allocator's header, `header` bytes before the data.
+  char probe[64];
+  const ptrdiff_t header = static_cast<char*>(mx::allocator::Buffer(probe).raw_ptr()) - probe;
+  if (header < 0 || (size_t)header > header_room || (header >= (ptrdiff_t)sizeof(size_t) && header_room < sizeof(size_t))) {
+    throw std::runtime_error(std::string("[") + caller + "] unexpected MLX buffer layout");
+  }
+  uint8_t* buffer = data - header;
+  if (header >= (ptrdiff_t)sizeof(size_t)) std::memcpy(buffer, &bytes, sizeof(size_t));
+  mx::allocator::Data owned(mx::allocator::Buffer(buffer),
+                            [release = std::move(release)](mx::allocator::Buffer) { release(); });
+  mx::array out(std::move(owned), shape, dtype);
+  if (out.data<void>() != data) throw std::runtime_error(std::string("[") + caller + "] MLX did not take the memory as it is");
+  return out;
+}
+
 }  // namespace detail
 
 mx::array weight_array(const void* data, size_t bytes, const mx::Shape& shape, mx::Dtype dtype) {
@@ -168,20 +174,12 @@ mx::array weight_array(const void* data, size_t bytes, const mx::Shape& shape, m
     throw std::invalid_argument("[mlxcel::kernels::weight_array] " + std::to_string(bytes) +
                                 " bytes do not fill the shape's " + std::to_string(expected));
   }
-  // MLX's buffer starts `header` bytes before the data; the data itself
-  // starts on a 64-byte line.
-  const size_t header = mlx_header_bytes();
+  // The data starts on a 64-byte line, after room for MLX's buffer header.
   detail::ArenaSlice slice = detail::arena_allocate(kAlign + bytes);
   uint8_t* payload = slice.data + kAlign;
-  uint8_t* buffer = payload - header;
-  if (header >= sizeof(size_t)) std::memcpy(buffer, &bytes, sizeof(size_t));
   if (bytes) std::memcpy(payload, data, bytes);
-  mx::allocator::Data owned(mx::allocator::Buffer(buffer), [owner = std::move(slice.owner)](mx::allocator::Buffer) {});
-  mx::array out(std::move(owned), shape, dtype);
-  if (out.data<void>() != payload) {
-    throw std::runtime_error("[mlxcel::kernels::weight_array] MLX did not take the memory as it is");
-  }
-  return out;
+  return detail::array_over(payload, bytes, kAlign, shape, dtype, [owner = std::move(slice.owner)] {},
+                            "mlxcel::kernels::weight_array");
 }
 
 size_t weight_arena_bytes() { return g_live_bytes.load(std::memory_order_relaxed); }

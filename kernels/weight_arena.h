@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "mlx/mlx.h"
@@ -44,6 +45,14 @@ struct ArenaSlice {
   std::shared_ptr<void> owner;
 };
 ArenaSlice arena_allocate(size_t bytes);
+
+// An evaluated array of `shape` and `dtype` over `bytes` bytes at `data`,
+// memory MLX did not allocate; `release` runs when MLX frees the buffer.
+// MLX's CPU buffers keep a header (the size) in front of the data, so the
+// `header_room` bytes before `data` must be writable. Throws
+// std::runtime_error naming `caller` if MLX's buffer layout does not allow it.
+mlx::core::array array_over(uint8_t* data, size_t bytes, size_t header_room, const mlx::core::Shape& shape,
+                            mlx::core::Dtype dtype, std::function<void()> release, const char* caller);
 
 }  // namespace detail
 }  // namespace mlxcel::kernels
