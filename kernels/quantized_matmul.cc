@@ -43,6 +43,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -384,7 +385,7 @@ struct Job {
   const int8_t* xq = nullptr;
   size_t xq_stride = 0;  // bytes per row of x
   const float* xscale = nullptr;  // [M, G]
-  // Avx512Vnni: the full blocks of 16 rows as detail::VnniRows lays them
+  // Avx512Vnni, and Avx2Int8 for bits 8: the full blocks of 16 rows as detail::VnniRows lays them
   // out (null: every block is read from w).
   const uint8_t* vnni_rows = nullptr;
   float* y = nullptr;           // [M, N] f32 results
@@ -397,6 +398,9 @@ struct Job {
   bool prefetch_l2 = false;
   Path path = Path::Portable;
 };
+
+// The loops that read the interleaved copies (detail::VnniRows): VNNI, and AVX2 integer for bits 8.
+bool reads_vnni_rows(Path path, int bits) { return path == Path::Avx512Vnni || (path == Path::Avx2Int8 && bits == 8); }
 
 #ifdef MLXCEL_X86
 // Requests the weight line at `p`, j.prefetch_rows rows ahead of the loop.
@@ -723,18 +727,34 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Job& j, int n0, in
 }
 
 // ---------------------------------------------------------------------------
-// AVX2 integer loop (bits 2, 4, 8): the AVX2 counterpart of the VNNI loop,
+// AVX2 integer loops (bits 2, 4, 8): the AVX2 counterpart of the VNNI loop,
 // with vpmaddwd (16-bit products summed in pairs into 32 bits). Each group of
 // activations is quantized to int16, x ~ s * x16 with s = max|x| / 32512,
-// so the error per activation is at most max|x| / 65024, as on VNNI. A chunk
-// is 8 words of a row (lane l holds word c*8 + l). A word's low 16 bits hold
-// its values 0 .. EPW/2-1 and its high 16 bits the rest, so for
-// p < EPW/2, (v >> BITS*p) & (QM | QM << 16) puts value p in the low half
-// and value EPW/2 + p in the high half of each dword, and vpmaddwd against
-// activation plane p, which holds the matching pair (x[p], x[EPW/2 + p]) per
-// word, adds both products into the word's lane. Per chunk the int32 sum is
-// exact (at most EPW * QM * 32512: 3.9e6 for bits 4, below 2^24, so its f32
-// conversion is exact too; 3.3e7 for bits 8, rounded once to f32).
+// so the error per activation is at most max|x| / 65024, as on VNNI. A
+// word's low 16 bits hold its values 0 .. EPW/2-1 and its high 16 bits the
+// rest, so for p < EPW/2, (v >> BITS*p) & (QM | QM << 16) puts value p in
+// the low half and value EPW/2 + p in the high half of each dword, and
+// vpmaddwd against activation plane p, which holds the matching pair
+// (x[p], x[EPW/2 + p]) per word, adds both products into one dword.
+//
+// Read in place (tile_avx2_int8): a chunk is 8 words of a row (lane l holds
+// word c*8 + l). Per chunk the int32 sum is exact (at most EPW * QM * 32512:
+// 3.9e6 for bits 4, below 2^24, so its f32 conversion is exact too; 3.3e7
+// for bits 8, rounded once to f32).
+//
+// Bits 8 with the interleaved copy (tile_avx2_int8_blocks): as on VNNI,
+// output rows in blocks of 16, one row per 32-bit lane (two vectors of 8
+// rows), from the copy (detail::VnniRows: word k of the 16 rows together),
+// and a last block of fewer rows transposed into the same layout from the
+// rows. It streams the copy at 1.3-2.1x the chunk loop's speed on one Zen 5
+// core; read in place, the transposition costs more than it saves, so a
+// weight without a copy keeps the chunk loop. Each lane sums a group in int32,
+// exactly (at most 64 words at a time: 64 * 4 * 255 * 32512 < 2^31), and
+// the float epilogue runs once per group and row: y += f32(sum) * s_w * s_x
+// + bias * sum(x) (the chunk loop's epilogue runs per row and chunk). A
+// row's result depends on its own lane alone: the same whatever M is,
+// wherever the row falls in a block. The two loops round differently
+// (within the same bound), so a weight's copy changes its last bits.
 
 // `count` (1..8) scales or biases of dtype `ty` from element `at` on, as
 // f32 lanes 0..count-1 (zero above). The tiles read the checkpoint's f16 or
@@ -769,6 +789,207 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 load_group
     }
   }
   return ty == Ty::F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Words at .. at+7 of 8 rows (row l from rows[l]; words past `valid` read
+// as zero) transposed: t[k] = word at+k of every row, row l in lane l.
+__attribute__((target("avx2"), always_inline)) inline void transpose8_words(const uint32_t* const* rows, size_t at,
+                                                                          int valid, __m256i (&t)[8]) {
+  __m256i r[8], a[8], b[8];
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane);
+  for (int l = 0; l < 8; ++l) {
+    const auto* p = reinterpret_cast<const int*>(rows[l] + at);
+    r[l] = valid == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskload_epi32(p, mask);
+  }
+  for (int i = 0; i < 8; i += 2) {
+    a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
+    b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);
+    b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]);
+    b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x20);
+    t[k + 4] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x31);
+  }
+}
+
+// Activation rows m0 .. m0+MT-1 against halves h0 .. h0+NH-1 (8 rows each)
+// of one block of 16 output rows n .. (`valid` of them stored): `words`
+// [wpr][16], `scales` and `biases` [G][16] elements of j.sty, as
+// detail::VnniRows lays a block out. `ahead`: bytes ahead of `words` to
+// prefetch (0: none).
+template <int BITS, int MT, int NH>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_avx2_int8_blocks(
+    const Job& j, const uint32_t* words, const uint8_t* scales, const uint8_t* biases, int m0, int n, int h0,
+    int valid, size_t ahead) {
+  constexpr int EPW = 32 / BITS, PLANES = EPW / 2;
+  constexpr uint32_t QM = (1u << BITS) - 1;
+  const __m256i mask = _mm256_set1_epi32((int)(QM | (QM << 16)));
+  const int wpr = j.wpr, wpg = j.wpg, G = j.G;
+  // Words summed in int32 before the epilogue: the group, or at most 64.
+  const int span = wpg <= 64 ? wpg : std::gcd(wpg, 64);
+  const int32_t* xq[MT];
+  const float *xs[MT], *xsum[MT];
+  for (int m = 0; m < MT; ++m) {
+    xq[m] = reinterpret_cast<const int32_t*>(j.xq + (size_t)(m0 + m) * j.xq_stride);
+    xs[m] = j.xscale + (size_t)(m0 + m) * G;
+    xsum[m] = j.xsum + (size_t)(m0 + m) * G;
+  }
+  __m256 y[MT][NH];
+  __m256i acc[MT][NH];
+  for (int m = 0; m < MT; ++m) {
+    for (int h = 0; h < NH; ++h) {
+      y[m][h] = _mm256_setzero_ps();
+      acc[m][h] = _mm256_setzero_si256();
+    }
+  }
+  int g = 0, in_group = 0, in_span = 0;
+  for (int k = 0; k < wpr; ++k) {
+    const uint32_t* at = words + (size_t)k * 16 + 8 * h0;
+    if (ahead) prefetch_weights(j, reinterpret_cast<const char*>(at) + ahead);
+    __m256i v[NH];
+    for (int h = 0; h < NH; ++h) v[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 8 * h));
+    // Word k's pair in plane p: int32 (k / 8 * PLANES + p) * 8 + k % 8.
+    const size_t pair = (size_t)(k / 8) * PLANES * 8 + k % 8;
+#pragma GCC unroll 8
+    for (int p = 0; p < PLANES; ++p) {
+      __m256i q[NH];
+      for (int h = 0; h < NH; ++h) {
+        if constexpr (BITS == 8) {
+          q[h] = p == 0 ? _mm256_and_si256(v[h], mask) : _mm256_srli_epi16(v[h], 8);
+        } else {
+          q[h] = _mm256_and_si256(p == 0 ? v[h] : _mm256_srli_epi32(v[h], BITS * p), mask);
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xv = _mm256_set1_epi32(xq[m][pair + (size_t)p * 8]);
+        for (int h = 0; h < NH; ++h) acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(q[h], xv));
+      }
+    }
+    if (++in_span == span) {
+      in_span = 0;
+      const bool group_end = (in_group += span) == wpg;
+      for (int h = 0; h < NH; ++h) {
+        const size_t at_group = (size_t)g * 16 + 8 * (h0 + h);
+        const __m256 ws = load_groups_avx2(scales, j.sty, at_group, 8);
+        const __m256 bs = group_end ? load_groups_avx2(biases, j.sty, at_group, 8) : _mm256_setzero_ps();
+        for (int m = 0; m < MT; ++m) {
+          y[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[m][g])), y[m][h]);
+          if (group_end) y[m][h] = _mm256_fmadd_ps(bs, _mm256_set1_ps(xsum[m][g]), y[m][h]);
+          acc[m][h] = _mm256_setzero_si256();
+        }
+      }
+      if (group_end) {
+        in_group = 0;
+        ++g;
+      }
+    }
+  }
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  for (int m = 0; m < MT; ++m) {
+    float* out = j.y + (size_t)(m0 + m) * j.N + n;
+    for (int h = 0; h < NH; ++h) {
+      const int half = h0 + h, count = std::min(8, valid - 8 * half);
+      if (count == 8) {
+        _mm256_storeu_ps(out + 8 * half, y[m][h]);
+      } else if (count > 0) {
+        _mm256_maskstore_ps(out + 8 * half, _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane), y[m][h]);
+      }
+    }
+  }
+}
+
+// Row l's G scales and biases (elements of `element` bytes from `at` on)
+// into lane l of a block's [G][16] scales and, group_block bytes on, biases.
+inline void gather_groups(const void* scales, const void* biases, size_t element, size_t at, int G, int l,
+                          uint8_t* out, size_t group_block) {
+  auto gather = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    const T* s = static_cast<const T*>(scales) + at;
+    const T* b = static_cast<const T*>(biases) + at;
+    T* os = reinterpret_cast<T*>(out) + l;
+    T* ob = reinterpret_cast<T*>(out + group_block) + l;
+    for (int g = 0; g < G; ++g) {
+      os[(size_t)g * 16] = s[g];
+      ob[(size_t)g * 16] = b[g];
+    }
+  };
+  if (element == 4) gather(uint32_t{});
+  else gather(uint16_t{});
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2_int8_blocks(const Job& j, int n0, int n1) {
+  const int G = j.G, wpr = j.wpr;
+  const size_t element = j.sty == Ty::F32 ? 4 : 2;
+  const size_t group_block = 16 * (size_t)G * element;
+  // A block read from the rows, transposed into the copy's layout.
+  thread_local std::vector<uint32_t> words;
+  thread_local std::vector<uint8_t> groups;
+  for (int n = n0; n < n1; n += 16) {
+    const int valid = std::min(16, n1 - n);
+    const uint32_t* w;
+    const uint8_t* sb;
+    size_t ahead = 0;
+    if (j.vnni_rows && n % 16 == 0 && n + 16 <= j.N) {
+      const uint8_t* block = j.vnni_rows + (size_t)(n / 16) * (2 * group_block + (size_t)wpr * 64);
+      sb = block;
+      w = reinterpret_cast<const uint32_t*>(block + 2 * group_block);
+      // The same distance ahead as the row loop fetches, in one stream.
+      ahead = (size_t)j.prefetch_rows * j.row_bytes;
+      for (size_t b = 0; b < 2 * group_block; b += 64) prefetch_weights(j, block + ahead + b);
+    } else {
+      // A short last block repeats its last row in the unused lanes.
+      words.resize((size_t)wpr * 16);
+      groups.resize(2 * group_block);
+      const uint32_t* rows[16];
+      for (int l = 0; l < 16; ++l) {
+        const size_t row = (size_t)n + std::min(l, valid - 1);
+        rows[l] = reinterpret_cast<const uint32_t*>(j.w + row * j.row_bytes);
+        gather_groups(j.scales, j.biases, element, row * G, G, l, groups.data(), group_block);
+      }
+      for (int w0 = 0; w0 < wpr; w0 += 8) {
+        const int count = std::min(8, wpr - w0);
+        if (w0 % 16 == 0) {
+          // The rows are read once, in order: fetch ahead of the hardware prefetcher.
+          for (int l = 0; l < 16; ++l) prefetch_weights(j, rows[l] + (size_t)j.prefetch_rows * wpr + w0);
+        }
+        for (int h = 0; h < 2; ++h) {
+          __m256i t[8];
+          transpose8_words(rows + 8 * h, (size_t)w0, count, t);
+          for (int k = 0; k < count; ++k) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(words.data() + (size_t)(w0 + k) * 16 + 8 * h), t[k]);
+          }
+        }
+      }
+      w = words.data();
+      sb = groups.data();
+    }
+    const uint8_t* bb = sb + group_block;
+    if (j.M <= 2) {
+      // Both halves at once: two independent sums per row.
+      if (j.M == 2) tile_avx2_int8_blocks<BITS, 2, 2>(j, w, sb, bb, 0, n, 0, valid, ahead);
+      else tile_avx2_int8_blocks<BITS, 1, 2>(j, w, sb, bb, 0, n, 0, valid, ahead);
+      continue;
+    }
+    // 4 activation rows per weight vector, a half at a time (8 sums and 8
+    // results in the 16 registers).
+    for (int h = 0; h < 2 && 8 * h < valid; ++h) {
+      int m = 0;
+      for (; m + 4 <= j.M; m += 4) tile_avx2_int8_blocks<BITS, 4, 1>(j, w, sb, bb, m, n, h, valid, m == 0 ? ahead : 0);
+      switch (j.M - m) {
+        case 3: tile_avx2_int8_blocks<BITS, 3, 1>(j, w, sb, bb, m, n, h, valid, 0); break;
+        case 2: tile_avx2_int8_blocks<BITS, 2, 1>(j, w, sb, bb, m, n, h, valid, 0); break;
+        case 1: tile_avx2_int8_blocks<BITS, 1, 1>(j, w, sb, bb, m, n, h, valid, 0); break;
+        default: break;
+      }
+    }
+  }
 }
 
 // The chunk lambda below needs the target too (GCC gives lambdas none of
@@ -1369,7 +1590,7 @@ void run_rows(const Job& j, int n0, int n1) {
       switch (j.bits) {
         case 2: return rows_avx2_int8<2>(j, n0, n1);
         case 4: return rows_avx2_int8<4>(j, n0, n1);
-        case 8: return rows_avx2_int8<8>(j, n0, n1);
+        case 8: return j.vnni_rows ? rows_avx2_int8_blocks<8>(j, n0, n1) : rows_avx2_int8<8>(j, n0, n1);
       }
       break;
     case Path::Avx2:
@@ -1498,8 +1719,8 @@ int plan_tasks(Job& j, int threads) {
     tasks = std::max(1, std::min(tasks, j.N));
   }
   j.rows_per_task = (j.N + tasks - 1) / tasks;
-  // The VNNI loop takes output rows in blocks of 16.
-  if (j.path == Path::Avx512Vnni) j.rows_per_task = (j.rows_per_task + 15) / 16 * 16;
+  // The loops that read the copies take output rows in blocks of 16.
+  if (reads_vnni_rows(j.path, j.bits)) j.rows_per_task = (j.rows_per_task + 15) / 16 * 16;
   return (j.N + j.rows_per_task - 1) / j.rows_per_task;
 }
 
@@ -1621,7 +1842,7 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
       view.group = j.group;
       view.bits = j.bits;
       // A copy of another layout (or none for this path) is not read.
-      if (j.path == Path::Avx512Vnni && (size_t)inputs[4].nbytes() == (size_t)(j.N / 16) * detail::vnni_block_bytes(view)) {
+      if (reads_vnni_rows(j.path, j.bits) && (size_t)inputs[4].nbytes() == (size_t)(j.N / 16) * detail::vnni_block_bytes(view)) {
         vnni_rows = inputs[4].data<uint8_t>();
       }
       enc.set_input_array(inputs[4]);
@@ -1685,9 +1906,9 @@ float load_f32(const void* p, Scalar type, size_t i) { return load_as_f32(p, sta
 
 namespace {
 
-// Reads the interleaved copy of `w`, when it has one, where j runs the VNNI loop.
+// Reads the interleaved copy of `w`, when it has one, where j runs a loop that reads it.
 void use_vnni_rows(Job& j, const QuantizedView& w) {
-  if (w.vnni_rows && j.path == Path::Avx512Vnni && j.bits == w.bits && j.group == w.group) j.vnni_rows = w.vnni_rows;
+  if (w.vnni_rows && reads_vnni_rows(j.path, j.bits) && j.bits == w.bits && j.group == w.group) j.vnni_rows = w.vnni_rows;
 }
 
 std::atomic<size_t> g_vnni_rows_bytes{0};
@@ -1741,7 +1962,7 @@ std::shared_ptr<const VnniRows> make_vnni_rows(const QuantizedView& w) {
   if (!wanted || w.n < 16 || w.weight == nullptr) return nullptr;
   const Job j = make_job(1, w.n, w.k, w.group, w.bits, (size_t)w.k * w.bits / 8, static_cast<Ty>(w.scale_type),
                          Path::Auto);
-  if (j.path != Path::Avx512Vnni) return nullptr;
+  if (!reads_vnni_rows(j.path, j.bits)) return nullptr;
   return std::make_shared<const VnniRows>(w);
 }
 

@@ -87,12 +87,13 @@ pub fn quantized_matmul_with_path(
     ))
 }
 
-/// The copy of a quantized weight that the AVX-512 VNNI matvec streams in
-/// order (full blocks of 16 rows, output-interleaved), for
-/// [`quantized_matmul_with_vnni_rows`] with the same weight. `None` where
-/// this process's matvec would not read it: another loop, a layout the VNNI
-/// loop does not take (bits 4 and 8, groups a multiple of 16 up to 256), fewer
-/// than 16 rows, or `MLXCEL_REPACK=0`. It costs as much memory as the
+/// The copy of a quantized weight that the AVX-512 VNNI matvec, and the AVX2
+/// integer matvec for bits 8, stream in order (full blocks of 16 rows,
+/// output-interleaved), for [`quantized_matmul_with_vnni_rows`] with the
+/// same weight. `None` where this process's matvec would not read it:
+/// another loop, a layout those loops do not take (VNNI: bits 4 and 8,
+/// groups a multiple of 16 up to 256; AVX2: bits 8), fewer than 16 rows, or
+/// `MLXCEL_REPACK=0`. It costs as much memory as the
 /// weight (in MLX's memory) and is built once: keep it with
 /// the weight. Evaluates `w`, `scales` and `biases`.
 pub fn vnni_rows(w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<Option<Array>> {
@@ -101,8 +102,10 @@ pub fn vnni_rows(w: &Array, scales: &Array, biases: &Array, group_size: i32, bit
 }
 
 /// [`quantized_matmul`] reading `vnni_rows` (from [`vnni_rows`] of this
-/// weight) where it runs the VNNI loop: the same result bit for bit, without
-/// transposing each block of the weight.
+/// weight) where it runs a loop that reads it. On the VNNI loop that is the
+/// same result bit for bit, without transposing each block of the weight; the
+/// AVX2 integer loop sums each group of a copy in one lane, which rounds
+/// differently from its loop over the rows (within the same bound).
 pub fn quantized_matmul_with_vnni_rows(
     x: &Array,
     w: &Array,
@@ -112,6 +115,22 @@ pub fn quantized_matmul_with_vnni_rows(
     bits: i32,
     vnni_rows: &Array,
 ) -> Result<Array> {
+    quantized_matmul_with_vnni_rows_on_path(x, w, scales, biases, group_size, bits, KernelPath::Auto, vnni_rows)
+}
+
+/// [`quantized_matmul_with_vnni_rows`] on the loop `path` resolves to (a copy
+/// that loop does not read is ignored).
+#[allow(clippy::too_many_arguments)]
+pub fn quantized_matmul_with_vnni_rows_on_path(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+    path: KernelPath,
+    vnni_rows: &Array,
+) -> Result<Array> {
     Array::from_ffi(ffi::kernels_quantized_matmul_vnni_rows(
         &x.raw,
         &w.raw,
@@ -119,7 +138,7 @@ pub fn quantized_matmul_with_vnni_rows(
         &biases.raw,
         group_size,
         bits,
-        KernelPath::Auto as i32,
+        path as i32,
         &vnni_rows.raw,
     ))
 }

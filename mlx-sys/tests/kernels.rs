@@ -573,27 +573,59 @@ fn gelu_erf_matches_an_f64_reference_on_every_path() {
     assert!((got[0] - 0.8413).abs() < 1e-3 && (got[1] + 0.0455).abs() < 1e-3, "{got:?}");
 }
 
-/// The VNNI matvec's copy of a weight gives the same result bit for bit as
-/// the weight read in place, for every row count a decode or a draft
-/// verification takes, with a last block of fewer than 16 rows; it exists
-/// exactly where the matvec runs the VNNI loop.
+/// Whether this process makes copies (`kernels::vnni_rows`) for the layout:
+/// where its own loop reads them (VNNI: bits 4 and 8; AVX2 integer: bits 8).
+fn copies_made(bits: usize, group: usize, n: i32) -> bool {
+    let auto = kernels::path_name(KernelPath::Auto);
+    uses_vnni(KernelPath::Auto, bits, group)
+        && (auto == "avx512-vnni" || (auto == "avx2-int8" && bits == 8))
+        && n >= 16
+        && std::env::var("MLXCEL_REPACK").as_deref() != Ok("0")
+}
+
+/// A weight's copy, where this process makes one: the VNNI loop gives the
+/// same result bit for bit as the weight read in place; the AVX2 integer
+/// loop for bits 8 (forced on AVX-512 machines too, reading the same copy)
+/// meets the quantized-activation bound, each row the same bit for bit
+/// whatever the other rows. Every row count a decode or a draft verification
+/// takes, with a last block of fewer than 16 rows.
 #[test]
 fn vnni_rows_copy_gives_the_same_result() {
     let _g = lock();
-    for (seed, n, k, group, bits, sdtype) in
-        [(81, 200, 576, 32, 8, Dtype::Float16), (82, 72, 256, 64, 4, Dtype::Float32), (83, 16, 128, 32, 4, Dtype::Bfloat16), (84, 8, 128, 32, 8, Dtype::Float16)]
-    {
+    for (seed, n, k, group, bits, sdtype) in [
+        (81, 200, 576, 32, 8, Dtype::Float16),
+        (82, 72, 256, 64, 4, Dtype::Float32),
+        (83, 16, 128, 32, 4, Dtype::Bfloat16),
+        (84, 8, 128, 32, 8, Dtype::Float16),
+        (89, 40, 96, 32, 8, Dtype::Bfloat16),
+        (90, 48, 640, 128, 8, Dtype::Float32),
+        (91, 33, 192, 64, 8, Dtype::Float16),
+    ] {
         let q = make_weights(seed, n, k, group, bits, sdtype);
         let rows = kernels::vnni_rows(&q.w, &q.scales, &q.biases, group, bits).unwrap();
-        let expected = uses_vnni(KernelPath::Auto, bits as usize, group as usize) && n >= 16 && std::env::var("MLXCEL_REPACK").as_deref() != Ok("0");
-        assert_eq!(rows.is_some(), expected, "seed {seed}: a copy exactly where the VNNI loop reads it");
+        assert_eq!(rows.is_some(), copies_made(bits as usize, group as usize, n), "seed {seed}: a copy exactly where this process's loop reads it");
         let Some(rows) = rows else { continue };
         assert_eq!(rows.size(), (n as usize / 16) * (16 * k as usize * bits as usize / 8 + 2 * 16 * (k / group) as usize * if sdtype == Dtype::Float32 { 4 } else { 2 }));
-        for m in [1, 3, 5, 9] {
+        let avx2 = kernels::path_name(KernelPath::Avx2Int8) == "avx2-int8" && bits == 8;
+        for m in [1, 2, 3, 5, 9] {
             let x = make_x(seed ^ m as u64, &[m, k], Dtype::Float32);
-            let plain = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, group, bits).unwrap();
-            let copied = kernels::quantized_matmul_with_vnni_rows(&x, &q.w, &q.scales, &q.biases, group, bits, &rows).unwrap();
-            assert_eq!(to_f32(&copied), to_f32(&plain), "seed {seed}, {m} rows: the copy changed the result");
+            if kernels::path_name(KernelPath::Auto) == "avx512-vnni" {
+                let plain = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, group, bits).unwrap();
+                let copied = kernels::quantized_matmul_with_vnni_rows(&x, &q.w, &q.scales, &q.biases, group, bits, &rows).unwrap();
+                assert_eq!(to_f32(&copied), to_f32(&plain), "seed {seed}, {m} rows: the copy changed the result");
+            }
+            if avx2 {
+                let label = format!("seed {seed}, {m} rows, AVX2 integer loop on the copy");
+                let got = kernels::quantized_matmul_with_vnni_rows_on_path(&x, &q.w, &q.scales, &q.biases, group, bits, KernelPath::Avx2Int8, &rows).unwrap();
+                let (exact, mag) = reference_quantized_x(&x, &q, group as usize, bits as usize);
+                check(&label, &got, &exact, &mag);
+                let got = to_f32(&got);
+                for r in 0..m as usize {
+                    let row = x.slice(&[r as i32, 0], &[r as i32 + 1, k], &[1, 1]).unwrap();
+                    let one = kernels::quantized_matmul_with_vnni_rows_on_path(&row, &q.w, &q.scales, &q.biases, group, bits, KernelPath::Avx2Int8, &rows).unwrap();
+                    assert_eq!(&got[r * n as usize..(r + 1) * n as usize], &to_f32(&one)[..], "{label}: row {r} depends on the other rows");
+                }
+            }
         }
     }
     // A copy of another weight's size is refused, not misread.
