@@ -69,12 +69,13 @@ mlx::core::array quantized_matmul(
     mlx::core::StreamOrDevice s = {},
     const std::optional<mlx::core::array>& vnni_rows = std::nullopt);
 
-// A copy of the weight in the order the AVX-512 VNNI matvec streams it
-// (full blocks of 16 rows, output-interleaved; see detail::VnniRows), as a
-// 1-D uint8 array to pass to `quantized_matmul` with the same weight. Made
-// only where this process's matvec runs the VNNI loop on the layout (bits 4
-// or 8, groups a multiple of 16 up to 256, at least 16 rows) and
-// MLXCEL_REPACK is not "0"; nullopt otherwise. Evaluates w, scales and
+// A copy of the weight in the order the AVX-512 VNNI matvec (and the AVX2
+// integer matvec for bits 8) streams it (full blocks of 16 rows,
+// output-interleaved; see detail::VnniRows), as a 1-D uint8 array to pass to
+// `quantized_matmul` with the same weight. Made only where this process's
+// matvec runs such a loop on the layout (VNNI: bits 4 or 8, groups a multiple
+// of 16 up to 256; AVX2: bits 8; at least 16 rows) and MLXCEL_REPACK is not
+// "0"; nullopt otherwise. Evaluates w, scales and
 // biases. The copy costs as much memory as the weight; with it the matvec
 // reads one forward stream and transposes nothing.
 std::optional<mlx::core::array> vnni_rows(

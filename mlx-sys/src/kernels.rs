@@ -529,9 +529,10 @@ pub fn resident_bytes(a: &Array) -> Result<usize> {
     Ok(ffi::kernels_resident_bytes(&a.raw)?)
 }
 
-/// Bytes held by the weight copies the AVX-512 VNNI matvec streams in its
-/// own order that live [`PreparedDecoderLayer`]s hold (made by
-/// [`PreparedDecoderLayer::new`] on CPUs where decode runs that loop, unless
+/// Bytes held by the weight copies the AVX-512 VNNI matvec (and the AVX2
+/// integer matvec for bits 8) streams in its own order that live
+/// [`PreparedDecoderLayer`]s hold (made by [`PreparedDecoderLayer::new`] on
+/// CPUs where decode runs such a loop, unless
 /// `MLXCEL_REPACK=0`), on top of the weights themselves. Copies from
 /// [`vnni_rows`] are MLX arrays, counted in MLX's memory instead.
 pub fn vnni_rows_bytes() -> usize {

@@ -17,8 +17,9 @@
 //! under running generations. The kernels' thread count is read by the
 //! kernels themselves (`MLXCEL_NUM_THREADS`, default: all cores), and so is
 //! `MLXCEL_REPACK` (`1` or `0`, default `1`: on CPUs where decode runs the
-//! AVX-512 VNNI matvec, keep a copy of the fused decoder blocks' weights in
-//! that loop's order, as much memory again as those weights; checked at load
+//! AVX-512 VNNI matvec, or the AVX2 integer matvec on 8-bit weights, keep a
+//! copy of the fused decoder blocks' weights in that loop's order, as much
+//! memory again as those weights; checked at load
 //! here), and `MLXCEL_HUGE_PAGES` (`1` or `0`, default `1`: on the CPU the
 //! weights and those copies live in 2 MiB-aligned memory that Linux backs
 //! with transparent huge pages, which decode streams faster; `0` leaves the

@@ -363,7 +363,7 @@ pub fn run(args: &BenchArgs, dir: &Path) -> AnyResult<()> {
         ("peak MLX", format!("{} (process-wide, highest run)", mib(process_peak_mlx_bytes as u64))),
         ("weights", match mlx_sys::kernels::vnni_rows_bytes() {
             0 => mib(weight_bytes),
-            copies => format!("{} (+ {} of the fused blocks' copies the VNNI matvec streams in order; MLXCEL_REPACK=0 leaves them out)", mib(weight_bytes), mib(copies as u64)),
+            copies => format!("{} (+ {} of the fused blocks' copies the integer matvec streams in order; MLXCEL_REPACK=0 leaves them out)", mib(weight_bytes), mib(copies as u64)),
         }),
         ("huge pages", huge_pages_line()),
         ("KV cache", format!("{} ({kv_positions} positions, {})", human_bytes(kv_bytes), match engine.kv_pool().format() {
