@@ -746,9 +746,9 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Job& j, int n0, in
 // output rows in blocks of 16, one row per 32-bit lane (two vectors of 8
 // rows), from the copy (detail::VnniRows: word k of the 16 rows together),
 // and a last block of fewer rows transposed into the same layout from the
-// rows. It streams the copy at 1.3-2.1x the chunk loop's speed on one Zen 5
-// core; read in place, the transposition costs more than it saves, so a
-// weight without a copy keeps the chunk loop. Each lane sums a group in int32,
+// rows. On one Zen 5 core it streams the copy 1.0-2.6x as fast as the chunk
+// loop reads the rows; read in place, the transposition costs more than it
+// saves (up to 2x slower), so a weight without a copy keeps the chunk loop. Each lane sums a group in int32,
 // exactly (at most 64 words at a time: 64 * 4 * 255 * 32512 < 2^31), and
 // the float epilogue runs once per group and row: y += f32(sum) * s_w * s_x
 // + bias * sum(x) (the chunk loop's epilogue runs per row and chunk). A
