@@ -403,6 +403,22 @@ struct Job {
 bool reads_vnni_rows(Path path, int bits) { return path == Path::Avx512Vnni || (path == Path::Avx2Int8 && bits == 8); }
 
 #ifdef MLXCEL_X86
+// Rows n .. n+15 of j's interleaved copy, as detail::VnniRows lays a block
+// out: [G][16] scales and [G][16] biases (elements of j.sty), then [wpr][16]
+// words. All null where j has no copy or the rows are not one full block.
+struct CopyBlock {
+  const uint8_t* scales = nullptr;
+  const uint8_t* biases = nullptr;
+  const uint32_t* words = nullptr;
+};
+
+CopyBlock copy_block(const Job& j, int n) {
+  if (!j.vnni_rows || n % 16 != 0 || n + 16 > j.N) return {};
+  const size_t group_block = 16 * (size_t)j.G * (j.sty == Ty::F32 ? 4 : 2);
+  const uint8_t* block = j.vnni_rows + (size_t)(n / 16) * (2 * group_block + (size_t)j.wpr * 64);
+  return {block, block + group_block, reinterpret_cast<const uint32_t*>(block + 2 * group_block)};
+}
+
 // Requests the weight line at `p`, j.prefetch_rows rows ahead of the loop.
 __attribute__((always_inline)) inline void prefetch_weights(const Job& j, const void* p) {
   if (j.prefetch_l2) {
@@ -936,13 +952,12 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_int8_blocks(const Job& j
     const uint32_t* w;
     const uint8_t* sb;
     size_t ahead = 0;
-    if (j.vnni_rows && n % 16 == 0 && n + 16 <= j.N) {
-      const uint8_t* block = j.vnni_rows + (size_t)(n / 16) * (2 * group_block + (size_t)wpr * 64);
-      sb = block;
-      w = reinterpret_cast<const uint32_t*>(block + 2 * group_block);
+    if (const CopyBlock block = copy_block(j, n); block.words) {
+      sb = block.scales;
+      w = block.words;
       // The same distance ahead as the row loop fetches, in one stream.
       ahead = (size_t)j.prefetch_rows * j.row_bytes;
-      for (size_t b = 0; b < 2 * group_block; b += 64) prefetch_weights(j, block + ahead + b);
+      for (size_t b = 0; b < 2 * group_block; b += 64) prefetch_weights(j, block.scales + ahead + b);
     } else {
       // A short last block repeats its last row in the unused lanes.
       words.resize((size_t)wpr * 16);
@@ -1347,16 +1362,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
   __m512i* const kept =
       reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(kept_words.data()) + 63) & ~(uintptr_t)63);
   for (int n = n0; n < n1; n += 16) {
-    if (j.vnni_rows && n % 16 == 0 && n + 16 <= j.N) {
-      // A full block of the interleaved copy: scales, biases, then words.
-      // Scales and biases, 16 rows per group, then 16 rows of words.
-      const size_t group_block = 16 * gs * group_bytes;
-      const uint8_t* block = j.vnni_rows + (size_t)(n / 16) * (2 * group_block + (size_t)j.wpr * 64);
+    if (const CopyBlock block = copy_block(j, n); block.words) {
+      // A full block of the interleaved copy.
       for (int g = 0; g < G; ++g) {
-        _mm512_storeu_ps(st.data() + (size_t)g * 16, load16_as_f32(block, j.sty, (size_t)g * 16, 16));
-        _mm512_storeu_ps(bt.data() + (size_t)g * 16, load16_as_f32(block + group_block, j.sty, (size_t)g * 16, 16));
+        _mm512_storeu_ps(st.data() + (size_t)g * 16, load16_as_f32(block.scales, j.sty, (size_t)g * 16, 16));
+        _mm512_storeu_ps(bt.data() + (size_t)g * 16, load16_as_f32(block.biases, j.sty, (size_t)g * 16, 16));
       }
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(block + 2 * group_block);
+      const uint32_t* words = block.words;
       const uint32_t* rows[16] = {};
       constexpr auto I = WeightSource::Interleaved;
       const float *s = st.data(), *b = bt.data();
