@@ -35,6 +35,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -83,7 +84,9 @@ using AlignedFloats = Aligned<float>;
 constexpr int kDensePanelMinRows = 16;
 
 // Which loops evaluate a GEMM.
-enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2, Amx = 3 };
+enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2, Amx = 3, Avx512Int16 = 4, Avx2Int16 = 5 };
+
+struct XInt16;  // x quantized for the integer loops (gemm_int16.inc)
 
 struct GemmJob {
   int M = 0, N = 0, K = 0;
@@ -114,11 +117,17 @@ struct GemmJob {
   int Kp = 0;
   const uint16_t* xh = nullptr;
   const uint16_t* xl = nullptr;
+  // Integer loops: x as int16 [M][K], per row and group its scale and sum
+  // [M][G], in buffers the job holds.
+  const int16_t* xq = nullptr;
+  const float* xq_scale = nullptr;
+  const float* xq_sum = nullptr;
+  std::shared_ptr<XInt16> xint16;
 };
 
 // Per-thread scratch: the packed panel(s) and the panel's scales and biases.
 struct PanelScratch {
-  AlignedFloats bp, bp2, sb, tmp;
+  AlignedFloats bp, bp2, sb, sb2, tmp;
   Aligned<uint32_t> bh, bl, bh2, bl2;
   uint64_t job = 0;
   int panel = -1;
@@ -562,6 +571,8 @@ MLXCEL_GEMM_TARGET void run_block(const GemmJob& j, int task) {
   }
 }
 
+#include "gemm_int16.inc"
+
 #endif  // MLXCEL_X86
 
 // The generic loops, once per instruction set.
@@ -584,6 +595,8 @@ void task_fn(void* ctx, int task) {
     case Isa::Amx: run_block_amx(j, task); return;
     case Isa::Avx512: run_block(j, task); return;
     case Isa::Avx2: j.dense_dot ? avx2::run_dense_block(j, task) : avx2::run_block(j, task); return;
+    case Isa::Avx512Int16:
+    case Isa::Avx2Int16: run_block_int16(j, task); return;
 #endif
     default: j.dense_dot ? portable::run_dense_block(j, task) : portable::run_block(j, task); return;
   }
@@ -608,7 +621,11 @@ void plan_gemm(GemmJob& j) {
     const bool amx = j.isa == Isa::Amx;
     // Blocks: rows in multiples of the microkernel's (32 for AMX; at most
     // 128), outputs in panels of 64, or 32 when that leaves too few tasks.
-    const int step_rows = amx ? 32 : j.isa == Isa::Avx512 ? 8 : 6;
+    const int step_rows = amx                           ? 32
+                          : j.isa == Isa::Avx512        ? 8
+                          : j.isa == Isa::Avx512Int16   ? kInt16Rows512
+                          : j.isa == Isa::Avx2Int16     ? kInt16Rows256
+                                                        : 6;
     // AMX: packing a panel (dequantize, split) costs as much as a few
     // hundred rows of tile products, so a task takes up to 512 rows.
     const int max_rows = amx ? 512 : 128;
@@ -625,6 +642,7 @@ void plan_gemm(GemmJob& j) {
       j.xh = xh;
       j.xl = xl;
     }
+    if (j.isa == Isa::Avx512Int16 || j.isa == Isa::Avx2Int16) quantize_x_for(j);
 #endif
     j.mblocks = (j.M + j.mc - 1) / j.mc;
     j.nc = amx ? 128 : 64;
@@ -794,21 +812,29 @@ class QuantizedGemm : public mx::UnaryPrimitive {
   Isa isa_;
 };
 
-// The loops a call on `path` runs for `bits` (0: dense weights). The AVX-512
-// and AMX loops unpack whole words (bits 2, 4, 8); the generic loops take
-// every width MLX quantizes to, and dense weights.
-Isa isa_for(Path path, int bits) {
+// The loops a call on `path` runs for `bits` (0: dense weights) and groups
+// of `group`. The AVX-512 and AMX loops unpack whole words (bits 2, 4, 8);
+// the generic loops take every width MLX quantizes to, and dense weights.
+// 8-bit weights run the integer loops on the integer paths (Avx512Vnni
+// without AMX, Avx2Int8), for groups up to kInt16MaxGroup: an f32 GEMM
+// spends a multiply per weight and activation on values that are small
+// integers times a group's scale.
+Isa isa_for(Path path, int bits, int group = 32) {
 #ifdef MLXCEL_X86
   const Path p = resolve_path(path);
   const auto& cpu = cpu::features();
+  const bool int16 = bits == 8 && group <= kInt16MaxGroup;
   if (bits == 2 || bits == 4 || bits == 8) {
     if (p == Path::Avx512Vnni && cpu.amx_bf16) return Isa::Amx;
+    if (int16 && p == Path::Avx512Vnni && cpu.avx512_vnni) return Isa::Avx512Int16;
     if ((p == Path::Avx512Vnni || p == Path::Avx512) && cpu.avx512) return Isa::Avx512;
   }
+  if (int16 && p == Path::Avx2Int8 && cpu.avx2) return Isa::Avx2Int16;
   if (p != Path::Portable && cpu.avx2) return Isa::Avx2;
 #else
   (void)path;
   (void)bits;
+  (void)group;
 #endif
   return Isa::Portable;
 }
@@ -833,6 +859,8 @@ const char* gemm_loop_name(Path path, int bits) {
     case Isa::Amx: return "amx";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
+    case Isa::Avx512Int16: return "avx512-int16";
+    case Isa::Avx2Int16: return "avx2-int16";
     default: return "portable";
   }
 }
@@ -858,7 +886,8 @@ mx::array quantized_gemm(
   mx::array xf = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, stream);
   mx::array y = mx::array(
       ref.shape(), mx::float32,
-      std::make_shared<QuantizedGemm>(stream, group_size, bits, QuantizedGemm::Kind::Affine, isa_for(path, bits)),
+      std::make_shared<QuantizedGemm>(stream, group_size, bits, QuantizedGemm::Kind::Affine,
+                                                      isa_for(path, bits, group_size)),
       {xf, rc(w), rc(scales), rc(biases)});
   return y.dtype() == ref.dtype() ? y : mx::astype(y, ref.dtype(), stream);
 }
@@ -892,7 +921,7 @@ mx::array quantized_gemm_swiglu(
   mx::array xf = x.dtype() == mx::float32 ? x : mx::astype(x, mx::float32, stream);
   mx::array y = mx::array(g_ref.shape(), mx::float32,
                           std::make_shared<QuantizedGemm>(stream, group_size, bits, QuantizedGemm::Kind::AffineSwiglu,
-                                                          isa_for(Path::Auto, bits)),
+                                                          isa_for(Path::Auto, bits, group_size)),
                           {xf, rc(gate_w), rc(gate_scales), rc(gate_biases), rc(up_w), rc(up_scales), rc(up_biases)});
   return y.dtype() == g_ref.dtype() ? y : mx::astype(y, g_ref.dtype(), stream);
 }
@@ -950,7 +979,7 @@ GemmJob job_of(const QuantizedView& w, const float* const* rows, int m, float* y
   j.w = reinterpret_cast<const uint32_t*>(w.weight);
   j.scales = w.scales;
   j.biases = w.biases;
-  j.isa = isa_for(path, w.bits);
+  j.isa = isa_for(path, w.bits, w.group);
   j.rows = rows;
   j.y = y;
   return j;

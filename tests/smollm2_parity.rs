@@ -5,7 +5,7 @@
 use mlx_sys::kernels::{self, KernelPath};
 use mlx_sys::{Array, Dtype};
 use mlxcel_engine::{GenerationRequest, SamplingParams};
-use mlxcel_tests::{default_engine, golden_prompt, repo_root};
+use mlxcel_tests::{default_engine, golden_prompt, repo_root, smollm2_sequence_tolerance};
 use serde_json::Value;
 
 fn goldens() -> Value {
@@ -87,15 +87,16 @@ fn teacher_forced_errors(max_positions: usize) -> Vec<(String, f32, f32)> {
     out
 }
 
-/// Whole sequences (35 to 77 positions: the prefill GEMM, exact f32 on every
-/// loop but AMX). Tolerance: 1e-3 absolute on logits that span ~30. The
-/// reference multiplies by float32 dequantized weights; only the summation
-/// order differs. Measured: at most 1.9e-4 over 30 layers.
+/// Whole sequences (35 to 77 positions: the prefill GEMM). Tolerance:
+/// `smollm2_sequence_tolerance`, absolute on logits that span ~30: 1e-3
+/// where the GEMM is exact f32 (the reference multiplies by float32
+/// dequantized weights; only the summation order differs), 5e-3 where its
+/// integer loop quantizes the 8-bit logits' inputs.
 #[test]
 fn teacher_forced_logits_match_the_reference() {
-    const TOLERANCE: f32 = 1e-3;
+    let tolerance = smollm2_sequence_tolerance();
     for (prompt, logit, lse) in teacher_forced_errors(usize::MAX) {
-        assert!(logit <= TOLERANCE && lse <= TOLERANCE, "{prompt}: {logit} / {lse}");
+        assert!(logit <= tolerance && lse <= tolerance, "{prompt}: {logit} / {lse} (tolerance {tolerance})");
     }
 }
 
@@ -117,13 +118,14 @@ fn short_passes_match_the_reference() {
 }
 
 /// The first 32 positions as one pass, a short prompt's: from 16 rows on the
-/// fused block runs its projections on the GEMM's exact f32 panels (every
-/// path but VNNI and NEON, whose integer loops keep the 2.5e-2 above), so
-/// the AVX2 integer path is held to 1e-3 here.
+/// fused block runs its projections on the GEMM's panels (every path but
+/// VNNI and NEON, whose integer loops keep the 2.5e-2 above), exact f32 for
+/// the 4-bit blocks, so the AVX2 integer path is held to the whole
+/// sequences' tolerance here.
 #[test]
 fn prompt_passes_match_the_reference() {
     let integer = matches!(kernels::path_name(KernelPath::Auto).as_str(), "avx512-vnni" | "neon-int8");
-    let tolerance: f32 = if integer { 2.5e-2 } else { 1e-3 };
+    let tolerance: f32 = if integer { 2.5e-2 } else { smollm2_sequence_tolerance() };
     eprintln!("32-token passes, kernel path {}: tolerance {tolerance}", kernels::path_name(KernelPath::Auto));
     for (prompt, logit, lse) in teacher_forced_errors(32) {
         assert!(logit <= tolerance && lse <= tolerance, "{prompt}: {logit} / {lse} (tolerance {tolerance})");

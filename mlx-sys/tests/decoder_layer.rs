@@ -22,9 +22,11 @@
 //!   projections, attention and the residuals compound it: up to ~1.5e-4
 //!   of max|ref| per block.
 //! - the AVX2 integer path (bits 2, 4, 8): 5e-4 below 16 new tokens, as
-//!   VNNI; from 16 on the block's projections run on the GEMM's exact f32
-//!   panels (against MLX's matmul: 1e-5; against our matvec loops, which
-//!   the kernel reference still runs: 5e-4).
+//!   VNNI; from 16 on the block's projections run on the GEMM's panels:
+//!   exact f32 for bits 2 and 4 (against MLX's matmul: 1e-5; against our
+//!   matvec loops, which the kernel reference still runs: 5e-4), the
+//!   integer loop with x quantized as the matvec quantizes it for bits 8
+//!   (5e-4).
 //! - plus end · max(rope_scale, 1) · 2^-23 for the RoPE angles of far
 //!   positions (1.8e-4 at position 1503, where we measure 1.5e-5).
 //! A real bug (wrong head, row, position, rotation, mask) moves the result
@@ -52,12 +54,13 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
 /// Whether the kernels' default path quantizes activations for `bits` in a
 /// block of `rows` new tokens (the integer loops: AVX-512 VNNI for bits 4
 /// and 8, AVX2 and NEON for 2, 4 and 8). From 16 rows on, the AVX2 integer
-/// path runs its projections on the GEMM's exact f32 panels instead.
+/// path runs its projections on the GEMM's panels instead: exact f32 for
+/// bits 2 and 4, its integer loop for bits 8.
 fn activations_quantized(bits: i32, rows: i32) -> bool {
     match kernels::path_name(KernelPath::Auto).as_str() {
         "avx512-vnni" => bits == 4 || bits == 8,
         "neon-int8" => matches!(bits, 2 | 4 | 8),
-        "avx2-int8" => matches!(bits, 2 | 4 | 8) && rows < 16,
+        "avx2-int8" => matches!(bits, 2 | 4 | 8) && (rows < 16 || bits == 8),
         _ => false,
     }
 }
@@ -654,7 +657,8 @@ fn eight_bit_group_64_hidden_128() {
 }
 
 /// Prompts of 16 rows and more: the block's projections run on the GEMM's
-/// panels on every path but VNNI and NEON (exact f32 there, held to 1e-5).
+/// panels on every path but VNNI and NEON (exact f32 there, held to 1e-5,
+/// but for 8-bit weights on the AVX2 integer path: its integer GEMM loop).
 #[test]
 fn prompt_rows_on_the_gemm_panels() {
     let _g = lock();

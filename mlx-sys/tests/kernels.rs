@@ -17,6 +17,8 @@
 //! its bound adds Σ_g max|x_g| / 65024 · Σ_{k in g} |s_g q_k| (the bias term
 //! uses exact sums of x).
 
+mod common;
+
 use std::sync::Mutex;
 
 use half::{bf16, f16};
@@ -135,22 +137,10 @@ fn reference_for(path: KernelPath, x: &Array, q: &Quantized, group: usize, bits:
 /// [`reference`] with `mag` widened by the activation-quantization bound.
 fn reference_quantized_x(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f64>, Vec<f64>) {
     let (exact, mut mag) = reference(x, q, group, bits);
-    let xs = to_f32(x);
     let words = q.w.to_vec::<u32>().unwrap();
-    let s = to_f32(&q.scales);
-    let (n, k) = (q.n, q.k);
-    let (g, row_words, mask) = (k / group, k * bits / 32, (1u32 << bits) - 1);
-    for r in 0..xs.len() / k {
-        let xr = &xs[r * k..(r + 1) * k];
-        let amax: Vec<f64> = xr.chunks(group).map(|c| c.iter().fold(0f64, |m, v| m.max(v.abs() as f64))).collect();
-        for o in 0..n {
-            let mut bound = 0f64;
-            for j in 0..k {
-                let q = (words[o * row_words + j * bits / 32] >> (j * bits % 32)) & mask;
-                bound += amax[j / group] / 65024.0 * (s[o * g + j / group] as f64 * q as f64).abs();
-            }
-            mag[r * n + o] += bound * 1.01 / 1e-5;
-        }
+    let bound = common::quantized_x_bound(&to_f32(x), &words, &to_f32(&q.scales), q.n, q.k, group, bits);
+    for (m, b) in mag.iter_mut().zip(bound) {
+        *m += b * 1.01 / 1e-5;
     }
     (exact, mag)
 }

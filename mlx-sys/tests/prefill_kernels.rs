@@ -13,10 +13,16 @@
 //! loop (the default where the CPU has it) splits x and w into two bf16
 //! halves each: every product term may be off by up to 3·2^-16 of |x_k w_k|
 //! (two representation errors and the dropped lo·lo product), so it gets
-//! 5e-5·mag; on average it lands far below that. Attention outputs are convex
+//! 5e-5·mag; on average it lands far below that. The integer loops for 8-bit
+//! weights (`avx512-int16`, `avx2-int16`) quantize each group of x to 16
+//! bits as the matvec's integer paths do (tests/kernels.rs): every x_k moves
+//! by at most max|x_g| / 65024, which adds Σ_g max|x_g| / 65024 ·
+//! Σ_{k in g} |s_g q_k| to their bound. Attention outputs are convex
 //! combinations of value rows; errors must stay below 1e-5 of the largest
 //! |v| (scores carry ~D·eps of relative error into the probabilities), and
 //! MLX's own op must meet the same bar.
+
+mod common;
 
 use std::sync::Mutex;
 
@@ -93,9 +99,31 @@ fn gemm_reference(x: &Array, q: &Quantized, group: usize, bits: usize) -> (Vec<f
     (y, mag)
 }
 
-/// The bound for `path`: 1e-5 of mag on the exact loops, 5e-5 on AMX.
+/// The bound for `path`: 1e-5 of mag on the exact and integer loops, 5e-5 on AMX.
 fn gemm_tol(path: KernelPath) -> f64 {
     if kernels::gemm_uses_amx(path) { 5e-5 } else { 1e-5 }
+}
+
+/// Whether `path`'s GEMM loop for `bits` quantizes x to 16 bits per group.
+fn quantizes_x(path: KernelPath, bits: i32) -> bool {
+    kernels::gemm_loop_name(path, bits).ends_with("-int16")
+}
+
+/// [`gemm_reference`]'s mag for `path`: widened by the activation-quantization
+/// bound (in units of `gemm_tol(path)`) where its loop quantizes x.
+fn mag_for(path: KernelPath, x: &Array, q: &Quantized, group: usize, bits: usize, mag: &[f64]) -> Vec<f64> {
+    let mut mag = mag.to_vec();
+    if !quantizes_x(path, bits as i32) {
+        return mag;
+    }
+    let words = q.w.to_vec::<u32>().unwrap();
+    let xs = to_f32(&x.contiguous().unwrap());
+    let bound = common::quantized_x_bound(&xs, &words, &to_f32(&q.scales), q.n, q.k, group, bits);
+    let rel = gemm_tol(path);
+    for (m, b) in mag.iter_mut().zip(bound) {
+        *m += b * 1.01 / rel;
+    }
+    mag
 }
 
 fn check_gemm(label: &str, got: &Array, exact: &[f64], mag: &[f64]) {
@@ -132,6 +160,7 @@ fn gemm_case(seed: u64, bits: i32, group: i32, k: i32, n: i32, x: &Array, sdtype
         }
         assert_eq!(ours.shape(), mlx.shape(), "{label}: shape");
         assert_eq!(ours.dtype(), mlx.dtype(), "{label}: dtype");
+        let mag = mag_for(path, x, &q, group as usize, bits as usize, &mag);
         check_gemm_tol(&label, &ours, &exact, &mag, gemm_tol(path));
     }
 }
@@ -140,7 +169,14 @@ fn gemm_case(seed: u64, bits: i32, group: i32, k: i32, n: i32, x: &Array, sdtype
 fn distinct_loops(bits: i32) -> Vec<KernelPath> {
     let mut seen = Vec::new();
     let mut paths = Vec::new();
-    for path in [KernelPath::Auto, KernelPath::Avx512, KernelPath::Avx2, KernelPath::Portable] {
+    for path in [
+        KernelPath::Auto,
+        KernelPath::Avx512Vnni,
+        KernelPath::Avx512,
+        KernelPath::Avx2Int8,
+        KernelPath::Avx2,
+        KernelPath::Portable,
+    ] {
         let name = kernels::gemm_loop_name(path, bits);
         if !seen.contains(&name) {
             seen.push(name);
@@ -166,6 +202,20 @@ fn gemm_reports_support() {
     // No AVX-512 loop for dense weights or for widths that straddle words.
     assert!(["avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Avx512, 3).as_str()));
     assert!(["avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Auto, 0).as_str()));
+    // 8-bit weights run the integer loops on the integer paths (AVX-512 VNNI
+    // without AMX, AVX2 integer), and only there.
+    let int16 = |path| kernels::gemm_loop_name(path, 8);
+    if kernels::path_name(KernelPath::Avx2Int8) == "avx2-int8" {
+        assert_eq!(int16(KernelPath::Avx2Int8), "avx2-int16");
+        assert_eq!(kernels::gemm_loop_name(KernelPath::Avx2Int8, 4), "avx2");
+    }
+    if kernels::path_name(KernelPath::Avx512Vnni) == "avx512-vnni" {
+        let expected = if kernels::gemm_uses_amx(KernelPath::Avx512Vnni) { "amx" } else { "avx512-int16" };
+        assert_eq!(int16(KernelPath::Avx512Vnni), expected);
+    }
+    for path in [KernelPath::Avx512, KernelPath::Avx2, KernelPath::Portable] {
+        assert!(!quantizes_x(path, 8), "{path:?} is an exact loop");
+    }
     for (group, bits) in [(32, 2), (32, 4), (32, 8), (64, 4), (128, 8), (32, 3), (64, 5), (128, 6), (16, 8)] {
         assert!(kernels::gemm_supports(group, bits), "group {group} bits {bits}");
     }
@@ -405,6 +455,7 @@ fn gemm_chained_in_one_graph() {
     let r1 = quantized_matmul(&x, &q1.w, &q1.scales, &q1.biases, true, 32, 4).unwrap();
     y2.eval().unwrap();
     let (exact, mag) = gemm_reference(&y1, &q2, 32, 8);
+    let mag = mag_for(KernelPath::Auto, &y1, &q2, 32, 8, &mag);
     check_gemm("second of a chain", &y2, &exact, &mag);
     let (e1, m1) = gemm_reference(&x, &q1, 32, 4);
     check_gemm("first of a chain", &y1, &e1, &m1);
@@ -427,6 +478,8 @@ fn swiglu_case(seed: u64, bits: i32, group: i32, k: i32, n: i32, x: &Array, sdty
     }
     let (eg, mgag) = gemm_reference(x, &g, group as usize, bits as usize);
     let (eu, muag) = gemm_reference(x, &u, group as usize, bits as usize);
+    let mgag = mag_for(KernelPath::Auto, x, &g, group as usize, bits as usize, &mgag);
+    let muag = mag_for(KernelPath::Auto, x, &u, group as usize, bits as usize, &muag);
     let round = match ours.dtype() {
         Dtype::Float16 => 2f64.powi(-9),
         Dtype::Bfloat16 => 2f64.powi(-6),
