@@ -45,6 +45,12 @@ Path auto_path();
 Path resolve_path(Path requested);
 const char* path_name(Path path);
 
+// The loop that reads a weight's interleaved copy (detail::VnniRows) on
+// `path` for `bits` (groups a multiple of 16, up to 256): "avx512-vnni",
+// "avx512-int16" (bits 8 on AMD CPUs), "avx2-int16" (Avx2Int8, bits 8), or
+// "" where no copy is read. The two int16 loops give the same bits.
+const char* copy_loop_name(Path path, int bits);
+
 // Threads the kernels use (the evaluating thread included): MLXCEL_NUM_THREADS
 // when set, else std::thread::hardware_concurrency().
 int num_threads();

@@ -437,6 +437,9 @@ ArrayPtr kernels_vnni_rows(const array& w, const array& scales, const array& bia
 rust::String kernels_path_name(int32_t path) {
   return rust::String(kernels::path_name(kernels::resolve_path(to_path(path))));
 }
+rust::String kernels_copy_loop_name(int32_t path, int32_t bits) {
+  return rust::String(kernels::copy_loop_name(to_path(path), bits));
+}
 int32_t kernels_num_threads() { return kernels::num_threads(); }
 bool kernels_supports(int32_t group_size, int32_t bits) { return kernels::supports(group_size, bits); }
 ArrayPtr kernels_quantized_gemm(const array& x, const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits, int32_t path) {

@@ -210,6 +210,7 @@ ArrayPtr kernels_quantized_matmul_vnni_rows(const array& x, const array& w, cons
 // The VNNI matvec's copy of a weight (kernels::vnni_rows), or null where there is none.
 ArrayPtr kernels_vnni_rows(const array& w, const array& scales, const array& biases, int32_t group_size, int32_t bits);
 rust::String kernels_path_name(int32_t path);
+rust::String kernels_copy_loop_name(int32_t path, int32_t bits);
 int32_t kernels_num_threads();
 bool kernels_supports(int32_t group_size, int32_t bits);
 // The many-row (prefill) quantized GEMM (kernels/quantized_gemm.h).

@@ -219,6 +219,7 @@ mod bridge {
         fn kernels_quantized_matmul_vnni_rows(x: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, path: i32, vnni_rows: &MlxArray) -> Result<UniquePtr<MlxArray>>;
         fn kernels_vnni_rows(w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_path_name(path: i32) -> Result<String>;
+        fn kernels_copy_loop_name(path: i32, bits: i32) -> Result<String>;
         fn kernels_num_threads() -> i32;
         fn kernels_supports(group_size: i32, bits: i32) -> bool;
         fn kernels_quantized_gemm(x: &MlxArray, w: &MlxArray, scales: &MlxArray, biases: &MlxArray, group_size: i32, bits: i32, path: i32) -> Result<UniquePtr<MlxArray>>;

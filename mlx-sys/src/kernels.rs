@@ -148,6 +148,15 @@ pub fn path_name(path: KernelPath) -> String {
     ffi::kernels_path_name(path as i32).unwrap_or_else(|_| "unknown".into())
 }
 
+/// The loop that reads a weight's interleaved copy ([`vnni_rows`]) on `path`
+/// for `bits` on this CPU: `"avx512-vnni"` (bits 4 and 8), `"avx512-int16"`
+/// (bits 8 on AMD CPUs: 16-bit activations, all 16 rows of a block per
+/// vector), `"avx2-int16"` (`Avx2Int8`, bits 8; the same results as
+/// `"avx512-int16"` bit for bit), or `""` where no copy is read.
+pub fn copy_loop_name(path: KernelPath, bits: i32) -> String {
+    ffi::kernels_copy_loop_name(path as i32, bits).unwrap_or_default()
+}
+
 /// Threads the kernels use, the evaluating thread included.
 pub fn num_threads() -> usize {
     ffi::kernels_num_threads().max(1) as usize
@@ -623,10 +632,13 @@ fn layer_arrays<'a>(x: &'a Array, weights: &'a DecoderLayerWeights, keys: &'a Ar
 /// dequantizes a panel of `w` into an L2-sized buffer and runs it against
 /// blocks of rows of `x`: on CPUs with AMX (see [`gemm_uses_amx`]) as bf16
 /// tile products of split operands (~16-bit precision per operand, f32
-/// accumulation); otherwise with a register-blocked f32 microkernel (8x32
-/// AVX-512, 6x16 AVX2 + FMA, or portable vector code on every other CPU,
-/// aarch64 included): exact f32 dequantization, f32 FMAs and accumulation,
-/// only the summation order differs from `x @ dequantize(w).T`. Where the GEMM
+/// accumulation); 8-bit weights on the integer paths (AVX-512 VNNI without
+/// AMX, AVX2 integer) with integer loops on x quantized per group to 16 bits,
+/// as the decode matvec does (at most `max|x| / 65024` off per activation;
+/// group sums exact in int32); otherwise with a register-blocked f32
+/// microkernel (8x32 AVX-512, 6x16 AVX2 + FMA, or portable vector code on
+/// every other CPU, aarch64 included): exact f32 dequantization, f32 FMAs and
+/// accumulation, only the summation order differs from `x @ dequantize(w).T`. Where the GEMM
 /// does not apply (a GPU stream, a layout [`gemm_supports`] rejects) it returns
 /// [`quantized_matmul`]. It never calls BLAS.
 pub fn quantized_gemm(x: &Array, w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<Array> {
@@ -636,7 +648,8 @@ pub fn quantized_gemm(x: &Array, w: &Array, scales: &Array, biases: &Array, grou
 /// [`quantized_gemm`] with a chosen path (tests and benchmarks): `Portable`,
 /// `Avx2` and `Avx512` run that exact f32 loop (or the best one below it the
 /// CPU runs; bits 3, 5 and 6 run the AVX2 or portable loop), `Avx512Vnni` the
-/// AMX loop where [`gemm_uses_amx`] says so. [`gemm_loop_name`] tells which.
+/// AMX loop where [`gemm_uses_amx`] says so, and `Avx512Vnni` without AMX or
+/// `Avx2Int8` the integer loop for 8-bit weights. [`gemm_loop_name`] tells which.
 pub fn quantized_gemm_with_path(
     x: &Array,
     w: &Array,
@@ -687,7 +700,8 @@ pub fn gemm_supports(group_size: i32, bits: i32) -> bool {
 }
 
 /// The loop a [`quantized_gemm`] call on `path` runs for `bits` (0: a dense
-/// [`dense_matmul`]): `"amx"`, `"avx512"`, `"avx2"` or `"portable"`.
+/// [`dense_matmul`]): `"amx"`, `"avx512-int16"`, `"avx512"`, `"avx2-int16"`,
+/// `"avx2"` or `"portable"`.
 pub fn gemm_loop_name(path: KernelPath, bits: i32) -> String {
     ffi::kernels_gemm_loop_name(path as i32, bits).unwrap_or_else(|_| "unknown".into())
 }

@@ -599,10 +599,24 @@ fn vnni_rows_copy_gives_the_same_result() {
         let avx2 = kernels::path_name(KernelPath::Avx2Int8) == "avx2-int8" && bits == 8;
         for m in [1, 2, 3, 5, 9] {
             let x = make_x(seed ^ m as u64, &[m, k], Dtype::Float32);
-            if kernels::path_name(KernelPath::Auto) == "avx512-vnni" {
-                let plain = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, group, bits).unwrap();
-                let copied = kernels::quantized_matmul_with_vnni_rows(&x, &q.w, &q.scales, &q.biases, group, bits, &rows).unwrap();
-                assert_eq!(to_f32(&copied), to_f32(&plain), "seed {seed}, {m} rows: the copy changed the result");
+            match kernels::copy_loop_name(KernelPath::Auto, bits).as_str() {
+                "avx512-vnni" => {
+                    let plain = kernels::quantized_matmul(&x, &q.w, &q.scales, &q.biases, group, bits).unwrap();
+                    let copied = kernels::quantized_matmul_with_vnni_rows(&x, &q.w, &q.scales, &q.biases, group, bits, &rows).unwrap();
+                    assert_eq!(to_f32(&copied), to_f32(&plain), "seed {seed}, {m} rows: the copy changed the result");
+                }
+                "avx512-int16" => {
+                    // The AVX2 block loop's arithmetic with 16 rows per vector:
+                    // the same bits (its own bound and row independence are
+                    // checked below).
+                    let copied = kernels::quantized_matmul_with_vnni_rows(&x, &q.w, &q.scales, &q.biases, group, bits, &rows).unwrap();
+                    let label = format!("seed {seed}, {m} rows, AVX-512 int16 loop on the copy");
+                    let (exact, mag) = reference_quantized_x(&x, &q, group as usize, bits as usize);
+                    check(&label, &copied, &exact, &mag);
+                    let avx2 = kernels::quantized_matmul_with_vnni_rows_on_path(&x, &q.w, &q.scales, &q.biases, group, bits, KernelPath::Avx2Int8, &rows).unwrap();
+                    assert_eq!(to_f32(&copied), to_f32(&avx2), "{label}: differs from the AVX2 block loop");
+                }
+                _ => {}
             }
             if avx2 {
                 let label = format!("seed {seed}, {m} rows, AVX2 integer loop on the copy");
