@@ -51,8 +51,9 @@ fn microarchitecture(vendor: &str, family: u32, model: u32) -> Option<&'static s
 }
 
 /// The loops the kernels run here for `bits`-bit weights: the decode matvec
-/// (`MLXCEL_KERNELS` and the CPU's features pick it), the prefill GEMM, and
-/// the thread count.
+/// (`MLXCEL_KERNELS` and the CPU's features pick it; with the loop that
+/// reads the decoder blocks' interleaved copies where that one differs), the
+/// prefill GEMM, and the thread count.
 pub struct KernelLoops {
     pub matvec: String,
     pub gemm: String,
@@ -62,7 +63,13 @@ pub struct KernelLoops {
 impl KernelLoops {
     pub fn for_bits(bits: i32) -> KernelLoops {
         KernelLoops {
-            matvec: kernels::path_name(KernelPath::Auto),
+            matvec: {
+                let path = kernels::path_name(KernelPath::Auto);
+                match kernels::copy_loop_name(KernelPath::Auto, bits) {
+                    copies if copies.is_empty() || copies == path => path,
+                    copies => format!("{path} ({copies} on the copies)"),
+                }
+            },
             gemm: kernels::gemm_loop_name(KernelPath::Auto, bits),
             threads: kernels::num_threads(),
         }
