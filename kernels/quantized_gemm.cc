@@ -56,6 +56,11 @@ using detail::Scalar;
 constexpr int MR = 8;   // rows of x per microkernel call
 constexpr int NR = 32;  // outputs per microkernel call (two zmm)
 
+// The integer loops for 8-bit weights (gemm_int16.inc, x86-64 only).
+constexpr int kInt16MaxGroup = 256;  // the exact int32 group sum's limit
+constexpr int kInt16Rows512 = 6;     // rows of x per AVX-512 microkernel call (32 outputs)
+constexpr int kInt16Rows256 = 3;     // rows of x per AVX2 microkernel call (16 outputs)
+
 // A 64-byte aligned, growable buffer of 4-byte elements (the microkernels'
 // aligned loads; AMX tile rows).
 template <class T>
