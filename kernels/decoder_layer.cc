@@ -379,14 +379,14 @@ void add_bias(const Projection& p, int rows, float* y) {
 }
 
 // Whether a block of `rows_per_sequence` new tokens runs its projections on
-// the GEMM's packed panels (exact f32, quantized_gemm.h) rather than the
-// matvec loops. From 16 rows on the panels win on the AVX2 integer, exact
-// AVX2, exact AVX-512 and portable loops (16-token prompts on a Xeon, AVX2
-// integer loop: 4-bit 1.1-1.2x, 8-bit 1.2-1.3x; exact AVX-512 1.6x); the
-// VNNI loop stays ahead of the AMX panels (494 against 359 tok/s), and the
-// NEON loop was not measured against them. Below 16 rows (decode, a
-// speculative draft's verification) every path keeps its matvec loop, and
-// the choice depends on a sequence's own row count only, never on its batch.
+// the GEMM's packed panels (quantized_gemm.h) rather than the matvec loops.
+// From 16 rows on the panels win on the AVX2 integer, exact AVX2, exact
+// AVX-512 and portable loops (16-token prompts on a Xeon, AVX2 integer loop:
+// 4-bit 1.1-1.2x; exact AVX-512 1.6x); the VNNI loop stays ahead of the AMX
+// panels (494 against 359 tok/s), and the NEON loop was not measured against
+// them. Below 16 rows (decode, a speculative draft's verification) every
+// path keeps its matvec loop, and the choice depends on a sequence's own row
+// count only, never on its batch. `on_panels` makes the choice per weight.
 bool projections_use_gemm(int rows_per_sequence) {
   constexpr int kGemmMinRows = 16;
   if (rows_per_sequence < kGemmMinRows) return false;
@@ -394,10 +394,21 @@ bool projections_use_gemm(int rows_per_sequence) {
   return path != Path::Avx512Vnni && path != Path::NeonInt8;
 }
 
+// Whether a weight of a block that uses the GEMM (projections_use_gemm) runs
+// on its panels. 8-bit weights with a copy on the AVX2 integer path keep the
+// matvec's block loop over the copy: up to the fused block's 32 rows it
+// needs no packing, and 16-32-token 8-bit prompts ran 1.2-1.4x faster on it
+// than on the int16 panels (Zen 5, `MLXCEL_KERNELS=avx2-int8`), where packing
+// took more time than the products. 4-bit weights are faster on the panels.
+bool on_panels(const QuantizedView& view) {
+  if (!gemm_supports(view.group, view.bits)) return false;
+  return !(view.bits == 8 && view.vnni_rows && resolve_path(Path::Auto) == Path::Avx2Int8);
+}
+
 // Which loops a projection of `rows` rows runs: the GEMM's panels when
 // `gemm`, else the matvec loops.
 void project(const Projection& p, const float* x, int rows, float* y, bool gemm = false) {
-  if (gemm && gemm_supports(p.view.group, p.view.bits)) {
+  if (gemm && on_panels(p.view)) {
     detail::quantized_gemm_f32(p.view, x, rows, y);
   } else {
     detail::quantized_matmul_f32(p.view, x, rows, y);
@@ -406,18 +417,19 @@ void project(const Projection& p, const float* x, int rows, float* y, bool gemm 
 }
 
 // Several projections of the same x as one pool job (q, k, v; gate, up), on
-// the GEMM's panels when `gemm` (and every layout is one they take).
+// the GEMM's panels when `gemm` and `on_panels` takes every weight, on the
+// matvec loops when it takes none.
 template <int N>
 void project_many(const Projection* const (&ps)[N], const float* x, int rows, float* const (&ys)[N], bool gemm = false) {
   QuantizedView views[N];
-  bool panels = gemm;
+  int panels = 0;
   for (int i = 0; i < N; ++i) {
     views[i] = ps[i]->view;
-    panels = panels && gemm_supports(views[i].group, views[i].bits);
+    panels += gemm && on_panels(views[i]);
   }
-  if (panels) {
+  if (panels == N) {
     detail::quantized_gemm_f32_many(views, N, x, rows, ys);
-  } else if (gemm) {
+  } else if (panels > 0) {
     for (int i = 0; i < N; ++i) project(*ps[i], x, rows, ys[i], true);
     return;
   } else {

@@ -575,6 +575,10 @@ fn prepared_weights_give_the_same_block() {
         // read in place.
         (34, Config { kv_heads: 1, head_dim: 24, ..LLAMA }, 2, 1),
         (35, Config { bits: 8, group: 32, kv_heads: 1, head_dim: 24, sdtype: Dtype::Bfloat16, ..LLAMA }, 1, 5),
+        // A 16-row prompt: on the AVX2 integer path the prepared block's
+        // 8-bit weights stay on the block loop over their copies, the
+        // unprepared block's go to the GEMM's int16 panels.
+        (36, Config { bits: 8, group: 32, sdtype: Dtype::Float16, ..LLAMA }, 2, 16),
     ] {
         let layer = Layer::new(seed, c);
         let x = randn(seed ^ 0x5eed, &[1, l, c.hidden], 1.0);
