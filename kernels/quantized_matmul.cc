@@ -818,33 +818,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 load_group
   return ty == Ty::F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// Words at .. at+7 of 8 rows (row l from rows[l]; words past `valid` read
-// as zero) transposed: t[k] = word at+k of every row, row l in lane l.
-__attribute__((target("avx2"), always_inline)) inline void transpose8_words(const uint32_t* const* rows, size_t at,
-                                                                          int valid, __m256i (&t)[8]) {
-  __m256i r[8], a[8], b[8];
-  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane);
-  for (int l = 0; l < 8; ++l) {
-    const auto* p = reinterpret_cast<const int*>(rows[l] + at);
-    r[l] = valid == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskload_epi32(p, mask);
-  }
-  for (int i = 0; i < 8; i += 2) {
-    a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-    a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
-    b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);
-    b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]);
-    b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    t[k] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x20);
-    t[k + 4] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x31);
-  }
-}
-
 // Activation rows m0 .. m0+MT-1 against halves h0 .. h0+NH-1 (8 rows each)
 // of one block of 16 output rows n .. (`valid` of them stored): `words`
 // [wpr][16], `scales` and `biases` [G][16] elements of j.sty, as
@@ -978,7 +951,7 @@ __attribute__((target("avx2,fma,f16c"))) const uint32_t* block_in_place(const Jo
     }
     for (int h = 0; h < 2; ++h) {
       __m256i t[8];
-      transpose8_words(rows + 8 * h, (size_t)w0, count, t);
+      simd::transpose8_words(rows + 8 * h, (size_t)w0, count, t);
       for (int k = 0; k < count; ++k) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(words.data() + (size_t)(w0 + k) * 16 + 8 * h), t[k]);
       }
@@ -1181,39 +1154,6 @@ void rows_avx2_int8(const Job& j, int n0, int n1) {
 // activation scale / 256. A row's result depends on its own lane alone, the
 // same whatever M is or wherever the row falls in a block.
 
-// Words at .. at+7 of 16 rows (row l from rows[l]; the words past `valid`
-// read as zero) as t[k] = word at+k of every row, row l in lane l.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), always_inline)) inline void
-transpose_words(const uint32_t* const (&rows)[16], size_t at, __mmask8 valid, __m512i (&t)[8]) {
-  // Rows i and i + 8 in the low and high 256 bits; then an 8 x 8 transpose
-  // of 32-bit words within each half.
-  __m512i r[8], u[8], s[8];
-  __m256i w[16];
-  for (int l = 0; l < 16; ++l) {
-    w[l] = valid == 0xff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + at))
-                         : _mm256_maskz_loadu_epi32(valid, rows[l] + at);
-  }
-  for (int i = 0; i < 8; ++i) r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(w[i]), w[i + 8], 1);
-  for (int i = 0; i < 8; i += 2) {
-    u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // s[k] (and s[k + 4], rows 4-7 and 12-15): word k of rows 0-3 | word k+4
-  // of rows 0-3 | word k of rows 8-11 | word k+4 of rows 8-11.
-  for (int i = 0; i < 8; i += 4) {
-    s[i] = _mm512_unpacklo_epi64(u[i], u[i + 2]);
-    s[i + 1] = _mm512_unpackhi_epi64(u[i], u[i + 2]);
-    s[i + 2] = _mm512_unpacklo_epi64(u[i + 1], u[i + 3]);
-    s[i + 3] = _mm512_unpackhi_epi64(u[i + 1], u[i + 3]);
-  }
-  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
-  const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  for (int k = 0; k < 4; ++k) {
-    t[k] = _mm512_permutex2var_epi64(s[k], first, s[k + 4]);
-    t[k + 4] = _mm512_permutex2var_epi64(s[k], second, s[k + 4]);
-  }
-}
-
 // `count` (0..16) values of dtype `ty` from element `at` on, as f32 lanes
 // 0..count-1 (zero above).
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) inline __m512
@@ -1327,7 +1267,7 @@ tile_vnni(const Job& j, const uint32_t* const (&rows)[16], const float* st, cons
         // prefetcher, which alone leaves decode waiting on L3.
         for (int l = 0; l < 16; ++l) prefetch_weights(j, rows[l] + j.prefetch_rows * rw + w0);
       }
-      transpose_words(rows, (size_t)w0, (__mmask8)((1u << words) - 1), t);
+      simd::transpose16_words(rows, (size_t)w0, (__mmask8)((1u << words) - 1), t);
     }
 #pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {

@@ -242,6 +242,48 @@ fn gemm_matches_on_awkward_shapes() {
     }
 }
 
+/// Random codes, scales and biases in MLX's layout (for a group size that
+/// `quantize` does not make).
+fn random_quantized(seed: u64, n: i32, k: i32, group: i32, bits: i32) -> Quantized {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let words: Vec<u32> = (0..n * k * bits / 32).map(|_| next() as u32).collect();
+    let groups = (n * k / group) as usize;
+    let unit = |v: u64| (v >> 40) as f32 / (1u64 << 24) as f32;
+    let scales: Vec<f32> = (0..groups).map(|_| 0.001 + 0.02 * unit(next())).collect();
+    let biases: Vec<f32> = (0..groups).map(|_| unit(next()) - 0.5).collect();
+    Quantized {
+        w: Array::from_slice(&words, &[n, k * bits / 32]).unwrap(),
+        scales: Array::from_slice(&scales, &[n, k / group]).unwrap(),
+        biases: Array::from_slice(&biases, &[n, k / group]).unwrap(),
+        n: n as usize,
+        k: k as usize,
+    }
+}
+
+/// 8-bit rows of 12 and 20 words (groups of 16): the integer loops' panels
+/// take a row's words 8 at a time, so these end on a short chunk.
+#[test]
+fn gemm_matches_with_rows_of_a_few_words() {
+    let _g = lock();
+    for (k, n, m) in [(48, 37, 19), (80, 16, 33), (48, 100, 5)] {
+        let q = random_quantized(k as u64 * 131 + n as u64, n, k, 16, 8);
+        let x = x_of(9000 + k as u64, &[m, k], Dtype::Float32);
+        let (exact, mag) = gemm_reference(&x, &q, 16, 8);
+        for path in distinct_loops(8) {
+            let ours = kernels::quantized_gemm_with_path(&x, &q.w, &q.scales, &q.biases, 16, 8, path).unwrap();
+            let label = format!("group 16 K={k} N={n} M={m} {}", kernels::gemm_loop_name(path, 8));
+            let mag = mag_for(path, &x, &q, 16, 8, &mag);
+            check_gemm_tol(&label, &ours, &exact, &mag, gemm_tol(path));
+        }
+    }
+}
+
 #[test]
 fn gemm_matches_on_model_shapes_and_batches() {
     let _g = lock();
