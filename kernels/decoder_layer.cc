@@ -381,8 +381,8 @@ void add_bias(const Projection& p, int rows, float* y) {
 // Whether a block of `rows_per_sequence` new tokens runs its projections on
 // the GEMM's packed panels (quantized_gemm.h) rather than the matvec loops.
 // From 16 rows on the panels win on the AVX2 integer, exact AVX2, exact
-// AVX-512 and portable loops (16-token prompts on a Xeon, AVX2 integer loop:
-// 4-bit 1.1-1.2x; exact AVX-512 1.6x); the VNNI loop stays ahead of the AMX
+// AVX-512 and portable loops (16-token prompts on a Xeon, AVX2 integer loop
+// before it read copies: 4-bit 1.1-1.2x; exact AVX-512 1.6x); the VNNI loop stays ahead of the AMX
 // panels (494 against 359 tok/s), and the NEON loop was not measured against
 // them. Below 16 rows (decode, a speculative draft's verification) every
 // path keeps its matvec loop, and the choice depends on a sequence's own row
@@ -395,14 +395,14 @@ bool projections_use_gemm(int rows_per_sequence) {
 }
 
 // Whether a weight of a block that uses the GEMM (projections_use_gemm) runs
-// on its panels. 8-bit weights with a copy on the AVX2 integer path keep the
-// matvec's block loop over the copy: up to the fused block's 32 rows it
-// needs no packing, and 16-32-token 8-bit prompts ran 1.2-1.4x faster on it
-// than on the int16 panels (Zen 5, `MLXCEL_KERNELS=avx2-int8`), where packing
-// took more time than the products. 4-bit weights are faster on the panels.
+// on its panels. Weights with a copy on the AVX2 integer path (4- and 8-bit)
+// keep the matvec's block loop over the copy: up to the fused block's 32
+// rows it needs no packing, and 16- and 32-token prompts ran 1.15-1.4x
+// faster on it than on the panels (Zen 5, `MLXCEL_KERNELS=avx2-int8`; for
+// 8-bit weights packing the int16 panels took more time than the products).
 bool on_panels(const QuantizedView& view) {
   if (!gemm_supports(view.group, view.bits)) return false;
-  return !(view.bits == 8 && view.vnni_rows && resolve_path(Path::Auto) == Path::Avx2Int8);
+  return !(view.vnni_rows && resolve_path(Path::Auto) == Path::Avx2Int8);
 }
 
 // Which loops a projection of `rows` rows runs: the GEMM's panels when

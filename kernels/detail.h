@@ -64,7 +64,7 @@ size_t vnni_block_bytes(const QuantizedView& w);
 
 // A VnniRows of `w` where this process's matvecs run a loop that reads it
 // (Path::Auto resolves to Avx512Vnni, bits 4 or 8 with a group it takes, or
-// to Avx2Int8 with bits 8; at least 16 rows) and MLXCEL_REPACK is not "0";
+// to Avx2Int8 with bits 4 or 8; at least 16 rows) and MLXCEL_REPACK is not "0";
 // null otherwise.
 std::shared_ptr<const VnniRows> make_vnni_rows(const QuantizedView& w);
 

@@ -385,8 +385,8 @@ struct Job {
   const int8_t* xq = nullptr;
   size_t xq_stride = 0;  // bytes per row of x
   const float* xscale = nullptr;  // [M, G]
-  // Avx512Vnni, and Avx2Int8 for bits 8: the full blocks of 16 rows as detail::VnniRows lays them
-  // out (null: every block is read from w).
+  // Avx512Vnni, and Avx2Int8 for bits 4 and 8: the full blocks of 16 rows as
+  // detail::VnniRows lays them out (null: every block is read from w).
   const uint8_t* vnni_rows = nullptr;
   float* y = nullptr;           // [M, N] f32 results
   int rows_per_task = 0;
@@ -396,21 +396,24 @@ struct Job {
   int prefetch_rows = 0;
   // Prefetch into L2 (T1) instead of L1 (T0): AMD Zen (cpu::Features::amd).
   bool prefetch_l2 = false;
-  // Avx512Vnni, bits 8, with a copy, on AMD: the 16-row blocks run
+  // Avx512Vnni, bits 4 and 8, with a copy, on AMD: the 16-row blocks run
   // rows_zmm_int16_blocks on Avx2Int8's int16 activations (xq) instead of
   // the VNNI loop.
   bool int16_blocks = false;
   Path path = Path::Portable;
 };
 
-// The loops that read the interleaved copies (detail::VnniRows): VNNI, and AVX2 integer for bits 8.
-bool reads_vnni_rows(Path path, int bits) { return path == Path::Avx512Vnni || (path == Path::Avx2Int8 && bits == 8); }
+// The loops that read the interleaved copies (detail::VnniRows): VNNI, and
+// the AVX2 integer block loop for bits 4 and 8.
+bool reads_vnni_rows(Path path, int bits) {
+  return path == Path::Avx512Vnni || (path == Path::Avx2Int8 && (bits == 4 || bits == 8));
+}
 
-// Whether j (its copy set) runs rows_zmm_int16_blocks: 8-bit weights with a
-// copy on the VNNI path of an AMD CPU (measured on Zen 5; Intel keeps the
-// VNNI loop, unmeasured there).
+// Whether j (its copy set) runs rows_zmm_int16_blocks: 4- and 8-bit weights
+// with a copy on the VNNI path of an AMD CPU (measured on Zen 5; Intel keeps
+// the VNNI loop, unmeasured there).
 bool runs_int16_blocks(const Job& j) {
-  return j.vnni_rows && j.path == Path::Avx512Vnni && j.bits == 8 && cpu::features().amd;
+  return j.vnni_rows && j.path == Path::Avx512Vnni && (j.bits == 4 || j.bits == 8) && cpu::features().amd;
 }
 
 #ifdef MLXCEL_X86
@@ -769,14 +772,16 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Job& j, int n0, in
 // 3.9e6 for bits 4, below 2^24, so its f32 conversion is exact too; 3.3e7
 // for bits 8, rounded once to f32).
 //
-// Bits 8 with the interleaved copy (tile_avx2_int8_blocks): as on VNNI,
+// Bits 4 and 8 with the interleaved copy (tile_avx2_int8_blocks): as on VNNI,
 // output rows in blocks of 16, one row per 32-bit lane (two vectors of 8
 // rows), from the copy (detail::VnniRows: word k of the 16 rows together),
 // and a last block of fewer rows transposed into the same layout from the
-// rows. On one Zen 5 core it streams the copy 1.0-2.6x as fast as the chunk
-// loop reads the rows; read in place, the transposition costs more than it
-// saves (up to 2x slower), so a weight without a copy keeps the chunk loop. Each lane sums a group in int32,
-// exactly (at most 64 words at a time: 64 * 4 * 255 * 32512 < 2^31), and
+// rows. On one Zen 5 core it streams an 8-bit copy 1.0-2.6x as fast as the
+// chunk loop reads the rows (4-bit: whole-model decode 1.3-1.4x); read in
+// place, the transposition costs more than it saves (up to 2x slower), so a
+// weight without a copy keeps the chunk loop. Each lane sums a group in
+// int32, exactly (at most 64 words at a time: 64 * 4 * 255 * 32512 < 2^31
+// for bits 8, 64 * 8 * 15 * 32512 for bits 4), and
 // the float epilogue runs once per group and row: y += f32(sum) * s_w * s_x
 // + bias * sum(x) (the chunk loop's epilogue runs per row and chunk). A
 // row's result depends on its own lane alone: the same whatever M is,
@@ -1409,19 +1414,22 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
   }
 }
 
-// Bits 8 on the interleaved copy with 16-bit activations, all 16 rows of a
-// block in one vector: the AVX2 block loop's arithmetic (tile_avx2_int8_blocks:
-// per row a group's sum exact in int32, then y += f32(sum) * (s_w * s_x) and,
-// at the group's end, y += b_w * sum(x)) with vpdpwssd, so the results are
-// the same bit for bit. On one Zen 5 core the AVX2 block loop streamed an
-// 8-bit copy 1.3-1.6x as fast as the VNNI loop (which splits x into two int8
-// planes), so AMD CPUs run this loop for 8-bit weights with copies.
-template <int MT>
+// Bits 4 and 8 on the interleaved copy with 16-bit activations, all 16 rows
+// of a block in one vector: the AVX2 block loop's arithmetic
+// (tile_avx2_int8_blocks: per row a group's sum exact in int32, then y +=
+// f32(sum) * (s_w * s_x) and, at the group's end, y += b_w * sum(x)) with
+// vpdpwssd, so the results are the same bit for bit. On one Zen 5 core the
+// AVX2 block loop streamed an 8-bit copy 1.3-1.6x as fast as the VNNI loop
+// (which splits x into two int8 planes), and this loop took 4-bit decode
+// from about 230 to 300-320 tok/s on one thread, so AMD CPUs run it for
+// weights with copies.
+template <int BITS, int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"), always_inline)) inline void
 tile_zmm_int16_blocks(const Job& j, const uint32_t* words, const uint8_t* scales, const uint8_t* biases, int m0, int n,
                       int valid, size_t ahead) {
-  constexpr int PLANES = 2;  // int16 planes per word of 8-bit values
-  const __m512i mask = _mm512_set1_epi32(0x00ff00ff);
+  constexpr int PLANES = 16 / BITS;  // int16 planes per word
+  constexpr uint32_t QM = (1u << BITS) - 1;
+  const __m512i mask = _mm512_set1_epi32((int)(QM | (QM << 16)));
   const int wpr = j.wpr, wpg = j.wpg;
   // Words summed in int32 before the epilogue: the group, or at most 64.
   const int span = wpg <= 64 ? wpg : std::gcd(wpg, 64);
@@ -1432,9 +1440,9 @@ tile_zmm_int16_blocks(const Job& j, const uint32_t* words, const uint8_t* scales
     xs[m] = j.xscale + (size_t)(m0 + m) * j.G;
     xsum[m] = j.xsum + (size_t)(m0 + m) * j.G;
   }
-  // One sum per plane and row: two independent chains.
+  // Two independent chains of sums per row (planes alternate).
   __m512 y[MT];
-  __m512i acc[MT][PLANES];
+  __m512i acc[MT][2];
   for (int m = 0; m < MT; ++m) {
     y[m] = _mm512_setzero_ps();
     acc[m][0] = acc[m][1] = _mm512_setzero_si512();
@@ -1444,12 +1452,16 @@ tile_zmm_int16_blocks(const Job& j, const uint32_t* words, const uint8_t* scales
     const uint32_t* at = words + (size_t)k * 16;
     if (ahead) prefetch_weights(j, reinterpret_cast<const char*>(at) + ahead);
     const __m512i v = _mm512_loadu_si512(at);
-    const __m512i q[PLANES] = {_mm512_and_si512(v, mask), _mm512_srli_epi16(v, 8)};
+    __m512i q[PLANES];
+    for (int p = 0; p < PLANES; ++p) {
+      q[p] = BITS == 8 && p == 1 ? _mm512_srli_epi16(v, 8)
+                                 : _mm512_and_si512(p == 0 ? v : _mm512_srli_epi32(v, BITS * p), mask);
+    }
     // Word k's pair in plane p: int32 (k / 8 * PLANES + p) * 8 + k % 8.
     const size_t pair = (size_t)(k / 8) * PLANES * 8 + k % 8;
     for (int m = 0; m < MT; ++m) {
       for (int p = 0; p < PLANES; ++p) {
-        acc[m][p] = _mm512_dpwssd_epi32(acc[m][p], q[p], _mm512_set1_epi32(xq[m][pair + (size_t)p * 8]));
+        acc[m][p % 2] = _mm512_dpwssd_epi32(acc[m][p % 2], q[p], _mm512_set1_epi32(xq[m][pair + (size_t)p * 8]));
       }
     }
     if (++in_span == span) {
@@ -1473,6 +1485,7 @@ tile_zmm_int16_blocks(const Job& j, const uint32_t* words, const uint8_t* scales
   for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(j.y + (size_t)(m0 + m) * j.N + n, store, y[m]);
 }
 
+template <int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))) void rows_zmm_int16_blocks(
     const Job& j, int n0, int n1) {
   const size_t group_block = 16 * (size_t)j.G * (j.sty == Ty::F32 ? 4 : 2);
@@ -1483,16 +1496,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
     const uint8_t* sb = src.scales;
     const uint8_t* bb = sb + group_block;
     int m = 0;
-    for (; m + 8 <= j.M; m += 8) tile_zmm_int16_blocks<8>(j, w, sb, bb, m, n, valid, m == 0 ? src.ahead : 0);
+    for (; m + 8 <= j.M; m += 8) tile_zmm_int16_blocks<BITS, 8>(j, w, sb, bb, m, n, valid, m == 0 ? src.ahead : 0);
     const size_t ahead = m == 0 ? src.ahead : 0;
     switch (j.M - m) {
-      case 7: tile_zmm_int16_blocks<7>(j, w, sb, bb, m, n, valid, ahead); break;
-      case 6: tile_zmm_int16_blocks<6>(j, w, sb, bb, m, n, valid, ahead); break;
-      case 5: tile_zmm_int16_blocks<5>(j, w, sb, bb, m, n, valid, ahead); break;
-      case 4: tile_zmm_int16_blocks<4>(j, w, sb, bb, m, n, valid, ahead); break;
-      case 3: tile_zmm_int16_blocks<3>(j, w, sb, bb, m, n, valid, ahead); break;
-      case 2: tile_zmm_int16_blocks<2>(j, w, sb, bb, m, n, valid, ahead); break;
-      case 1: tile_zmm_int16_blocks<1>(j, w, sb, bb, m, n, valid, ahead); break;
+      case 7: tile_zmm_int16_blocks<BITS, 7>(j, w, sb, bb, m, n, valid, ahead); break;
+      case 6: tile_zmm_int16_blocks<BITS, 6>(j, w, sb, bb, m, n, valid, ahead); break;
+      case 5: tile_zmm_int16_blocks<BITS, 5>(j, w, sb, bb, m, n, valid, ahead); break;
+      case 4: tile_zmm_int16_blocks<BITS, 4>(j, w, sb, bb, m, n, valid, ahead); break;
+      case 3: tile_zmm_int16_blocks<BITS, 3>(j, w, sb, bb, m, n, valid, ahead); break;
+      case 2: tile_zmm_int16_blocks<BITS, 2>(j, w, sb, bb, m, n, valid, ahead); break;
+      case 1: tile_zmm_int16_blocks<BITS, 1>(j, w, sb, bb, m, n, valid, ahead); break;
       default: break;
     }
   }
@@ -1659,8 +1672,8 @@ void run_rows(const Job& j, int n0, int n1) {
   switch (j.path) {
     case Path::Avx512Vnni:
       switch (j.bits) {
-        case 4: return rows_vnni<4>(j, n0, n1);
-        case 8: return j.int16_blocks ? rows_zmm_int16_blocks(j, n0, n1) : rows_vnni<8>(j, n0, n1);
+        case 4: return j.int16_blocks ? rows_zmm_int16_blocks<4>(j, n0, n1) : rows_vnni<4>(j, n0, n1);
+        case 8: return j.int16_blocks ? rows_zmm_int16_blocks<8>(j, n0, n1) : rows_vnni<8>(j, n0, n1);
       }
       break;
     case Path::Avx512:
@@ -1673,7 +1686,7 @@ void run_rows(const Job& j, int n0, int n1) {
     case Path::Avx2Int8:
       switch (j.bits) {
         case 2: return rows_avx2_int8<2>(j, n0, n1);
-        case 4: return rows_avx2_int8<4>(j, n0, n1);
+        case 4: return j.vnni_rows ? rows_avx2_int8_blocks<4>(j, n0, n1) : rows_avx2_int8<4>(j, n0, n1);
         case 8: return j.vnni_rows ? rows_avx2_int8_blocks<8>(j, n0, n1) : rows_avx2_int8<8>(j, n0, n1);
       }
       break;

@@ -47,7 +47,8 @@ const char* path_name(Path path);
 
 // The loop that reads a weight's interleaved copy (detail::VnniRows) on
 // `path` for `bits` (groups a multiple of 16, up to 256): "avx512-vnni",
-// "avx512-int16" (bits 8 on AMD CPUs), "avx2-int16" (Avx2Int8, bits 8), or
+// "avx512-int16" (bits 4 and 8 on AMD CPUs), "avx2-int16" (Avx2Int8, bits 4
+// and 8), or
 // "" where no copy is read. The two int16 loops give the same bits.
 const char* copy_loop_name(Path path, int bits);
 
@@ -76,11 +77,11 @@ mlx::core::array quantized_matmul(
     const std::optional<mlx::core::array>& vnni_rows = std::nullopt);
 
 // A copy of the weight in the order the AVX-512 VNNI matvec (and the AVX2
-// integer matvec for bits 8) streams it (full blocks of 16 rows,
+// integer matvec for bits 4 and 8) streams it (full blocks of 16 rows,
 // output-interleaved; see detail::VnniRows), as a 1-D uint8 array to pass to
 // `quantized_matmul` with the same weight. Made only where this process's
 // matvec runs such a loop on the layout (VNNI: bits 4 or 8, groups a multiple
-// of 16 up to 256; AVX2: bits 8; at least 16 rows) and MLXCEL_REPACK is not
+// of 16 up to 256; AVX2: bits 4 or 8; at least 16 rows) and MLXCEL_REPACK is not
 // "0"; nullopt otherwise. Evaluates w, scales and
 // biases. The copy costs as much memory as the weight; with it the matvec
 // reads one forward stream and transposes nothing.

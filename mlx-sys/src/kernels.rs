@@ -88,11 +88,11 @@ pub fn quantized_matmul_with_path(
 }
 
 /// The copy of a quantized weight that the AVX-512 VNNI matvec, and the AVX2
-/// integer matvec for bits 8, stream in order (full blocks of 16 rows,
+/// integer matvec for bits 4 and 8, stream in order (full blocks of 16 rows,
 /// output-interleaved), for [`quantized_matmul_with_vnni_rows`] with the
 /// same weight. `None` where this process's matvec would not read it:
 /// another loop, a layout those loops do not take (VNNI: bits 4 and 8,
-/// groups a multiple of 16 up to 256; AVX2: bits 8), fewer than 16 rows, or
+/// groups a multiple of 16 up to 256; AVX2: bits 4 and 8), fewer than 16 rows, or
 /// `MLXCEL_REPACK=0`. It costs as much memory as the
 /// weight (in MLX's memory) and is built once: keep it with
 /// the weight. Evaluates `w`, `scales` and `biases`.
@@ -150,8 +150,8 @@ pub fn path_name(path: KernelPath) -> String {
 
 /// The loop that reads a weight's interleaved copy ([`vnni_rows`]) on `path`
 /// for `bits` on this CPU: `"avx512-vnni"` (bits 4 and 8), `"avx512-int16"`
-/// (bits 8 on AMD CPUs: 16-bit activations, all 16 rows of a block per
-/// vector), `"avx2-int16"` (`Avx2Int8`, bits 8; the same results as
+/// (bits 4 and 8 on AMD CPUs: 16-bit activations, all 16 rows of a block per
+/// vector), `"avx2-int16"` (`Avx2Int8`, bits 4 and 8; the same results as
 /// `"avx512-int16"` bit for bit), or `""` where no copy is read.
 pub fn copy_loop_name(path: KernelPath, bits: i32) -> String {
     ffi::kernels_copy_loop_name(path as i32, bits).unwrap_or_default()
@@ -539,7 +539,7 @@ pub fn resident_bytes(a: &Array) -> Result<usize> {
 }
 
 /// Bytes held by the weight copies the AVX-512 VNNI matvec (and the AVX2
-/// integer matvec for bits 8) streams in its own order that live
+/// integer matvec for bits 4 and 8) streams in its own order that live
 /// [`PreparedDecoderLayer`]s hold (made by [`PreparedDecoderLayer::new`] on
 /// CPUs where decode runs such a loop, unless
 /// `MLXCEL_REPACK=0`), on top of the weights themselves. Copies from

@@ -564,18 +564,20 @@ fn gelu_erf_matches_an_f64_reference_on_every_path() {
 }
 
 /// Whether this process makes copies (`kernels::vnni_rows`) for the layout:
-/// where its own loop reads them (VNNI: bits 4 and 8; AVX2 integer: bits 8).
+/// where its own loop reads them (VNNI and AVX2 integer: bits 4 and 8).
 fn copies_made(bits: usize, group: usize, n: i32) -> bool {
     let auto = kernels::path_name(KernelPath::Auto);
     uses_vnni(KernelPath::Auto, bits, group)
-        && (auto == "avx512-vnni" || (auto == "avx2-int8" && bits == 8))
+        && (auto == "avx512-vnni" || (auto == "avx2-int8" && (bits == 4 || bits == 8)))
         && n >= 16
         && std::env::var("MLXCEL_REPACK").as_deref() != Ok("0")
 }
 
 /// A weight's copy, where this process makes one: the VNNI loop gives the
-/// same result bit for bit as the weight read in place; the AVX2 integer
-/// loop for bits 8 (forced on AVX-512 machines too, reading the same copy)
+/// same result bit for bit as the weight read in place (on AMD CPUs the
+/// AVX-512 int16 loop reads it instead: the AVX2 block loop's bits); the
+/// AVX2 integer loop for bits 4 and 8 (forced on AVX-512 machines too,
+/// reading the same copy)
 /// meets the quantized-activation bound, each row the same bit for bit
 /// whatever the other rows. Every row count a decode or a draft verification
 /// takes, with a last block of fewer than 16 rows.
@@ -596,7 +598,7 @@ fn vnni_rows_copy_gives_the_same_result() {
         assert_eq!(rows.is_some(), copies_made(bits as usize, group as usize, n), "seed {seed}: a copy exactly where this process's loop reads it");
         let Some(rows) = rows else { continue };
         assert_eq!(rows.size(), (n as usize / 16) * (16 * k as usize * bits as usize / 8 + 2 * 16 * (k / group) as usize * if sdtype == Dtype::Float32 { 4 } else { 2 }));
-        let avx2 = kernels::path_name(KernelPath::Avx2Int8) == "avx2-int8" && bits == 8;
+        let avx2 = kernels::path_name(KernelPath::Avx2Int8) == "avx2-int8" && (bits == 4 || bits == 8);
         for m in [1, 2, 3, 5, 9] {
             let x = make_x(seed ^ m as u64, &[m, k], Dtype::Float32);
             match kernels::copy_loop_name(KernelPath::Auto, bits).as_str() {
