@@ -576,8 +576,6 @@ MLXCEL_GEMM_TARGET void run_block(const GemmJob& j, int task) {
   }
 }
 
-#include "gemm_int16.inc"
-
 #endif  // MLXCEL_X86
 
 // The generic loops, once per instruction set.
@@ -587,6 +585,8 @@ namespace avx2 {
 #include "gemm_generic.inc"
 #undef MLXCEL_VEC8_AVX2
 }  // namespace avx2
+
+#include "gemm_int16.inc"  // (after avx2: it reads scales with avx2::load_groups8)
 #endif
 
 namespace portable {

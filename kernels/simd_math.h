@@ -76,20 +76,13 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 exp256(__m256 x
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-// Words at .. at+7 of 8 rows (row l from rows[l]; words past `valid` read
-// as zero) transposed: t[k] = word at+k of every row, row l in lane l.
-__attribute__((target("avx2"), always_inline)) inline void transpose8_words(const uint32_t* const* rows, size_t at,
-                                                                          int valid, __m256i (&t)[8]) {
-  __m256i r[8], a[8], b[8];
-  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
-  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane);
-  for (int l = 0; l < 8; ++l) {
-    const auto* p = reinterpret_cast<const int*>(rows[l] + at);
-    r[l] = valid == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskload_epi32(p, mask);
-  }
+// An 8x8 block of 32-bit lanes transposed in registers: on return v[t]
+// holds lane t of the inputs v[0..7] (24 shuffles).
+__attribute__((target("avx2"), always_inline)) inline void transpose8x8(__m256i (&v)[8]) {
+  __m256i a[8], b[8];
   for (int i = 0; i < 8; i += 2) {
-    a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-    a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    a[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    a[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
   }
   for (int i = 0; i < 8; i += 4) {
     b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
@@ -98,9 +91,22 @@ __attribute__((target("avx2"), always_inline)) inline void transpose8_words(cons
     b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
   }
   for (int k = 0; k < 4; ++k) {
-    t[k] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x20);
-    t[k + 4] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x31);
+    v[k] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x20);
+    v[k + 4] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x31);
   }
+}
+
+// Words at .. at+7 of 8 rows (row l from rows[l]; words past `valid` read
+// as zero) transposed: t[k] = word at+k of every row, row l in lane l.
+__attribute__((target("avx2"), always_inline)) inline void transpose8_words(const uint32_t* const* rows, size_t at,
+                                                                          int valid, __m256i (&t)[8]) {
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane);
+  for (int l = 0; l < 8; ++l) {
+    const auto* p = reinterpret_cast<const int*>(rows[l] + at);
+    t[l] = valid == 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskload_epi32(p, mask);
+  }
+  transpose8x8(t);
 }
 
 // Words at .. at+7 of 16 rows (row l from rows[l]; the words past `valid`
