@@ -130,4 +130,17 @@ struct KvWindowRule {
 // Runs fn(ctx, t) for t in [0, tasks) on the pool, the caller included.
 void parallel_for(int tasks, void (*fn)(void* ctx, int task), void* ctx);
 
+// Memory that the next parallel_for will read.
+struct PrefetchRegion {
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// Tells the pool's idle workers what the next job reads (at most 4 regions):
+// while the caller runs serial work, each worker pulls its likely share of
+// every region (the caller takes the first of T equal parts, worker i part
+// i + 2) into its L2, and stops when a job arrives. A hint only: results
+// never depend on it.
+void prefetch_for_workers(const PrefetchRegion* regions, int count);
+
 }  // namespace mlxcel::kernels::detail
