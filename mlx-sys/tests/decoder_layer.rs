@@ -1660,6 +1660,10 @@ fn windowed_layer_matches_masked_reference() {
         let (out, written_k, written_v) =
             prepared.forward(&x, &detached_copy(&keys), &detached_copy(&values), &spec).unwrap();
         assert_eq!(to_f32(&got), to_f32(&out), "seed {seed}: paged windowed output differs from contiguous");
+        mlx_sys::eval([&out, &written_k, &written_v]).unwrap();
+        let label = format!("prepared, window {window} keep {keep}");
+        let (prepared_errors, _) = check_outputs(&label, &layer, &x, &keys, &values, offset, [&out, &written_k, &written_v]);
+        assert!(prepared_errors.max() < 1e-4, "seed {seed}: prepared {prepared_errors}");
         let new = |a: &Array| a.slice_axis(2, offset, offset + l).unwrap();
         assert_eq!(to_f32(&new(&pool_rows(&pk, &full, offset + l))), to_f32(&new(&written_k)), "seed {seed}: keys");
         assert_eq!(to_f32(&new(&pool_rows(&pv, &full, offset + l))), to_f32(&new(&written_v)), "seed {seed}: values");
