@@ -1105,15 +1105,17 @@ void run_experts(const Pointers& p, int L, const float* n, float* out) {
 // decode steps, whose products stream the weights from memory.
 constexpr int kPrefetchMaxRows = 4;
 
-// Hands the pool's idle workers the weights of the next projections, to pull
-// into their caches while this thread runs the serial steps before them
-// (norms, RoPE, the KV write, attention's uneven split, residual adds).
-void prefetch_next(std::initializer_list<const Projection*> next) {
-  detail::PrefetchRegion regions[4];
+// Hands the pool's idle workers the weights of the next projections of a
+// step of `rows` rows (decode: at most kPrefetchMaxRows), to pull into their
+// caches while this thread runs the serial steps before them (norms, RoPE,
+// the KV write, attention's uneven split, residual adds).
+void prefetch_next(int rows, std::initializer_list<const Projection*> next) {
+  if (rows > kPrefetchMaxRows) return;
+  detail::PrefetchRegion regions[detail::kPrefetchRegions];
   int count = 0;
   for (const Projection* pr : next) {
     const QuantizedView& v = pr->view;
-    if (count == 4 || !v.weight) continue;
+    if (count == detail::kPrefetchRegions || !v.weight) continue;
     if (v.vnni_rows) {
       regions[count++] = {v.vnni_rows, (size_t)(v.n / 16) * detail::vnni_block_bytes(v)};
     } else {
@@ -1161,11 +1163,11 @@ void run_layer(const Pointers& p) {
   }
 
   // Attention.
-  if (L <= kPrefetchMaxRows) prefetch_next({&p.q, &p.k, &p.v});
+  prefetch_next(L, {&p.q, &p.k, &p.v});
   for (int l = 0; l < L; ++l) rms_norm(&sc.x[(size_t)l * H], p.input_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
   const bool gemm = projections_use_gemm(p.L);
   project_many<3>({&p.q, &p.k, &p.v}, sc.n.data(), L, {sc.q.data(), sc.k.data(), sc.v.data()}, gemm);
-  if (L <= kPrefetchMaxRows) prefetch_next({&p.o});
+  prefetch_next(L, {&p.o});
   if (p.q_norm) {
     std::vector<float> tmp(D);
     for (int l = 0; l < L; ++l) {
@@ -1235,7 +1237,7 @@ void run_layer(const Pointers& p) {
     detail::parallel_for(p.B * job.tasks_per_sequence, attention_task, &job);
   }
   project(p.o, sc.att.data(), L, sc.o.data(), gemm);
-  if (L <= kPrefetchMaxRows && s.experts == 0) prefetch_next({&p.gate, &p.up});
+  if (s.experts == 0) prefetch_next(L, {&p.gate, &p.up});
   if (p.attn_out_norm) {
     for (int l = 0; l < L; ++l) rms_norm(&sc.o[(size_t)l * H], p.attn_out_norm, s.norm_eps, H, &sc.n[(size_t)l * H]);
     std::copy(sc.n.begin(), sc.n.begin() + (size_t)L * H, sc.o.begin());
@@ -1250,7 +1252,7 @@ void run_layer(const Pointers& p) {
     return;
   }
   project_many<2>({&p.gate, &p.up}, sc.n.data(), L, {sc.g.data(), sc.u.data()}, gemm);
-  if (L <= kPrefetchMaxRows) prefetch_next({&p.down});
+  prefetch_next(L, {&p.down});
   if (s.activation == 1) {
     // MLX's gelu_approx: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))).
     const float c = std::sqrt(2.0f / 3.14159265358979323846f);

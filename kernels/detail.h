@@ -136,7 +136,10 @@ struct PrefetchRegion {
   size_t bytes = 0;
 };
 
-// Tells the pool's idle workers what the next job reads (at most 4 regions):
+// Regions one hint holds; prefetch_for_workers ignores any past these.
+constexpr int kPrefetchRegions = 4;
+
+// Tells the pool's idle workers what the next job reads (kPrefetchRegions at most):
 // while the caller runs serial work, each worker pulls its likely share of
 // every region (the caller takes the first of T equal parts, worker i part
 // i + 2) into its L2, and stops when a job arrives. A hint only: results

@@ -296,7 +296,7 @@ class Pool {
   // (detail::prefetch_for_workers).
   void set_hint(const detail::PrefetchRegion* regions, int count) {
     if (threads_ == 1) return;
-    count = std::min(count, kHintRegions);
+    count = std::min(count, detail::kPrefetchRegions);
     for (int i = 0; i < count; ++i) {
       hint_regions_[i].data.store(regions[i].data, std::memory_order_relaxed);
       hint_regions_[i].bytes.store(regions[i].bytes, std::memory_order_relaxed);
@@ -380,7 +380,6 @@ class Pool {
   alignas(64) std::atomic<int> sleepers_{0};
   alignas(64) Fn fn_ = nullptr;
   void* ctx_ = nullptr;
-  static constexpr int kHintRegions = 4;
   // Bytes a worker pulls per hint: the first part of its share, well within
   // an L2 (1 MiB on Zen 4 and 5, 2 MiB on Sapphire Rapids), which also holds
   // what the job itself streams.
@@ -391,7 +390,7 @@ class Pool {
   };
   alignas(64) std::atomic<uint64_t> hint_seq_{0};
   std::atomic<int> hint_count_{0};
-  HintRegion hint_regions_[kHintRegions];
+  HintRegion hint_regions_[detail::kPrefetchRegions];
 };
 
 int configured_threads() {
