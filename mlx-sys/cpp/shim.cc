@@ -9,6 +9,7 @@
 #include "mlx/primitives.h"
 #include "decoder_layer.h"
 #include "gelu.h"
+#include "norm_rope.h"
 #include "quantized_embedding.h"
 #include "quantized_matmul.h"
 #include "quantized_gemm.h"
@@ -452,6 +453,14 @@ rust::String kernels_gemm_loop_name(int32_t path, int32_t bits) {
 }
 ArrayPtr kernels_gelu_erf(const array& x, int32_t path) {
   return wrap(kernels::gelu_erf(x, to_path(path)));
+}
+ArrayPtr kernels_rms_norm(const array& x, const array* weight, float eps) {
+  return wrap(kernels::rms_norm(x, opt(weight), eps));
+}
+ArrayPtr kernels_rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset,
+                      const array* freqs) {
+  std::optional<float> b = freqs ? std::nullopt : std::optional<float>(base);
+  return wrap(kernels::rope(x, dims, traditional, b, scale, offset, opt(freqs)));
 }
 ArrayPtr kernels_dense_matmul(const array& x, const array& w, int32_t path) {
   return wrap(kernels::dense_matmul(x, w, to_path(path)));

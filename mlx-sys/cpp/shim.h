@@ -220,6 +220,9 @@ bool kernels_gemm_uses_amx(int32_t path);
 rust::String kernels_gemm_loop_name(int32_t path, int32_t bits);
 ArrayPtr kernels_dense_matmul(const array& x, const array& w, int32_t path);
 ArrayPtr kernels_gelu_erf(const array& x, int32_t path);
+ArrayPtr kernels_rms_norm(const array& x, const array* weight, float eps);
+ArrayPtr kernels_rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset,
+                      const array* freqs);
 ArrayPtr kernels_quantized_gemm_swiglu(const array& x, const array& gate_w, const array& gate_scales, const array& gate_biases, const array& up_w, const array& up_scales, const array& up_biases, int32_t group_size, int32_t bits);
 // Causal attention for many new tokens (kernels/causal_attention.h).
 ArrayPtr kernels_causal_attention(const array& q, const array& k, const array& v, float scale);

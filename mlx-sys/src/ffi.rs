@@ -228,6 +228,9 @@ mod bridge {
         fn kernels_gemm_loop_name(path: i32, bits: i32) -> Result<String>;
         fn kernels_dense_matmul(x: &MlxArray, w: &MlxArray, path: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_gelu_erf(x: &MlxArray, path: i32) -> Result<UniquePtr<MlxArray>>;
+        unsafe fn kernels_rms_norm(x: &MlxArray, weight: *const MlxArray, eps: f32) -> Result<UniquePtr<MlxArray>>;
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn kernels_rope(x: &MlxArray, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32, freqs: *const MlxArray) -> Result<UniquePtr<MlxArray>>;
         #[allow(clippy::too_many_arguments)]
         fn kernels_quantized_gemm_swiglu(x: &MlxArray, gate_w: &MlxArray, gate_scales: &MlxArray, gate_biases: &MlxArray, up_w: &MlxArray, up_scales: &MlxArray, up_biases: &MlxArray, group_size: i32, bits: i32) -> Result<UniquePtr<MlxArray>>;
         fn kernels_causal_attention(q: &MlxArray, k: &MlxArray, v: &MlxArray, scale: f32) -> Result<UniquePtr<MlxArray>>;

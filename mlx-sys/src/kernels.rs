@@ -720,6 +720,39 @@ pub fn gelu_erf_with_path(x: &Array, path: KernelPath) -> Result<Array> {
     Array::from_ffi(ffi::kernels_gelu_erf(&x.raw, path as i32))
 }
 
+/// `fast::rms_norm(x, weight, eps)` as one multithreaded CPU node for a
+/// float32 `x` and a float32, float16 or bfloat16 `weight` (MLX evaluates its
+/// own as five single-threaded elementwise passes on the CPU): the same
+/// formula, `(x * rsqrt(mean(x^2) + eps)) * weight`, with the sum of squares in
+/// eight interleaved partial sums, so it differs from MLX's in the last bits.
+/// Other dtypes and GPU streams: MLX's op.
+pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
+    let weight = weight.and_then(|w| w.raw.as_ref()).map_or(std::ptr::null(), |r| r as *const _);
+    // SAFETY: the pointer is null or borrows `weight` for the call.
+    Array::from_ffi(unsafe { ffi::kernels_rms_norm(&x.raw, weight, eps) })
+}
+
+/// `fast::rope(x, dims, traditional, base, scale, offset, freqs)` as one
+/// multithreaded CPU node for a float32 `x` (`[.., L, D]`, any strides): the
+/// angles of [`crate::fast::rope`] (positions `(offset + l) * scale`, inverse
+/// frequencies `exp(-i * ln(base) / (dims / 2))` or `1 / freqs[i]`), computed
+/// once and kept while the next call (the next layer's q and k) asks for the
+/// same ones. The result is row-contiguous. Other dtypes, shapes MLX refuses,
+/// and GPU streams: MLX's op.
+pub fn rope(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    base: f32,
+    scale: f32,
+    offset: i32,
+    freqs: Option<&Array>,
+) -> Result<Array> {
+    let freqs = freqs.and_then(|f| f.raw.as_ref()).map_or(std::ptr::null(), |r| r as *const _);
+    // SAFETY: the pointer is null or borrows `freqs` for the call.
+    Array::from_ffi(unsafe { ffi::kernels_rope(&x.raw, dims, traditional, base, scale, offset, freqs) })
+}
+
 /// `x @ w.T` for a dense `w` `[N, K]` (f32, f16 or bf16) and `x` `[..., K]`:
 /// MLX's `x.matmul(w.T)` (promoted dtype) as one CPU node that never calls
 /// BLAS. From 16 rows of `x` on it runs [`quantized_gemm`]'s packed panels and

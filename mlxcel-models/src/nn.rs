@@ -432,7 +432,7 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+        Ok(mlx_sys::kernels::rms_norm(x, Some(&self.weight), self.eps)?)
     }
 }
 
@@ -524,7 +524,7 @@ impl Rope {
             };
             &scaled
         };
-        Ok(fast::rope(x, self.dims, self.traditional, base, self.scale, offset as i32, self.freqs.as_ref())?)
+        Ok(mlx_sys::kernels::rope(x, self.dims, self.traditional, base, self.scale, offset as i32, self.freqs.as_ref())?)
     }
 }
 

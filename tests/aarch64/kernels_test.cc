@@ -70,6 +70,7 @@
 #include "kernels/causal_attention.h"
 #include "kernels/cpu_features.h"
 #include "kernels/decoder_layer.h"
+#include "kernels/norm_rope.h"
 #include "kernels/quantized_embedding.h"
 #include "kernels/quantized_gemm.h"
 #include "kernels/quantized_matmul.h"
@@ -929,6 +930,64 @@ void decoder_layer_tests() {
 
 }  // namespace
 
+// ---------------------------------------------------------------------------
+// rms_norm and rope (norm_rope.h) against MLX's fast ops.
+
+void norm_rope_tests() {
+  uint64_t seed = 9000;
+  for (const mx::Shape& shape : {mx::Shape{7}, mx::Shape{3, 37}, mx::Shape{2, 5, 64}, mx::Shape{300, 576}}) {
+    for (mx::Dtype wdt : {mx::float32, mx::bfloat16}) {
+      run_case("rms_norm", format("x=%s weight=%s", shape_str(shape).c_str(), dtype_str(wdt)), [&] {
+        mx::array x = normal(++seed, shape, 2.0f);
+        mx::array w = mx::astype(normal(++seed, {shape.back()}), wdt);
+        mx::array got = kn::rms_norm(x, w, 1e-5f);
+        mx::array want = mx::fast::rms_norm(x, w, 1e-5f);
+        Check c;
+        c.expect(is_kernel_node(got), "not a kernel node");
+        std::vector<float> g = f32(got), r = f32(want);
+        for (size_t i = 0; i < g.size(); ++i) c.add(i, g[i], r[i], 1e-5 * std::fabs(r[i]) + 1e-30);
+        report("rms_norm", format("x=%s weight=%s", shape_str(shape).c_str(), dtype_str(wdt)), c, "1e-5 relative");
+      });
+    }
+  }
+  struct RopeCase {
+    mx::Shape shape;
+    int dims;
+    bool traditional, freqs, transposed;
+    int offset;
+  };
+  for (const RopeCase& rc : {RopeCase{{1, 2, 3, 8}, 8, false, false, false, 0}, RopeCase{{1, 2, 3, 8}, 8, true, false, false, 4},
+                             RopeCase{{2, 9, 37, 64}, 32, false, false, true, 17},
+                             RopeCase{{1, 4, 100, 64}, 64, false, true, false, 3}}) {
+    const std::string label = format("x=%s dims=%d traditional=%d freqs=%d transposed=%d offset=%d",
+                                     shape_str(rc.shape).c_str(), rc.dims, int(rc.traditional), int(rc.freqs),
+                                     int(rc.transposed), rc.offset);
+    run_case("rope", label, [&] {
+      mx::array x = normal(++seed, rc.shape);
+      if (rc.transposed) {
+        mx::Shape stored = rc.shape;
+        std::swap(stored[1], stored[2]);
+        x = mx::transpose(normal(++seed, stored), {0, 2, 1, 3});
+      }
+      std::optional<mx::array> freqs;
+      if (rc.freqs) freqs = mx::add(mx::arange(1.0, 1.0 + rc.dims / 2, mx::float32), mx::array(0.5f));
+      std::optional<float> base = rc.freqs ? std::nullopt : std::optional<float>(10000.0f);
+      mx::array got = kn::rope(x, rc.dims, rc.traditional, base, 1.0f, rc.offset, freqs);
+      mx::array want = mx::fast::rope(x, rc.dims, rc.traditional, base, 1.0f, rc.offset, freqs);
+      Check c;
+      c.expect(is_kernel_node(got), "not a kernel node");
+      std::vector<float> g = f32(got), r = f32(want), xs = f32(x);
+      const size_t L = (size_t)rc.shape[rc.shape.size() - 2], D = (size_t)rc.shape.back();
+      for (size_t i = 0; i < g.size(); ++i) {
+        // f32 angles: a few ulp of (offset + l) radians at most.
+        const double position = (double)((i / D) % L + (size_t)rc.offset);
+        c.add(i, g[i], r[i], 4.0 * (1e-6 + 4e-7 * position) * (std::fabs(xs[i]) + 1.0));
+      }
+      report("rope", label, c, "(1e-6 + 4e-7 * position) * (|x| + 1) * 4");
+    });
+  }
+}
+
 int main() {
 #if !defined(__aarch64__)
   // The exact portable loops are what aarch64 runs; x86's integer and AMX
@@ -952,7 +1011,8 @@ int main() {
                                                          {"quantized_gemm", gemm_tests},
                                                          {"causal_attention", attention_tests},
                                                          {"quantized_embedding", embedding_tests},
-                                                         {"decoder_layer", decoder_layer_tests}};
+                                                         {"decoder_layer", decoder_layer_tests},
+                                                         {"norm_rope", norm_rope_tests}};
   for (auto [name, fn] : sections) {
     auto t0 = std::chrono::steady_clock::now();
     fn();
