@@ -153,7 +153,7 @@ class RmsNorm : public mx::UnaryPrimitive {
 // RoPE
 
 // cos and sin of every (position, frequency) of one call, [L][half]; kept
-// for the next call with the same parameters (the q and k of every layer).
+// for the next calls with the same parameters (the q and k of every layer).
 struct RopeTable {
   int64_t L = -1;
   int offset = 0, half = 0;
@@ -195,7 +195,26 @@ struct RopeTable {
   }
 };
 
-thread_local RopeTable tl_rope_table;
+// The tables of the last few distinct angle sets on this thread: models
+// that alternate RoPE bases between layers (Gemma 3's local and global
+// layers) keep one table per base.
+struct RopeTables {
+  static constexpr int kKept = 4;
+  RopeTable tables[kKept];
+  int next = 0;  // the slot the next new table replaces
+
+  const RopeTable& get(int64_t l, int off, int h, float sc, float lb, const float* f) {
+    for (const RopeTable& t : tables) {
+      if (t.same(l, off, h, sc, lb, f)) return t;
+    }
+    RopeTable& t = tables[next];
+    next = (next + 1) % kKept;
+    t.fill(l, off, h, sc, lb, f);
+    return t;
+  }
+};
+
+thread_local RopeTables tl_rope_tables;
 
 struct RopeJob {
   const float* x;
@@ -271,9 +290,8 @@ class Rope : public mx::UnaryPrimitive {
         freqs.resize((size_t)f_in->size());
         for (size_t i = 0; i < freqs.size(); ++i) freqs[i] = f_in->data<float>()[(int64_t)i * f_in->strides()[0]];
       }
-      RopeTable& table = tl_rope_table;
       const float* f = freqs.empty() ? nullptr : freqs.data();
-      if (!table.same(L, offset, half, scale, log_base, f)) table.fill(L, offset, half, scale, log_base, f);
+      const RopeTable& table = tl_rope_tables.get(L, offset, half, scale, log_base, f);
       job.cs = table.cs.data();
       job.sn = table.sn.data();
       in_row_chunks<RopeJob, rope_rows>(job);

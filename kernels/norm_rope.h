@@ -4,7 +4,8 @@
 // elementwise ops, each a single-threaded pass with its own allocation, and
 // RoPE's sines and cosines recomputed for every call. These compute the same
 // formulas in one pass over x, split over the kernels' pool, and keep the
-// last RoPE table (q and k of every layer of a forward pass share it).
+// last few RoPE tables (q and k of every layer of a forward pass share one;
+// models that alternate bases between layers keep one per base).
 #pragma once
 
 #include <optional>

@@ -736,8 +736,8 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
 /// multithreaded CPU node for a float32 `x` (`[.., L, D]`, any strides): the
 /// angles of [`crate::fast::rope`] (positions `(offset + l) * scale`, inverse
 /// frequencies `exp(-i * ln(base) / (dims / 2))` or `1 / freqs[i]`), computed
-/// once and kept while the next call (the next layer's q and k) asks for the
-/// same ones. The result is row-contiguous. Other dtypes, shapes MLX refuses,
+/// once and kept (the last four sets) for the next calls that ask for the same
+/// ones: the q and k of every layer. The result is row-contiguous. Other dtypes, shapes MLX refuses,
 /// and GPU streams: MLX's op.
 pub fn rope(
     x: &Array,

@@ -164,6 +164,13 @@ fn rope_reuses_its_table_only_for_the_same_angles_and_falls_back_for_the_rest() 
     for (offset, scale, base) in [(4, 1.0, 10000.0), (4, 1.0, 10000.0), (5, 1.0, 10000.0), (5, 0.5, 10000.0), (5, 0.5, 500.0)] {
         assert!(close(&ours(offset, scale, base), &fresh(offset, scale, base)), "offset {offset} scale {scale} base {base}");
     }
+    // Alternating bases (Gemma 3's local and global layers) and more angle
+    // sets than the tables kept, in turn.
+    for _ in 0..2 {
+        for base in [10000.0, 1_000_000.0, 10000.0, 500.0, 20.0, 7.0, 1_000_000.0] {
+            assert!(close(&ours(3, 1.0, base), &fresh(3, 1.0, base)), "base {base}");
+        }
+    }
     // Two calls in one graph with different offsets.
     let a = kernels::rope(&x, 32, false, 10000.0, 1.0, 0, None).unwrap();
     let b = kernels::rope(&x, 32, false, 10000.0, 1.0, 9, None).unwrap();
