@@ -990,7 +990,7 @@ struct RopeAngles {
     sn.resize((size_t)half);
     for (int i = 0; i < half; ++i) {
       if (explicit_inv) freqs[i] = explicit_inv[i];
-      const float inv_freq = explicit_inv ? 1.0f / freqs[i] : std::exp(-(float)i * log_base);
+      const float inv_freq = detail::rope_inverse_frequency(i, log_base, explicit_inv ? freqs.data() : nullptr);
       const float theta = at * inv_freq;
       cs[i] = std::cos(theta);
       sn[i] = std::sin(theta);

@@ -4,6 +4,7 @@
 // Not part of the public kernel API.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -126,6 +127,14 @@ struct KvWindowRule {
     return window > 0 && i * block >= keep && (i + 1) * block <= first_recent(T);
   }
 };
+
+// RoPE's inverse frequency i as MLX's fast::rope computes it: 1 / freqs[i]
+// with explicit frequencies, else exp(-i * log_base_per_dim), where
+// log_base_per_dim = log(base) / (dims / 2). The fused block and the
+// op-by-op graph's rope (norm_rope.cc) share it.
+inline float rope_inverse_frequency(int i, float log_base_per_dim, const float* freqs) {
+  return freqs ? 1.0f / freqs[i] : std::exp(-(float)i * log_base_per_dim);
+}
 
 // Runs fn(ctx, t) for t in [0, tasks) on the pool, the caller included.
 void parallel_for(int tasks, void (*fn)(void* ctx, int task), void* ctx);

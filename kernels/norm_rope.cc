@@ -35,6 +35,18 @@ struct Rows {
     }
   }
 
+  // Row r of the array at `base` as `width` contiguous floats: in place, or
+  // gathered into `scratch` when the last axis' stride is not 1; its index
+  // along axis -2 into `along_second_last` when given.
+  const float* row(const float* base, int64_t r, std::vector<float>& scratch,
+                   int64_t* along_second_last = nullptr) const {
+    const float* v = base + offset(r, along_second_last);
+    if (step == 1) return v;
+    scratch.resize((size_t)width);
+    for (int64_t i = 0; i < width; ++i) scratch[(size_t)i] = v[i * step];
+    return scratch.data();
+  }
+
   // Element offset of row r, and its index along axis -2 (0 for 2-D arrays
   // and below).
   int64_t offset(int64_t r, int64_t* along_second_last = nullptr) const {
@@ -84,12 +96,7 @@ void norm_rows(const NormJob& j, int64_t r0, int64_t r1) {
   const int64_t D = j.rows.width;
   std::vector<float> gathered;
   for (int64_t r = r0; r < r1; ++r) {
-    const float* x = j.x + j.rows.offset(r);
-    if (j.rows.step != 1) {
-      gathered.resize((size_t)D);
-      for (int64_t i = 0; i < D; ++i) gathered[(size_t)i] = x[i * j.rows.step];
-      x = gathered.data();
-    }
+    const float* x = j.rows.row(j.x, r, gathered);
     float* y = j.y + r * D;
     const float r_inv = 1.0f / std::sqrt(detail::dot(x, x, (int)D) / (float)D + j.eps);
     if (j.w) {
@@ -183,7 +190,7 @@ struct RopeTable {
     cs.resize((size_t)(L * h));
     sn.resize((size_t)(L * h));
     std::vector<float> inv((size_t)h);
-    for (int i = 0; i < h; ++i) inv[(size_t)i] = f ? 1.0f / f[i] : std::exp(-(float)i * lb);
+    for (int i = 0; i < h; ++i) inv[(size_t)i] = detail::rope_inverse_frequency(i, lb, f);
     for (int64_t l = 0; l < L; ++l) {
       const float position = ((float)l + (float)off) * sc;
       for (int i = 0; i < h; ++i) {
@@ -227,17 +234,12 @@ struct RopeJob {
 };
 
 void rope_rows(const RopeJob& j, int64_t r0, int64_t r1) {
-  const int64_t D = j.rows.width, step = j.rows.step;
+  const int64_t D = j.rows.width;
   const int half = j.dims / 2;
   std::vector<float> gathered;
   for (int64_t r = r0; r < r1; ++r) {
     int64_t l = 0;
-    const float* v = j.x + j.rows.offset(r, &l);
-    if (step != 1) {
-      gathered.resize((size_t)D);
-      for (int64_t i = 0; i < D; ++i) gathered[(size_t)i] = v[i * step];
-      v = gathered.data();
-    }
+    const float* v = j.rows.row(j.x, r, gathered, &l);
     float* o = j.y + r * D;
     const float* c = j.cs + l * half;
     const float* s = j.sn + l * half;

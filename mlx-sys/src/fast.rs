@@ -4,7 +4,8 @@ use crate::array::Array;
 use crate::error::Result;
 use crate::ffi;
 
-fn raw_ptr(a: Option<&Array>) -> *const ffi::MlxArray {
+/// The FFI pointer of an optional array: null for `None`.
+pub(crate) fn raw_ptr(a: Option<&Array>) -> *const ffi::MlxArray {
     a.and_then(|a| a.raw.as_ref()).map_or(std::ptr::null(), |r| r as *const _)
 }
 

@@ -727,9 +727,8 @@ pub fn gelu_erf_with_path(x: &Array, path: KernelPath) -> Result<Array> {
 /// eight interleaved partial sums, so it differs from MLX's in the last bits.
 /// Other dtypes and GPU streams: MLX's op.
 pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
-    let weight = weight.and_then(|w| w.raw.as_ref()).map_or(std::ptr::null(), |r| r as *const _);
     // SAFETY: the pointer is null or borrows `weight` for the call.
-    Array::from_ffi(unsafe { ffi::kernels_rms_norm(&x.raw, weight, eps) })
+    Array::from_ffi(unsafe { ffi::kernels_rms_norm(&x.raw, crate::fast::raw_ptr(weight), eps) })
 }
 
 /// `fast::rope(x, dims, traditional, base, scale, offset, freqs)` as one
@@ -737,8 +736,8 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
 /// angles of [`crate::fast::rope`] (positions `(offset + l) * scale`, inverse
 /// frequencies `exp(-i * ln(base) / (dims / 2))` or `1 / freqs[i]`), computed
 /// once and kept (the last four sets) for the next calls that ask for the same
-/// ones: the q and k of every layer. The result is row-contiguous. Other dtypes, shapes MLX refuses,
-/// and GPU streams: MLX's op.
+/// ones: the q and k of every layer. The result is row-contiguous. Other
+/// dtypes, shapes MLX refuses, and GPU streams: MLX's op.
 pub fn rope(
     x: &Array,
     dims: i32,
@@ -748,9 +747,10 @@ pub fn rope(
     offset: i32,
     freqs: Option<&Array>,
 ) -> Result<Array> {
-    let freqs = freqs.and_then(|f| f.raw.as_ref()).map_or(std::ptr::null(), |r| r as *const _);
     // SAFETY: the pointer is null or borrows `freqs` for the call.
-    Array::from_ffi(unsafe { ffi::kernels_rope(&x.raw, dims, traditional, base, scale, offset, freqs) })
+    Array::from_ffi(unsafe {
+        ffi::kernels_rope(&x.raw, dims, traditional, base, scale, offset, crate::fast::raw_ptr(freqs))
+    })
 }
 
 /// `x @ w.T` for a dense `w` `[N, K]` (f32, f16 or bf16) and `x` `[..., K]`:
