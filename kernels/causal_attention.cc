@@ -1,14 +1,16 @@
 // See causal_attention.h.
 //
 // Evaluation, per call:
-//  1. Pack each (batch, KV head): K transposed to kt[D][S_pad] (S_pad = S
-//     rounded up to 32, zero-filled) and V to vp[S][D], both contiguous, in
-//     parallel over the KV heads.
+//  1. Pack each (batch, KV head): K transposed in tiles of 32 keys (16
+//     without AVX-512), each tile's [D][32] contiguous, up to S_pad = S
+//     rounded up to 32 (zero-filled), and V to vp[S][D], in parallel over the
+//     KV heads.
 //  2. Tasks of 8 query rows of one head, largest (latest) blocks first. A
 //     task copies its rows of q times `scale`, computes scores against keys
 //     0 .. nk-1 (nk = the last row's limit + 1) in 8x32 tiles, sets the
-//     masked ones to -inf, runs the softmax per row, then accumulates
-//     probabilities times values in 8x32 tiles and writes out[b, i, h, :].
+//     masked ones to -inf, exponentiates each row's scores minus its max,
+//     then accumulates them times the values in 8x32 tiles and writes
+//     out[b, i, h, :] times 1 / (the row's sum of exponentials).
 //     Without AVX-512 the same task runs with 4x16 tiles
 //     (attention_generic.inc: AVX2 + FMA, or portable vector code).
 
@@ -78,7 +80,9 @@ struct AttnJob {
   const float* k = nullptr;
   const float* v = nullptr;
   Strides4 qs{}, ks{}, vs{};
-  float* kt = nullptr;  // [B * Hkv][D][S_pad]
+  // K transposed in tiles of key_tile keys: [B * Hkv][S_pad / key_tile][D][key_tile].
+  float* kt = nullptr;
+  int key_tile = 16;
   float* vp = nullptr;  // [B * Hkv][S][D]
   float* out = nullptr; // [B, L, H, D]
   int qblocks = 0;
@@ -120,50 +124,92 @@ struct TaskScratch {
 };
 thread_local TaskScratch tl_attn;
 
+// Key row `s` (packed position) of KV head `h` as D contiguous floats: in
+// place when the source has unit stride, else staged into `stage_k`; value
+// row `s` written to `v_out`. Positions hidden from every query read as zeros.
+const float* kv_row(const AttnJob& j, int b, int h, int s, const float* zeros, float* stage_k, float* v_out) {
+  const int D = j.D;
+  const int position = s >= j.split ? s + j.gap : s;
+  if (position >= j.hidden_lo && position < j.hidden_hi) {
+    std::memset(v_out, 0, sizeof(float) * D);
+    return zeros;
+  }
+  if (j.q8) {
+    const uint8_t* block = j.q8 + (size_t)j.table[position / j.block] * j.q8_layout.block_bytes();
+    const int row = position % j.block;
+    using detail::kv_q8_row;
+    detail::kv_q8_dequantize(kv_q8_row(block + j.q8_layout.section(j.layer, 0, h), j.q8_layout, row), D, stage_k);
+    detail::kv_q8_dequantize(kv_q8_row(block + j.q8_layout.section(j.layer, 1, h), j.q8_layout, row), D, v_out);
+    return stage_k;
+  }
+  const float *kr, *vr;
+  int64_t kd = j.ks.s[3], vd = j.vs.s[3];
+  if (j.table) {
+    const size_t at = (((size_t)h * j.blocks + j.table[position / j.block]) * j.block + position % j.block) * D;
+    kr = j.k + at;
+    vr = j.v + at;
+    kd = vd = 1;
+  } else {
+    kr = j.k + b * j.ks.s[0] + h * j.ks.s[1] + s * j.ks.s[2];
+    vr = j.v + b * j.vs.s[0] + h * j.vs.s[1] + s * j.vs.s[2];
+  }
+  if (vd == 1) {
+    std::memcpy(v_out, vr, sizeof(float) * D);
+  } else {
+    for (int d = 0; d < D; ++d) v_out[d] = vr[d * vd];
+  }
+  if (kd == 1) return kr;
+  for (int d = 0; d < D; ++d) stage_k[d] = kr[d * kd];
+  return stage_k;
+}
+
+// kt[d * ldk + r] = rows[r][d] for 8 rows and d < D (D a multiple of 8).
+void transpose_rows_portable(const float* const (&rows)[8], int D, float* kt, size_t ldk) {
+  for (int d = 0; d < D; ++d) {
+    for (int r = 0; r < 8; ++r) kt[(size_t)d * ldk + r] = rows[r][d];
+  }
+}
+
+#ifdef MLXCEL_X86
+__attribute__((target("avx2"))) void transpose_rows_avx2(const float* const (&rows)[8], int D, float* kt, size_t ldk) {
+  for (int d0 = 0; d0 < D; d0 += 8) {
+    __m256i v[8];
+    for (int r = 0; r < 8; ++r) v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + d0));
+    simd::transpose8x8(v);
+    for (int t = 0; t < 8; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(kt + (size_t)(d0 + t) * ldk), v[t]);
+  }
+}
+#endif
+
+// Packs KV head t: keys transposed into tiles of key_tile keys (8 keys at a
+// time; keys past S zero), values to vp[S][D].
 void pack_kv(void* ctx, int t) {
   const AttnJob& j = *static_cast<const AttnJob*>(ctx);
-  const int b = t / j.Hkv, h = t % j.Hkv;
-  float* kt = j.kt + (size_t)t * j.D * j.S_pad;
-  float* vp = j.vp + (size_t)t * j.S * j.D;
-  const float* kb = j.k + b * j.ks.s[0] + h * j.ks.s[1];
-  const float* vb = j.v + b * j.vs.s[0] + h * j.vs.s[1];
-  for (int s = 0; s < j.S; ++s) {
-    const float *kr, *vr;
-    int64_t kd = j.ks.s[3], vd = j.vs.s[3];
-    const int position = s >= j.split ? s + j.gap : s;
-    if (position >= j.hidden_lo && position < j.hidden_hi) {
-      for (int d = 0; d < j.D; ++d) {
-        kt[(size_t)d * j.S_pad + s] = 0.0f;
-        vp[(size_t)s * j.D + d] = 0.0f;
-      }
+  const int b = t / j.Hkv, h = t % j.Hkv, D = j.D, T = j.key_tile;
+  float* kt = j.kt + (size_t)t * D * j.S_pad;
+  float* vp = j.vp + (size_t)t * j.S * D;
+  // 8 staged key rows, then one row of zeros.
+  static thread_local AlignedFloats stage;
+  float* stage_k = stage.get((size_t)9 * D);
+  const float* zeros = stage_k + (size_t)8 * D;
+  std::memset(stage_k + (size_t)8 * D, 0, sizeof(float) * D);
+  for (int s0 = 0; s0 < j.S; s0 += 8) {
+    const float* rows[8];
+    for (int r = 0; r < 8; ++r) {
+      const int s = s0 + r;
+      rows[r] = s < j.S ? kv_row(j, b, h, s, zeros, stage_k + (size_t)r * D, vp + (size_t)s * D) : zeros;
+    }
+#ifdef MLXCEL_X86
+    if (j.isa != Isa::Portable) {
+      transpose_rows_avx2(rows, D, kt + (size_t)(s0 / T) * D * T + s0 % T, T);
       continue;
     }
-    if (j.q8) {
-      const uint8_t* block = j.q8 + (size_t)j.table[position / j.block] * j.q8_layout.block_bytes();
-      const int row = position % j.block;
-      using detail::kv_q8_row;
-      detail::kv_q8_dequantize(kv_q8_row(block + j.q8_layout.section(j.layer, 0, h), j.q8_layout, row), j.D,
-                               kt + s, j.S_pad);
-      detail::kv_q8_dequantize(kv_q8_row(block + j.q8_layout.section(j.layer, 1, h), j.q8_layout, row), j.D,
-                               vp + (size_t)s * j.D);
-      continue;
-    }
-    if (j.table) {
-      const size_t at = (((size_t)h * j.blocks + j.table[position / j.block]) * j.block + position % j.block) * j.D;
-      kr = j.k + at;
-      vr = j.v + at;
-      kd = vd = 1;
-    } else {
-      kr = kb + s * j.ks.s[2];
-      vr = vb + s * j.vs.s[2];
-    }
-    for (int d = 0; d < j.D; ++d) {
-      kt[(size_t)d * j.S_pad + s] = kr[d * kd];
-      vp[(size_t)s * j.D + d] = vr[d * vd];
-    }
+#endif
+    transpose_rows_portable(rows, D, kt + (size_t)(s0 / T) * D * T + s0 % T, T);
   }
-  for (int d = 0; d < j.D; ++d) {
-    for (int s = j.S; s < j.S_pad; ++s) kt[(size_t)d * j.S_pad + s] = 0.0f;
+  const int packed = (j.S + 7) / 8 * 8;
+  for (int d = 0; d < D; ++d) {
+    for (int s = packed; s < j.S_pad; ++s) kt[((size_t)(s / T) * D + d) * T + s % T] = 0.0f;
   }
 }
 
@@ -171,10 +217,11 @@ void pack_kv(void* ctx, int t) {
 #define MLXCEL_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
 // out[r][0:32] (row stride ldo; the second half only when `two`) =
-// sum_key p[r][key] * v[key][0:32] for the first `rows` of 8 rows (p row
-// stride ldp, v row stride ldv). Explicit registers: 16 accumulators.
-MLXCEL_ATTN_TARGET void pv_tile(const float* p, size_t ldp, const float* v, int ldv, int nk, float* out, size_t ldo,
-                                int rows, bool two) {
+// row_scale[r] * sum_key p[r][key] * v[key][0:32] for the first `rows` of 8
+// rows (p row stride ldp, v row stride ldv). Explicit registers: 16
+// accumulators.
+MLXCEL_ATTN_TARGET void pv_tile(const float* p, size_t ldp, const float* v, int ldv, int nk, const float* row_scale,
+                                float* out, size_t ldo, int rows, bool two) {
   __m512 c00 = _mm512_setzero_ps(), c01 = _mm512_setzero_ps(), c10 = _mm512_setzero_ps(), c11 = _mm512_setzero_ps();
   __m512 c20 = _mm512_setzero_ps(), c21 = _mm512_setzero_ps(), c30 = _mm512_setzero_ps(), c31 = _mm512_setzero_ps();
   __m512 c40 = _mm512_setzero_ps(), c41 = _mm512_setzero_ps(), c50 = _mm512_setzero_ps(), c51 = _mm512_setzero_ps();
@@ -200,8 +247,9 @@ MLXCEL_ATTN_TARGET void pv_tile(const float* p, size_t ldp, const float* v, int 
   const __m512 acc[QR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31},
                              {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
   for (int r = 0; r < rows; ++r) {
-    _mm512_storeu_ps(out + (size_t)r * ldo, acc[r][0]);
-    _mm512_mask_storeu_ps(out + (size_t)r * ldo + 16, m1, acc[r][1]);
+    const __m512 scale = _mm512_set1_ps(row_scale[r]);
+    _mm512_storeu_ps(out + (size_t)r * ldo, _mm512_mul_ps(acc[r][0], scale));
+    _mm512_mask_storeu_ps(out + (size_t)r * ldo + 16, m1, _mm512_mul_ps(acc[r][1], scale));
   }
 }
 
@@ -270,11 +318,12 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
   // Scores.
   int lim[QR];
   for (int r = 0; r < QR; ++r) lim[r] = j.causal ? lim0 + std::min(r, rows - 1) : lim0;
-  for (int j0 = 0; j0 < nk_pad; j0 += KC) score_tile(qs, D, kt + j0, S_pad, j0, lim, sc + j0, S_pad);
+  for (int j0 = 0; j0 < nk_pad; j0 += KC) score_tile(qs, D, kt + (size_t)j0 * D, KC, j0, lim, sc + j0, S_pad);
   hide_below_window(j, i0, rows, sc);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
-  // Softmax per row: max, exp(x - max), sum, times 1 / sum.
+  // Softmax per row: max, exp(x - max), sum; the 1 / sum goes on the output.
+  float inv_sum[QR];
   for (int r = 0; r < QR; ++r) {
     float* s = sc + (size_t)r * S_pad;
     __m512 mx = neg_inf;
@@ -286,14 +335,13 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
       _mm512_store_ps(s + c, e);
       sum = _mm512_add_ps(sum, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (int c = 0; c < nk_pad; c += 16) _mm512_store_ps(s + c, _mm512_mul_ps(_mm512_load_ps(s + c), inv));
+    inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
   }
 
   // Probabilities times values, 32 (or a last 16) features at a time.
   for (int dc = 0; dc < D; dc += KC) {
     float* o = j.out + (((size_t)b * j.L + i0) * j.H + h) * D + dc;
-    pv_tile(sc, S_pad, vp + dc, D, nk, o, (size_t)j.H * D, rows, dc + 16 < D);
+    pv_tile(sc, S_pad, vp + dc, D, nk, inv_sum, o, (size_t)j.H * D, rows, dc + 16 < D);
   }
 }
 
@@ -354,6 +402,7 @@ void run_attention(AttnJob& j) {
   // across calls (one evaluation at a time per thread).
   static thread_local AlignedFloats kt, vv;
   j.kt = kt.get((size_t)j.B * j.Hkv * j.D * j.S_pad);
+  j.key_tile = j.isa == Isa::Avx512 ? KC : 16;
   j.vp = vv.get((size_t)j.B * j.Hkv * j.S * j.D);
   detail::parallel_for(j.B * j.Hkv, pack_kv, &j);
   detail::parallel_for(j.B * j.H * j.qblocks, attend_task, &j);

@@ -9,13 +9,8 @@
 use mlx_sys::kernels::{self, KernelPath};
 use mlx_sys::{quantize, random, Dtype};
 
-fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage only writes the struct it is given.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
-    t(usage.ru_utime) + t(usage.ru_stime)
-}
+mod common;
+use common::cpu_seconds;
 
 fn main() -> mlx_sys::Result<()> {
     let calls: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(2000);

@@ -9,13 +9,8 @@
 use mlx_sys::kernels::{self, DecoderLayerSpec, DecoderLayerWeights, PagedSequence, PreparedDecoderLayer, QuantizedProjection};
 use mlx_sys::{quantize, random, Array, Dtype};
 
-fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage only writes the struct it is given.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
-    t(usage.ru_utime) + t(usage.ru_stime)
-}
+mod common;
+use common::cpu_seconds;
 
 fn projection(seed: u64, n: i32, k: i32) -> mlx_sys::Result<QuantizedProjection> {
     let key = random::key(seed)?;

@@ -17,14 +17,8 @@ use std::time::Instant;
 use mlx_sys::kernels;
 use mlx_sys::{dequantize, quantize, random, Array, Dtype};
 
-/// CPU seconds (user + system) of this process, from /proc/self/stat.
-fn cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (ticks(11) + ticks(12)) / 100.0
-}
+mod common;
+use common::cpu_seconds;
 
 fn low_quartile(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

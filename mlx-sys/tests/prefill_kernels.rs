@@ -710,6 +710,28 @@ fn attention_batches_long_context_and_fallbacks() {
     attention_case(8012, 1, 4, 2, 9, 12, 24, Dtype::Float32);
 }
 
+/// Keys and values whose head axis is not contiguous (a transposed view):
+/// packed element by element instead of in 8 x 8 transposes.
+#[test]
+fn attention_reads_keys_and_values_of_any_stride() {
+    let _g = lock();
+    for (l, s) in [(13, 13), (9, 30)] {
+        let (h, hkv, d) = (4, 2, 32);
+        let q = normal(9400 + l as u64, &[1, h, l, d]);
+        let k = normal(9401 + l as u64, &[1, hkv, d, s]).transpose(&[0, 1, 3, 2]).unwrap();
+        let v = normal(9402 + l as u64, &[1, d, hkv, s]).transpose(&[0, 2, 3, 1]).unwrap();
+        mlx_sys::eval([&q, &k, &v]).unwrap();
+        assert_ne!(k.strides()[3], 1);
+        assert_ne!(v.strides()[3], 1);
+        let label = format!("strided k and v, L={l} S={s}");
+        assert!(kernels::causal_attention_supports(&q, &k, &v), "{label}: support");
+        let ours = kernels::causal_attention(&q, &k, &v, 0.2).unwrap();
+        let exact = attention_reference(&q, &k, &v, 0.2, true);
+        let vmax = to_f32(&v.contiguous().unwrap()).iter().fold(0f64, |m, x| m.max(x.abs() as f64));
+        check_attention(&label, &ours, &exact, vmax);
+    }
+}
+
 #[test]
 fn attention_large_scores_stay_finite() {
     let _g = lock();
@@ -747,6 +769,7 @@ fn attention_and_swiglu_on_every_loop() {
                 "attention_matches_mlx_unmasked",
                 "attention_batches_long_context_and_fallbacks",
                 "attention_large_scores_stay_finite",
+                "attention_reads_keys_and_values_of_any_stride",
                 "swiglu_matches",
             ])
             .env("MLXCEL_KERNELS", path)
@@ -754,6 +777,6 @@ fn attention_and_swiglu_on_every_loop() {
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "MLXCEL_KERNELS={path}:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert!(text.contains("5 passed"), "MLXCEL_KERNELS={path}: expected 5 tests to run:\n{text}");
+        assert!(text.contains("6 passed"), "MLXCEL_KERNELS={path}: expected 6 tests to run:\n{text}");
     }
 }
