@@ -8,9 +8,8 @@
 //  2. Tasks of 8 query rows of one head, largest (latest) blocks first. A
 //     task copies its rows of q times `scale`, computes scores against keys
 //     0 .. nk-1 (nk = the last row's limit + 1) in 8x32 tiles, sets the
-//     masked ones to -inf, exponentiates each row's scores minus its max,
-//     then accumulates them times the values in 8x32 tiles and writes
-//     out[b, i, h, :] times 1 / (the row's sum of exponentials).
+//     masked ones to -inf, runs the softmax per row, then accumulates
+//     probabilities times values in 8x32 tiles and writes out[b, i, h, :].
 //     Without AVX-512 the same task runs with 4x16 tiles
 //     (attention_generic.inc: AVX2 + FMA, or portable vector code).
 
@@ -217,11 +216,10 @@ void pack_kv(void* ctx, int t) {
 #define MLXCEL_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
 // out[r][0:32] (row stride ldo; the second half only when `two`) =
-// row_scale[r] * sum_key p[r][key] * v[key][0:32] for the first `rows` of 8
-// rows (p row stride ldp, v row stride ldv). Explicit registers: 16
-// accumulators.
-MLXCEL_ATTN_TARGET void pv_tile(const float* p, size_t ldp, const float* v, int ldv, int nk, const float* row_scale,
-                                float* out, size_t ldo, int rows, bool two) {
+// sum_key p[r][key] * v[key][0:32] for the first `rows` of 8 rows (p row
+// stride ldp, v row stride ldv). Explicit registers: 16 accumulators.
+MLXCEL_ATTN_TARGET void pv_tile(const float* p, size_t ldp, const float* v, int ldv, int nk, float* out, size_t ldo,
+                                int rows, bool two) {
   __m512 c00 = _mm512_setzero_ps(), c01 = _mm512_setzero_ps(), c10 = _mm512_setzero_ps(), c11 = _mm512_setzero_ps();
   __m512 c20 = _mm512_setzero_ps(), c21 = _mm512_setzero_ps(), c30 = _mm512_setzero_ps(), c31 = _mm512_setzero_ps();
   __m512 c40 = _mm512_setzero_ps(), c41 = _mm512_setzero_ps(), c50 = _mm512_setzero_ps(), c51 = _mm512_setzero_ps();
@@ -247,9 +245,8 @@ MLXCEL_ATTN_TARGET void pv_tile(const float* p, size_t ldp, const float* v, int 
   const __m512 acc[QR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31},
                              {c40, c41}, {c50, c51}, {c60, c61}, {c70, c71}};
   for (int r = 0; r < rows; ++r) {
-    const __m512 scale = _mm512_set1_ps(row_scale[r]);
-    _mm512_storeu_ps(out + (size_t)r * ldo, _mm512_mul_ps(acc[r][0], scale));
-    _mm512_mask_storeu_ps(out + (size_t)r * ldo + 16, m1, _mm512_mul_ps(acc[r][1], scale));
+    _mm512_storeu_ps(out + (size_t)r * ldo, acc[r][0]);
+    _mm512_mask_storeu_ps(out + (size_t)r * ldo + 16, m1, acc[r][1]);
   }
 }
 
@@ -322,8 +319,7 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
   hide_below_window(j, i0, rows, sc);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
-  // Softmax per row: max, exp(x - max), sum; the 1 / sum goes on the output.
-  float inv_sum[QR];
+  // Softmax per row: max, exp(x - max), sum, times 1 / sum.
   for (int r = 0; r < QR; ++r) {
     float* s = sc + (size_t)r * S_pad;
     __m512 mx = neg_inf;
@@ -335,13 +331,14 @@ MLXCEL_ATTN_TARGET void attend(const AttnJob& j, int t) {
       _mm512_store_ps(s + c, e);
       sum = _mm512_add_ps(sum, e);
     }
-    inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int c = 0; c < nk_pad; c += 16) _mm512_store_ps(s + c, _mm512_mul_ps(_mm512_load_ps(s + c), inv));
   }
 
   // Probabilities times values, 32 (or a last 16) features at a time.
   for (int dc = 0; dc < D; dc += KC) {
     float* o = j.out + (((size_t)b * j.L + i0) * j.H + h) * D + dc;
-    pv_tile(sc, S_pad, vp + dc, D, nk, inv_sum, o, (size_t)j.H * D, rows, dc + 16 < D);
+    pv_tile(sc, S_pad, vp + dc, D, nk, o, (size_t)j.H * D, rows, dc + 16 < D);
   }
 }
 
