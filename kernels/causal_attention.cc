@@ -79,9 +79,8 @@ struct AttnJob {
   const float* k = nullptr;
   const float* v = nullptr;
   Strides4 qs{}, ks{}, vs{};
-  // K transposed in tiles of key_tile keys: [B * Hkv][S_pad / key_tile][D][key_tile].
+  // K transposed in tiles of key_tile(isa) keys: [B * Hkv][S_pad / tile][D][tile].
   float* kt = nullptr;
-  int key_tile = 16;
   float* vp = nullptr;  // [B * Hkv][S][D]
   float* out = nullptr; // [B, L, H, D]
   int qblocks = 0;
@@ -122,6 +121,10 @@ struct TaskScratch {
   AlignedFloats q, sc;
 };
 thread_local TaskScratch tl_attn;
+
+// Keys per tile of the packed K: the width of the score tiles of each ISA's
+// attend (8x32 with AVX-512, 4x16 otherwise).
+int key_tile(Isa isa) { return isa == Isa::Avx512 ? KC : 16; }
 
 // Key row `s` (packed position) of KV head `h` as D contiguous floats: in
 // place when the source has unit stride, else staged into `stage_k`; value
@@ -180,31 +183,32 @@ __attribute__((target("avx2"))) void transpose_rows_avx2(const float* const (&ro
 }
 #endif
 
-// Packs KV head t: keys transposed into tiles of key_tile keys (8 keys at a
-// time; keys past S zero), values to vp[S][D].
+// Packs KV head t: keys transposed into tiles of key_tile(isa) keys (8 keys
+// at a time; keys past S zero), values to vp[S][D].
 void pack_kv(void* ctx, int t) {
   const AttnJob& j = *static_cast<const AttnJob*>(ctx);
-  const int b = t / j.Hkv, h = t % j.Hkv, D = j.D, T = j.key_tile;
+  const int b = t / j.Hkv, h = t % j.Hkv, D = j.D, T = key_tile(j.isa);
   float* kt = j.kt + (size_t)t * D * j.S_pad;
   float* vp = j.vp + (size_t)t * j.S * D;
   // 8 staged key rows, then one row of zeros.
   static thread_local AlignedFloats stage;
   float* stage_k = stage.get((size_t)9 * D);
-  const float* zeros = stage_k + (size_t)8 * D;
-  std::memset(stage_k + (size_t)8 * D, 0, sizeof(float) * D);
+  float* zeros = stage_k + (size_t)8 * D;
+  std::memset(zeros, 0, sizeof(float) * D);
   for (int s0 = 0; s0 < j.S; s0 += 8) {
     const float* rows[8];
     for (int r = 0; r < 8; ++r) {
       const int s = s0 + r;
       rows[r] = s < j.S ? kv_row(j, b, h, s, zeros, stage_k + (size_t)r * D, vp + (size_t)s * D) : zeros;
     }
+    float* tile = kt + (size_t)(s0 / T) * D * T + s0 % T;
 #ifdef MLXCEL_X86
     if (j.isa != Isa::Portable) {
-      transpose_rows_avx2(rows, D, kt + (size_t)(s0 / T) * D * T + s0 % T, T);
+      transpose_rows_avx2(rows, D, tile, T);
       continue;
     }
 #endif
-    transpose_rows_portable(rows, D, kt + (size_t)(s0 / T) * D * T + s0 % T, T);
+    transpose_rows_portable(rows, D, tile, T);
   }
   const int packed = (j.S + 7) / 8 * 8;
   for (int d = 0; d < D; ++d) {
@@ -399,7 +403,6 @@ void run_attention(AttnJob& j) {
   // across calls (one evaluation at a time per thread).
   static thread_local AlignedFloats kt, vv;
   j.kt = kt.get((size_t)j.B * j.Hkv * j.D * j.S_pad);
-  j.key_tile = j.isa == Isa::Avx512 ? KC : 16;
   j.vp = vv.get((size_t)j.B * j.Hkv * j.S * j.D);
   detail::parallel_for(j.B * j.Hkv, pack_kv, &j);
   detail::parallel_for(j.B * j.H * j.qblocks, attend_task, &j);

@@ -14,7 +14,7 @@ use common::cpu_seconds;
 
 fn main() -> mlx_sys::Result<()> {
     let l: i32 = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(512);
-    let reps: usize = std::env::args().nth(2).and_then(|s| s.parse().ok()).unwrap_or(9);
+    let reps: usize = std::env::args().nth(2).and_then(|s| s.parse().ok()).unwrap_or(9).max(1);
     let (heads, kv_heads, d) = (9, 3, 64);
     let key = random::key(7)?;
     let q = random::normal(&[1, heads, l, d], Dtype::Float32, 0.0, 1.0, &key)?;

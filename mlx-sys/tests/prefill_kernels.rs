@@ -711,7 +711,7 @@ fn attention_batches_long_context_and_fallbacks() {
 }
 
 /// Keys and values whose head axis is not contiguous (a transposed view):
-/// packed element by element instead of in 8 x 8 transposes.
+/// gathered into a row buffer before the keys' 8 x 8 transposes.
 #[test]
 fn attention_reads_keys_and_values_of_any_stride() {
     let _g = lock();
