@@ -15,14 +15,15 @@
 //    three tile products (hi.hi, hi.lo, lo.hi) in f32. Each product term is
 //    off by at most ~3 * 2^-16 of |x w| (far less on average): the same
 //    class of precision as the matvec kernel's 16-bit VNNI path.
-//  - integer loops for 8-bit weights on the integer paths (AVX-512 VNNI
-//    without AMX, e.g. AMD EPYC Zen 4/5: vpdpwssd, 6x32; MLXCEL_KERNELS=
-//    avx2-int8 and AVX2-only CPUs: vpmaddwd + vpaddd, 3x16): x is quantized
+//  - integer loops for 4- and 8-bit weights on AVX-512 VNNI without AMX
+//    (e.g. AMD EPYC Zen 4/5: vpdpwssd, 6x32) and for 8-bit weights on the
+//    AVX2 integer path (MLXCEL_KERNELS=avx2-int8 and AVX2-only CPUs:
+//    vpmaddwd + vpaddd, 3x16): x is quantized
 //    per row and group to 16 bits as the decode matvec quantizes it (at most
 //    max|x| / 65024 off per activation), panels hold the weights' codes as
 //    int16 pairs, and each group's products are summed exactly in int32
 //    before one f32 epilogue per group (gemm_int16.inc). 1.3-1.5x the exact
-//    loops' speed on Zen 5; groups up to 256.
+//    loops' speed on Zen 5 (8-bit) and Zen 4 (4-bit); groups up to 256.
 //  - exact f32 AVX-512 (or MLXCEL_KERNELS=avx512, or MLXCEL_AMX=0): an 8x32
 //    register-blocked FMA microkernel.
 //  - exact f32 AVX2 + FMA (x86-64 without AVX-512, or MLXCEL_KERNELS=avx2):

@@ -1,10 +1,11 @@
 //! Thread scaling of the quantized matvec: `count` independent [n, k]
-//! products of one activation row (random weights, group 32, f16 scales),
-//! evaluated together, best of 30; prints µs per product and GB/s of weights.
+//! products of `rows` activation rows (default 1; random weights, group 32,
+//! f16 scales), evaluated together, best of 30; prints µs per product, GB/s
+//! of weights and, for several rows, GMAC/s.
 //! Run it with MLXCEL_NUM_THREADS=1 and =2 (and MLXCEL_KERNELS) to compare,
 //! and with MLXCEL_PROBE_COPIES=1 to give each weight its VNNI copy.
 //!
-//! `cargo run --release -p mlx-sys --example scaling_probe -- N K BITS COUNT`
+//! `cargo run --release -p mlx-sys --example scaling_probe -- N K BITS COUNT [ROWS]`
 //! (SmolLM2-135M decode: 576 576 4 120, 1536 576 4 60; its lm_head: 49152 576 8 1).
 
 use std::time::Instant;
@@ -12,11 +13,17 @@ use mlx_sys::kernels;
 use mlx_sys::{quantize, random, Dtype};
 fn main() -> mlx_sys::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: scaling_probe N K BITS COUNT (e.g. 576 576 4 120)";
-    let [n, k, bits, batch]: [usize; 4] = args
+    let usage = "usage: scaling_probe N K BITS COUNT [ROWS] (e.g. 576 576 4 120)";
+    let [n, k, bits, batch, m]: [usize; 5] = args
         .iter()
         .map(|a| a.parse::<usize>().ok().filter(|&v| v > 0))
         .collect::<Option<Vec<_>>>()
+        .map(|mut v| {
+            if v.len() == 4 {
+                v.push(1);
+            }
+            v
+        })
         .and_then(|v| v.try_into().ok())
         .unwrap_or_else(|| {
             eprintln!("{usage}");
@@ -38,7 +45,7 @@ fn main() -> mlx_sys::Result<()> {
         .iter()
         .map(|(w, s, b)| if copies { kernels::vnni_rows(w, s, b, 32, bits) } else { Ok(None) })
         .collect::<mlx_sys::Result<Vec<_>>>()?;
-    let x = random::normal(&[1, k], Dtype::Float32, 0.0, 1.0, &key)?;
+    let x = random::normal(&[m as i32, k], Dtype::Float32, 0.0, 1.0, &key)?;
     x.eval()?;
     let mut best = f64::MAX;
     for _ in 0..30 {
@@ -56,6 +63,7 @@ fn main() -> mlx_sys::Result<()> {
     }
     let bytes: usize = ws.iter().map(|(w, s, b)| w.nbytes() + s.nbytes() + b.nbytes()).sum();
     let with = if rows.iter().any(Option::is_some) { ", VNNI copies" } else { "" };
-    println!("threads {}{with} n {n} k {k} bits {bits} x{batch}: {:.1} us per call, {:.1} GB/s", kernels::num_threads(), best * 1e6 / batch as f64, bytes as f64 / best / 1e9);
+    let macs = if m > 1 { format!(", {:.1} GMAC/s", (m * batch) as f64 * (n as f64) * (k as f64) / best / 1e9) } else { String::new() };
+    println!("threads {}{with} n {n} k {k} bits {bits} rows {m} x{batch}: {:.1} us per call, {:.1} GB/s{macs}", kernels::num_threads(), best * 1e6 / batch as f64, bytes as f64 / best / 1e9);
     Ok(())
 }

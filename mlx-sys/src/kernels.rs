@@ -632,8 +632,9 @@ fn layer_arrays<'a>(x: &'a Array, weights: &'a DecoderLayerWeights, keys: &'a Ar
 /// dequantizes a panel of `w` into an L2-sized buffer and runs it against
 /// blocks of rows of `x`: on CPUs with AMX (see [`gemm_uses_amx`]) as bf16
 /// tile products of split operands (~16-bit precision per operand, f32
-/// accumulation); 8-bit weights on the integer paths (AVX-512 VNNI without
-/// AMX, AVX2 integer) with integer loops on x quantized per group to 16 bits,
+/// accumulation); 4- and 8-bit weights on AVX-512 VNNI without AMX, and
+/// 8-bit weights on the AVX2 integer path, with integer loops on x quantized
+/// per group to 16 bits,
 /// as the decode matvec does (at most `max|x| / 65024` off per activation;
 /// group sums exact in int32); otherwise with a register-blocked f32
 /// microkernel (8x32 AVX-512, 6x16 AVX2 + FMA, or portable vector code on
@@ -648,8 +649,9 @@ pub fn quantized_gemm(x: &Array, w: &Array, scales: &Array, biases: &Array, grou
 /// [`quantized_gemm`] with a chosen path (tests and benchmarks): `Portable`,
 /// `Avx2` and `Avx512` run that exact f32 loop (or the best one below it the
 /// CPU runs; bits 3, 5 and 6 run the AVX2 or portable loop), `Avx512Vnni` the
-/// AMX loop where [`gemm_uses_amx`] says so, and `Avx512Vnni` without AMX or
-/// `Avx2Int8` the integer loop for 8-bit weights. [`gemm_loop_name`] tells which.
+/// AMX loop where [`gemm_uses_amx`] says so, `Avx512Vnni` without AMX the
+/// integer loop for 4- and 8-bit weights, and `Avx2Int8` the integer loop for
+/// 8-bit weights. [`gemm_loop_name`] tells which.
 pub fn quantized_gemm_with_path(
     x: &Array,
     w: &Array,

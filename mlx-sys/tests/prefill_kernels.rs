@@ -13,8 +13,9 @@
 //! loop (the default where the CPU has it) splits x and w into two bf16
 //! halves each: every product term may be off by up to 3·2^-16 of |x_k w_k|
 //! (two representation errors and the dropped lo·lo product), so it gets
-//! 5e-5·mag; on average it lands far below that. The integer loops for 8-bit
-//! weights (`avx512-int16`, `avx2-int16`) quantize each group of x to 16
+//! 5e-5·mag; on average it lands far below that. The integer loops
+//! (`avx512-int16` for 4- and 8-bit weights, `avx2-int16` for 8-bit ones)
+//! quantize each group of x to 16
 //! bits as the matvec's integer paths do (tests/kernels.rs): every x_k moves
 //! by at most max|x_g| / 65024, which adds Σ_g max|x_g| / 65024 ·
 //! Σ_{k in g} |s_g q_k| to their bound. Attention outputs are convex
@@ -198,23 +199,25 @@ fn gemm_reports_support() {
     assert!(!kernels::gemm_uses_amx(KernelPath::Avx512), "Avx512 is the exact loop");
     assert_eq!(kernels::gemm_loop_name(KernelPath::Portable, 4), "portable");
     assert_eq!(kernels::gemm_loop_name(KernelPath::Portable, 0), "portable");
-    assert!(["amx", "avx512", "avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Auto, 4).as_str()));
+    assert!(["amx", "avx512-int16", "avx512", "avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Auto, 4).as_str()));
     // No AVX-512 loop for dense weights or for widths that straddle words.
     assert!(["avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Avx512, 3).as_str()));
     assert!(["avx2", "portable"].contains(&kernels::gemm_loop_name(KernelPath::Auto, 0).as_str()));
-    // 8-bit weights run the integer loops on the integer paths (AVX-512 VNNI
-    // without AMX, AVX2 integer), and only there.
-    let int16 = |path| kernels::gemm_loop_name(path, 8);
+    // The integer loops: 4- and 8-bit weights on AVX-512 VNNI without AMX,
+    // 8-bit ones on the AVX2 integer path, and nowhere else.
     if kernels::path_name(KernelPath::Avx2Int8) == "avx2-int8" {
-        assert_eq!(int16(KernelPath::Avx2Int8), "avx2-int16");
+        assert_eq!(kernels::gemm_loop_name(KernelPath::Avx2Int8, 8), "avx2-int16");
         assert_eq!(kernels::gemm_loop_name(KernelPath::Avx2Int8, 4), "avx2");
     }
     if kernels::path_name(KernelPath::Avx512Vnni) == "avx512-vnni" {
         let expected = if kernels::gemm_uses_amx(KernelPath::Avx512Vnni) { "amx" } else { "avx512-int16" };
-        assert_eq!(int16(KernelPath::Avx512Vnni), expected);
+        assert_eq!(kernels::gemm_loop_name(KernelPath::Avx512Vnni, 8), expected);
+        assert_eq!(kernels::gemm_loop_name(KernelPath::Avx512Vnni, 4), expected);
+        let two_bit = if kernels::gemm_uses_amx(KernelPath::Avx512Vnni) { "amx" } else { "avx512" };
+        assert_eq!(kernels::gemm_loop_name(KernelPath::Avx512Vnni, 2), two_bit);
     }
     for path in [KernelPath::Avx512, KernelPath::Avx2, KernelPath::Portable] {
-        assert!(!quantizes_x(path, 8), "{path:?} is an exact loop");
+        assert!(!quantizes_x(path, 8) && !quantizes_x(path, 4), "{path:?} is an exact loop");
     }
     for (group, bits) in [(32, 2), (32, 4), (32, 8), (64, 4), (128, 8), (32, 3), (64, 5), (128, 6), (16, 8)] {
         assert!(kernels::gemm_supports(group, bits), "group {group} bits {bits}");
@@ -357,6 +360,7 @@ fn gemm_half_precision_inputs_and_strided_x() {
     mlx_sys::eval([&w, &s, &b]).unwrap();
     let sliced = Quantized { w, scales: s, biases: b, n: 40, k: 128 };
     let (exact, mag) = gemm_reference(&x, &sliced, 64, 4);
+    let mag = mag_for(KernelPath::Auto, &x, &sliced, 64, 4, &mag);
     check_gemm("lazy sliced weights", &ours, &exact, &mag);
 }
 
@@ -368,6 +372,7 @@ fn gemm_paths_and_errors() {
     let (exact, mag) = gemm_reference(&x, &q, 64, 4);
     for path in [KernelPath::Auto, KernelPath::Portable, KernelPath::Avx2, KernelPath::Avx512, KernelPath::Avx512Vnni] {
         let y = kernels::quantized_gemm_with_path(&x, &q.w, &q.scales, &q.biases, 64, 4, path).unwrap();
+        let mag = mag_for(path, &x, &q, 64, 4, &mag);
         check_gemm_tol(&format!("path {path:?}"), &y, &exact, &mag, gemm_tol(path));
     }
     let bad_x = x_of(4001, &[17, 96], Dtype::Float32);
@@ -500,8 +505,9 @@ fn gemm_chained_in_one_graph() {
     let mag = mag_for(KernelPath::Auto, &y1, &q2, 32, 8, &mag);
     check_gemm("second of a chain", &y2, &exact, &mag);
     let (e1, m1) = gemm_reference(&x, &q1, 32, 4);
-    check_gemm("first of a chain", &y1, &e1, &m1);
     check_gemm("MLX first of a chain", &r1, &e1, &m1);
+    let m1 = mag_for(KernelPath::Auto, &x, &q1, 32, 4, &m1);
+    check_gemm("first of a chain", &y1, &e1, &m1);
 }
 
 fn swiglu_case(seed: u64, bits: i32, group: i32, k: i32, n: i32, x: &Array, sdtype: Dtype) {
