@@ -820,10 +820,12 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Job& j, int n0, in
 // vpmaddwd against activation plane p, which holds the matching pair
 // (x[p], x[EPW/2 + p]) per word, adds both products into one dword.
 //
-// Read in place (tile_avx2_int8): a chunk is 8 words of a row (lane l holds
-// word c*8 + l). Per chunk the int32 sum is exact (at most EPW * QM * 32512:
-// 3.9e6 for bits 4, below 2^24, so its f32 conversion is exact too; 3.3e7
-// for bits 8, rounded once to f32).
+// Read in place, groups smaller than a chunk (tile_avx2_int8: 4-bit groups of
+// 32, 2-bit of 32 and 64): a chunk is 8 words of a row (lane l holds word
+// c*8 + l). Per chunk the int32 sum is exact (at most EPW * QM * 32512:
+// 3.9e6 for bits 4, below 2^24, so its f32 conversion is exact too).
+// Groups of whole chunks read in place (row_avx2_int8_groups) sum each group
+// in int32 first, below.
 //
 // Bits 4 and 8 with the interleaved copy (tile_avx2_int8_blocks): as on VNNI,
 // output rows in blocks of 16, one row per 32-bit lane (two vectors of 8
@@ -1082,7 +1084,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_int8_blocks(const Job& j
 // their enclosing function's target attributes).
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-// GPC: the groups a chunk of 8 words spans (8 / words per group, at least 1).
+// GPC: the groups a chunk of 8 words spans (8 / words per group: 2, 4 or 8).
 template <int BITS, int GPC, int MT, int NR>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_avx2_int8(const Job& j, int m0, int n) {
   constexpr int EPW = 32 / BITS;
@@ -1095,7 +1097,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_avx2_in
   const int wpg = j.wpg;
   const size_t rw = j.wpr;
   // Lane l's group within the chunk.
-  const __m256i gidx = GPC > 1 ? _mm256_srli_epi32(lane, __builtin_ctz(wpg)) : _mm256_setzero_si256();
+  const __m256i gidx = _mm256_srli_epi32(lane, __builtin_ctz(wpg));
   const __m256i mask = _mm256_set1_epi32((int)(QM | (QM << 16)));
   const uint32_t* wr = reinterpret_cast<const uint32_t*>(j.w + (size_t)n * j.row_bytes);
 
@@ -1112,10 +1114,10 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_avx2_in
   // One chunk; `last` (the final chunk) masks its words and reads only the
   // groups left in the row.
   auto chunk = [&](int c, bool last) __attribute__((always_inline)) {
-    const int g0 = (c * 8) / wpg;
+    const int g0 = c * GPC;
     __m256 xscale[MT];
     for (int m = 0; m < MT; ++m) {
-      xscale[m] = GPC > 1 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs[m] + g0), gidx) : _mm256_set1_ps(xs[m][g0]);
+      xscale[m] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xs[m] + g0), gidx);
     }
     for (int r = 0; r < NR; ++r) {
       const uint32_t* p = wr + r * rw + c * 8;
@@ -1125,7 +1127,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void tile_avx2_in
       const size_t at = (size_t)(n + r) * G + g0;
       const __m256 ws = last ? load_groups_avx2(j.scales, j.sty, at, std::min(GPC, G - g0))
                              : load_groups_avx2(j.scales, j.sty, at, GPC);
-      const __m256 wscale = GPC > 1 ? _mm256_permutevar8x32_ps(ws, gidx) : _mm256_broadcastss_ps(_mm256_castps256_ps128(ws));
+      const __m256 wscale = _mm256_permutevar8x32_ps(ws, gidx);
       __m256i acc[MT];
 #pragma GCC unroll 8
       for (int s = 0; s < PLANES; ++s) {
@@ -1183,14 +1185,89 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_int8(const Job& j, int n
   }
 }
 
+// Read in place when a group spans whole chunks (words per group a multiple
+// of 8: bits 8 with groups of 32 and up, bits 4 of 64 and up; the tied
+// embeddings' logits), one output row and one activation row at a time. Each
+// lane sums its words of a group over the group's chunks in int32; 4 groups'
+// vectors are then summed across lanes into one vector with a lane per group
+// (vphaddd), exact in int32 (at most group * QM * 32512: 2.12e9 < 2^31 for
+// bits 8 and the group of 256 that make_job allows) and rounded once to f32.
+// The float epilogue runs once per 4 groups instead of once per chunk.
+
+// The int32 sums of group g's products, one per lane (CPG: chunks per group,
+// 0 when only known at run time).
+template <int BITS, int CPG>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256i group_dot_avx2(const __m256i* words,
+                                                                                     const __m256i* xq, int g,
+                                                                                     int chunks_per_group) {
+  constexpr int PLANES = 16 / BITS;
+  constexpr uint32_t QM = (1u << BITS) - 1;
+  const __m256i mask = _mm256_set1_epi32((int)(QM | (QM << 16)));
+  const int cpg = CPG ? CPG : chunks_per_group;
+  __m256i acc = _mm256_setzero_si256();
+  for (int c = g * cpg; c < (g + 1) * cpg; ++c) {
+    const __m256i v = _mm256_loadu_si256(words + c);
+#pragma GCC unroll 8
+    for (int s = 0; s < PLANES; ++s) {
+      const __m256i q = _mm256_and_si256(s == 0 ? v : _mm256_srli_epi32(v, BITS * s), mask);
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(q, _mm256_loadu_si256(xq + (size_t)c * PLANES + s)));
+    }
+  }
+  return acc;
+}
+
+template <int BITS, int CPG>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void row_avx2_int8_groups(const Job& j, int m, int n) {
+  const int G = j.G, cpg = j.wpg / 8;
+  const __m256i* words = reinterpret_cast<const __m256i*>(j.w + (size_t)n * j.row_bytes);
+  const __m256i* xq = reinterpret_cast<const __m256i*>(j.xq + (size_t)m * j.xq_stride);
+  const float* xs = j.xscale + (size_t)m * G;
+  const float* xsum = j.xsum + (size_t)m * G;
+  const size_t at = (size_t)n * G;
+  __m128 y = _mm_setzero_ps();
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    const int count = std::min(4, G - g0);
+    __m256i acc[4];
+    if (count == 4) {
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) acc[i] = group_dot_avx2<BITS, CPG>(words, xq, g0 + i, cpg);
+    } else {
+      for (int i = 0; i < 4; ++i) acc[i] = i < count ? group_dot_avx2<BITS, CPG>(words, xq, g0 + i, cpg) : _mm256_setzero_si256();
+    }
+    const __m256i u = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
+    const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    const __m128 ws = _mm256_castps256_ps128(load_groups_avx2(j.scales, j.sty, at + g0, count));
+    // The lanes past `count` have zero weight scales; xscale is zero-padded
+    // past its last row, so they read finite values.
+    y = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(ws, _mm_loadu_ps(xs + g0)), y);
+  }
+  // The bias term, sum_g bias[g] * xsum[m, g], as tile_avx2_int8 adds it.
+  __m256 by = _mm256_setzero_ps();
+  for (int g = 0; g < G; g += 8) {
+    by = _mm256_fmadd_ps(load_groups_avx2(j.biases, j.sty, at + g, std::min(8, G - g)), _mm256_loadu_ps(xsum + g), by);
+  }
+  j.y[(size_t)m * j.N + n] = simd::hsum256(_mm256_add_ps(_mm256_castps128_ps256(y), by));
+}
+
+template <int BITS, int CPG>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2_int8_groups(const Job& j, int n0, int n1) {
+  // No software prefetch: the rows stream in order, and fetching ahead made
+  // the logits' weight slower (2.3 -> 2.4 ms per 8-bit call, one Zen 4 core).
+  for (int n = n0; n < n1; ++n) {
+    for (int m = 0; m < j.M; ++m) row_avx2_int8_groups<BITS, CPG>(j, m, n);
+  }
+}
+
 #pragma GCC pop_options
 
 template <int BITS>
 void rows_avx2_int8(const Job& j, int n0, int n1) {
-  switch (j.wpg >= 8 ? 1 : 8 / j.wpg) {
-    case 1: return rows_avx2_int8<BITS, 1>(j, n0, n1);
-    case 2: return rows_avx2_int8<BITS, 2>(j, n0, n1);
-    default: return rows_avx2_int8<BITS, 4>(j, n0, n1);
+  switch (j.wpg) {
+    case 1: return rows_avx2_int8<BITS, 8>(j, n0, n1);
+    case 2: return rows_avx2_int8<BITS, 4>(j, n0, n1);
+    case 4: return rows_avx2_int8<BITS, 2>(j, n0, n1);
+    case 8: return rows_avx2_int8_groups<BITS, 1>(j, n0, n1);
+    default: return rows_avx2_int8_groups<BITS, 0>(j, n0, n1);  // a multiple of 8 (lanes_for)
   }
 }
 

@@ -263,6 +263,35 @@ fn large_odd_row_count() {
 }
 
 #[test]
+fn largest_group_sums_do_not_wrap() {
+    let _g = lock();
+    // Every code at its largest against activations of one magnitude per row:
+    // the integer paths' int32 group sums reach their maximum (8-bit groups of
+    // 256: 256 * 255 * 32512 = 2.12e9, just under 2^31), positive and negative.
+    let (n, k) = (19, 512);
+    let x: Vec<f32> = [1.0f32, -2.5].iter().flat_map(|&v| std::iter::repeat(v).take(k)).collect();
+    let x = Array::from_slice(&x, &[2, k as i32]).unwrap();
+    for bits in [4, 8] {
+        for group in [32, 64, 128, 256] {
+            let words = vec![u32::MAX; n * k * bits / 32];
+            let groups = n * k / group;
+            let w = Array::from_slice(&words, &[n as i32, (k * bits / 32) as i32]).unwrap();
+            let scales = Array::from_slice(&vec![f16::from_f32(0.004); groups], &[n as i32, (k / group) as i32]).unwrap();
+            let biases = Array::from_slice(&vec![f16::from_f32(-0.25); groups], &[n as i32, (k / group) as i32]).unwrap();
+            let q = Quantized { w, scales, biases, n, k };
+            let (exact, mag) = reference(&x, &q, group, bits);
+            let (_, quantized_x_mag) = reference_quantized_x(&x, &q, group, bits);
+            for &path in &ALL_PATHS {
+                let label = format!("bits={bits} group={group} path={path:?}");
+                let ours = kernels::quantized_matmul_with_path(&x, &q.w, &q.scales, &q.biases, group as i32, bits as i32, path).unwrap();
+                let mag = if uses_vnni(path, bits, group) { &quantized_x_mag } else { &mag };
+                check(&label, &ours, &exact, mag);
+            }
+        }
+    }
+}
+
+#[test]
 fn more_rows_of_x() {
     let _g = lock();
     // M from 1 to 17 covers every row-tile remainder (4-row and 2-row tiles).
