@@ -32,75 +32,52 @@ static void report(const char* name, double seconds, int products, int sink) {
          instructions * products / seconds / 1e9, sink);
 }
 
-__attribute__((target("avx2"))) static void avx2_rates(void) {
-  __m256i acc[ACCS], a = _mm256_set1_epi16(3), b = _mm256_set1_epi16(5);
-  for (int i = 0; i < ACCS; i++) acc[i] = _mm256_set1_epi32(i);
-  double t = cpu_seconds();
-  for (long n = 0; n < STEPS; n++) {
-#pragma GCC unroll 12
-    for (int i = 0; i < ACCS; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(a, b));
-    __asm__ volatile("" : "+x"(a), "+x"(b));
-  }
-  t = cpu_seconds() - t;
+// Runs STEPS steps of `step` (an expression of acc[i], a and b) on the ACCS
+// accumulators acc, first set to `init` (an expression of i), and reports
+// the rate; `sink` reads the sums afterwards so that the loop stays. The
+// empty asm keeps the compiler from treating a and b as constants.
+#define RATE(name, products, acc, init, a, b, step, sink)         \
+  do {                                                            \
+    for (int i = 0; i < ACCS; i++) acc[i] = (init);               \
+    double t = cpu_seconds();                                     \
+    for (long n = 0; n < STEPS; n++) {                            \
+      _Pragma("GCC unroll 12") for (int i = 0; i < ACCS; i++) acc[i] = (step); \
+      __asm__ volatile("" : "+x"(a), "+x"(b));                    \
+    }                                                             \
+    t = cpu_seconds() - t;                                        \
+    report(name, t, products, (sink));                            \
+  } while (0)
+
+__attribute__((target("avx2"))) static int sum256(const __m256i* acc) {
   __m256i s = acc[0];
   for (int i = 1; i < ACCS; i++) s = _mm256_add_epi32(s, acc[i]);
-  report("vpmaddwd + vpaddd", t, 16, _mm256_extract_epi32(s, 0));
+  return _mm256_extract_epi32(s, 0);
+}
 
-  for (int i = 0; i < ACCS; i++) acc[i] = _mm256_set1_epi32(i);
+__attribute__((target("avx512f"))) static int sum512(const __m512i* acc) {
+  __m512i s = acc[0];
+  for (int i = 1; i < ACCS; i++) s = _mm512_add_epi32(s, acc[i]);
+  return _mm512_reduce_add_epi32(s);
+}
+
+__attribute__((target("avx2"))) static void avx2_rates(void) {
+  __m256i acc[ACCS], a = _mm256_set1_epi16(3), b = _mm256_set1_epi16(5);
+  RATE("vpmaddwd + vpaddd", 16, acc, _mm256_set1_epi32(i), a, b, _mm256_add_epi32(acc[i], _mm256_madd_epi16(a, b)),
+       sum256(acc));
   a = _mm256_set1_epi8(3);
   b = _mm256_set1_epi8(5);
-  t = cpu_seconds();
-  for (long n = 0; n < STEPS; n++) {
-#pragma GCC unroll 12
-    for (int i = 0; i < ACCS; i++) acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(a, b));
-    __asm__ volatile("" : "+x"(a), "+x"(b));
-  }
-  t = cpu_seconds() - t;
-  s = acc[0];
-  for (int i = 1; i < ACCS; i++) s = _mm256_add_epi32(s, acc[i]);
-  report("vpmaddubsw + vpaddw", t, 32, _mm256_extract_epi32(s, 0));
+  RATE("vpmaddubsw + vpaddw", 32, acc, _mm256_set1_epi32(i), a, b,
+       _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(a, b)), sum256(acc));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void vnni_rates(void) {
   __m256i acc[ACCS], a = _mm256_set1_epi16(3), b = _mm256_set1_epi16(5);
-  for (int i = 0; i < ACCS; i++) acc[i] = _mm256_set1_epi32(i);
-  double t = cpu_seconds();
-  for (long n = 0; n < STEPS; n++) {
-#pragma GCC unroll 12
-    for (int i = 0; i < ACCS; i++) acc[i] = _mm256_dpwssd_epi32(acc[i], a, b);
-    __asm__ volatile("" : "+v"(a), "+v"(b));
-  }
-  t = cpu_seconds() - t;
-  __m256i s = acc[0];
-  for (int i = 1; i < ACCS; i++) s = _mm256_add_epi32(s, acc[i]);
-  report("vpdpwssd ymm", t, 16, _mm256_extract_epi32(s, 0));
-
+  RATE("vpdpwssd ymm", 16, acc, _mm256_set1_epi32(i), a, b, _mm256_dpwssd_epi32(acc[i], a, b), sum256(acc));
   __m512i wide[ACCS], c = _mm512_set1_epi16(3), d = _mm512_set1_epi16(5);
-  for (int i = 0; i < ACCS; i++) wide[i] = _mm512_set1_epi32(i);
-  t = cpu_seconds();
-  for (long n = 0; n < STEPS; n++) {
-#pragma GCC unroll 12
-    for (int i = 0; i < ACCS; i++) wide[i] = _mm512_dpwssd_epi32(wide[i], c, d);
-    __asm__ volatile("" : "+v"(c), "+v"(d));
-  }
-  t = cpu_seconds() - t;
-  __m512i w = wide[0];
-  for (int i = 1; i < ACCS; i++) w = _mm512_add_epi32(w, wide[i]);
-  report("vpdpwssd zmm", t, 32, _mm512_reduce_add_epi32(w));
-
-  for (int i = 0; i < ACCS; i++) wide[i] = _mm512_set1_epi32(i);
+  RATE("vpdpwssd zmm", 32, wide, _mm512_set1_epi32(i), c, d, _mm512_dpwssd_epi32(wide[i], c, d), sum512(wide));
   c = _mm512_set1_epi8(3);
   d = _mm512_set1_epi8(5);
-  t = cpu_seconds();
-  for (long n = 0; n < STEPS; n++) {
-#pragma GCC unroll 12
-    for (int i = 0; i < ACCS; i++) wide[i] = _mm512_dpbusd_epi32(wide[i], c, d);
-    __asm__ volatile("" : "+v"(c), "+v"(d));
-  }
-  t = cpu_seconds() - t;
-  w = wide[0];
-  for (int i = 1; i < ACCS; i++) w = _mm512_add_epi32(w, wide[i]);
-  report("vpdpbusd zmm", t, 64, _mm512_reduce_add_epi32(w));
+  RATE("vpdpbusd zmm", 64, wide, _mm512_set1_epi32(i), c, d, _mm512_dpbusd_epi32(wide[i], c, d), sum512(wide));
 }
 
 int main(void) {
