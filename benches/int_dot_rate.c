@@ -1,16 +1,19 @@
 // How many integer multiply-adds one core retires per second in the
 // instructions the kernels' integer loops are built from, with no memory
 // traffic: 12 independent accumulators, each fed one multiply instruction and
-// (where the instruction does not accumulate) one add per step. It tells
-// whether a loop runs at its instructions' rate, and how two instruction
-// choices compare on this CPU (AMD Zen 4 retires one 256-bit vpmaddwd a
-// cycle, where Zen 5 retires two).
+// (where the instruction does not accumulate) one add per step. A multiply
+// that does not accumulate reads its own accumulator as an operand, so that
+// the compiler cannot compute it once for all twelve (the values wrap; only
+// the rate matters). It tells whether a loop runs at its instructions' rate,
+// and how two instruction choices compare on this CPU (AMD Zen 4 retires
+// about one 256-bit vpmaddwd a cycle, where Zen 5 retires two).
 //
 //   cc -O2 benches/int_dot_rate.c -o /tmp/int_dot_rate && /tmp/int_dot_rate
 //
 // Products per instruction: vpmaddwd 16 (int16 x int16, pairs summed into
 // int32: the AVX2 integer loops), vpmaddubsw 32 (uint8 x int8, pairs summed
-// into saturating int16: llama.cpp's AVX2 Q8 dot products), vpdpwssd 16 or
+// into saturating int16: llama.cpp's AVX2 Q8 dot products, which then sum
+// the int16 pairs into int32 with a vpmaddwd by ones), vpdpwssd 16 or
 // 32 (ymm or zmm; the AVX-512 int16 loops), vpdpbusd 32 or 64 (the VNNI
 // matvec).
 #include <immintrin.h>
@@ -27,8 +30,8 @@ static double cpu_seconds(void) {
 }
 
 static void report(const char* name, double seconds, int products, int sink) {
-  const double instructions = (double)STEPS * ACCS;
-  printf("%-22s %6.2f G instructions/s  %6.1f G products/s  (%d)\n", name, instructions / seconds / 1e9,
+  const double instructions = (double)STEPS * ACCS;  // multiply steps
+  printf("%-32s %6.2f G steps/s  %6.1f G products/s  (%d)\n", name, instructions / seconds / 1e9,
          instructions * products / seconds / 1e9, sink);
 }
 
@@ -62,12 +65,15 @@ __attribute__((target("avx512f"))) static int sum512(const __m512i* acc) {
 
 __attribute__((target("avx2"))) static void avx2_rates(void) {
   __m256i acc[ACCS], a = _mm256_set1_epi16(3), b = _mm256_set1_epi16(5);
-  RATE("vpmaddwd + vpaddd", 16, acc, _mm256_set1_epi32(i), a, b, _mm256_add_epi32(acc[i], _mm256_madd_epi16(a, b)),
-       sum256(acc));
-  a = _mm256_set1_epi8(3);
+  RATE("vpmaddwd + vpaddd", 16, acc, _mm256_set1_epi32(i), a, b,
+       _mm256_add_epi32(acc[i], _mm256_madd_epi16(acc[i], b)), sum256(acc));
+  a = _mm256_set1_epi16(1);
   b = _mm256_set1_epi8(5);
   RATE("vpmaddubsw + vpaddw", 32, acc, _mm256_set1_epi32(i), a, b,
-       _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(a, b)), sum256(acc));
+       _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(acc[i], b)), sum256(acc));
+  // llama.cpp's whole AVX2 Q8 step: pairs into int16, then into int32 (a: ones).
+  RATE("vpmaddubsw + vpmaddwd + vpaddd", 32, acc, _mm256_set1_epi32(i), a, b,
+       _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(acc[i], b), a)), sum256(acc));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void vnni_rates(void) {

@@ -1645,56 +1645,49 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))
 // s = max|x| / 127, a = round(x / s), b = round((x / s - a) * 256), both
 // rounding to nearest even. |x / s| <= 127 keeps a in [-127, 127] and b in
 // [-128, 128]; b = 128 becomes a + 1, b = -128 (then x > 0, so a + 1 <= 127).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prepare_vnni(Job& j, const float* xf,
-                                                                                std::vector<int8_t>& xq,
-                                                                                std::vector<float>& xscale) {
-  const int M = j.M, K = j.K, G = j.G, group = j.group;
-  const int planes = j.bits == 4 ? 4 : 2;
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void vnni_row(const Job& j, const float* x, int8_t* q,
+                                                                            float* xscale) {
+  const int G = j.G, group = j.group;
   const size_t plane = (size_t)j.chunks * 64;
-  j.xq_stride = plane * planes;
-  xq.assign((size_t)M * j.xq_stride, 0);
-  xscale.assign((size_t)M * G, 0.0f);
+  const int planes = j.bits == 4 ? 4 : 2;
+  // Each plane's bytes past the row's values stay zero.
+  const size_t written = j.bits == 8 ? (size_t)j.K : (size_t)j.K / 2;
+  for (int i = 0; i < planes; ++i) std::memset(q + i * plane + written, 0, plane - written);
   // Within 16 bytes of values k..k+15 (two 4-bit words): even values first.
   const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const __m512i v128 = _mm512_set1_epi32(128), v256 = _mm512_set1_epi32(256), one = _mm512_set1_epi32(1);
-  for (int m = 0; m < M; ++m) {
-    const float* x = xf + (size_t)m * K;
-    int8_t* q = xq.data() + (size_t)m * j.xq_stride;
-    for (int g = 0; g < G; ++g) {
-      const float* xg = x + (size_t)g * group;
-      __m512 amax_v = _mm512_setzero_ps();
-      for (int k = 0; k < group; k += 16) amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
-      const float amax = _mm512_reduce_max_ps(amax_v);
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      xscale[(size_t)m * G + g] = amax / 127.0f / 256.0f;
-      const __m512 inv_v = _mm512_set1_ps(inv);
-      for (int k = 0; k < group; k += 16) {
-        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xg + k), inv_v);
-        __m512i a = _mm512_cvtps_epi32(v);  // round to nearest even (MXCSR default)
-        __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(a)), _mm512_set1_ps(256.0f)));
-        const __mmask16 carry = _mm512_cmpeq_epi32_mask(b, v128);
-        a = _mm512_mask_add_epi32(a, carry, a, one);
-        b = _mm512_mask_sub_epi32(b, carry, b, v256);
-        const __m128i a8 = _mm512_cvtepi32_epi8(a), b8 = _mm512_cvtepi32_epi8(b);
-        const int kk = g * group + k;
-        if (j.bits == 8) {
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + kk), a8);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + plane + kk), b8);
-        } else {
-          // Values kk..kk+15 are words kk/8 and kk/8+1: bytes (kk/8)*4.. of
-          // the even and odd planes.
-          const __m128i as = _mm_shuffle_epi8(a8, even_odd), bs = _mm_shuffle_epi8(b8, even_odd);
-          const size_t at = (size_t)(kk / 8) * 4;
-          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + at), as);
-          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + plane + at), _mm_unpackhi_epi64(as, as));
-          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 2 * plane + at), bs);
-          _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 3 * plane + at), _mm_unpackhi_epi64(bs, bs));
-        }
+  for (int g = 0; g < G; ++g) {
+    const float* xg = x + (size_t)g * group;
+    __m512 amax_v = _mm512_setzero_ps();
+    for (int k = 0; k < group; k += 16) amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
+    const float amax = _mm512_reduce_max_ps(amax_v);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    xscale[g] = amax / 127.0f / 256.0f;
+    const __m512 inv_v = _mm512_set1_ps(inv);
+    for (int k = 0; k < group; k += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xg + k), inv_v);
+      __m512i a = _mm512_cvtps_epi32(v);  // round to nearest even (MXCSR default)
+      __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_cvtepi32_ps(a)), _mm512_set1_ps(256.0f)));
+      const __mmask16 carry = _mm512_cmpeq_epi32_mask(b, v128);
+      a = _mm512_mask_add_epi32(a, carry, a, one);
+      b = _mm512_mask_sub_epi32(b, carry, b, v256);
+      const __m128i a8 = _mm512_cvtepi32_epi8(a), b8 = _mm512_cvtepi32_epi8(b);
+      const int kk = g * group + k;
+      if (j.bits == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + kk), a8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + plane + kk), b8);
+      } else {
+        // Values kk..kk+15 are words kk/8 and kk/8+1: bytes (kk/8)*4.. of
+        // the even and odd planes.
+        const __m128i as = _mm_shuffle_epi8(a8, even_odd), bs = _mm_shuffle_epi8(b8, even_odd);
+        const size_t at = (size_t)(kk / 8) * 4;
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + at), as);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + plane + at), _mm_unpackhi_epi64(as, as));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 2 * plane + at), bs);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 3 * plane + at), _mm_unpackhi_epi64(bs, bs));
       }
     }
   }
-  j.xq = xq.data();
-  j.xscale = xscale.data();
 }
 #endif  // MLXCEL_X86
 
@@ -1744,20 +1737,17 @@ void int16_planes(const int16_t* x16, int words, int16_t* q) {
   }
 }
 
-// Lays out the int16 activation planes tile_avx2_int8 reads: per group,
-// s = max|x| / 32512 and x16 = round(x / s) (to nearest even, |x16| <= 32512),
-// arranged by int16_planes.
-void prepare_int16(Job& j, const float* xf, std::vector<int8_t>& xq, std::vector<float>& xscale) {
-  const int M = j.M, K = j.K, G = j.G, group = j.group, planes = j.epw / 2;
+// Lays out one row of the int16 activation planes tile_avx2_int8 reads: per
+// group, s = max|x| / 32512 and x16 = round(x / s) (to nearest even,
+// |x16| <= 32512), arranged by int16_planes into q, the scales into xscale.
+void int16_row(const Job& j, const float* x, int16_t* q, float* xscale) {
+  const int K = j.K, G = j.G, group = j.group, planes = j.epw / 2;
   constexpr int L = 8;
-  // Chunks of 8 words (the VNNI path's j.chunks count 16).
-  const int chunks = j.path == Path::Avx512Vnni ? (j.wpr + L - 1) / L : j.chunks;
-  j.xq_stride = (size_t)chunks * planes * L * 2 * sizeof(int16_t);
-  xq.assign((size_t)M * j.xq_stride, 0);
-  // The tile reads 8 scales from a chunk's first group: the zero padding
-  // keeps the lanes past the last group finite and normal (a denormal there
-  // costs a microcode assist per multiply).
-  xscale.assign((size_t)M * G + 16, 0.0f);
+  // A last chunk of fewer than 8 words keeps zeros past them.
+  if (j.wpr % L) {
+    const size_t last = (size_t)(j.wpr / L) * planes * L * 2;
+    std::fill(q + last, q + last + (size_t)planes * L * 2, int16_t{0});
+  }
   thread_local std::vector<int16_t> x16;
   x16.resize((size_t)K);
   auto quantize = quantize_int16_portable;
@@ -1768,29 +1758,23 @@ void prepare_int16(Job& j, const float* xf, std::vector<int8_t>& xq, std::vector
     amax_of = amax_avx2;
   }
 #endif
-  for (int m = 0; m < M; ++m) {
-    const float* x = xf + (size_t)m * K;
-    for (int g = 0; g < G; ++g) {
-      const float* xg = x + (size_t)g * group;
-      const float amax = amax_of(xg, group);
-      const float inv = amax > 0.0f ? 32512.0f / amax : 0.0f;
-      xscale[(size_t)m * G + g] = amax / 32512.0f;
-      quantize(xg, group, inv, x16.data() + (size_t)g * group);
-    }
-    int16_t* q = reinterpret_cast<int16_t*>(xq.data() + (size_t)m * j.xq_stride);
-    switch (j.epw) {
-      case 4: int16_planes<4>(x16.data(), j.wpr, q); break;
-      case 8: int16_planes<8>(x16.data(), j.wpr, q); break;
-      default: int16_planes<16>(x16.data(), j.wpr, q); break;
-    }
+  for (int g = 0; g < G; ++g) {
+    const float* xg = x + (size_t)g * group;
+    const float amax = amax_of(xg, group);
+    const float inv = amax > 0.0f ? 32512.0f / amax : 0.0f;
+    xscale[g] = amax / 32512.0f;
+    quantize(xg, group, inv, x16.data() + (size_t)g * group);
   }
-  j.xq = xq.data();
-  j.xscale = xscale.data();
+  switch (j.epw) {
+    case 4: int16_planes<4>(x16.data(), j.wpr, q); break;
+    case 8: int16_planes<8>(x16.data(), j.wpr, q); break;
+    default: int16_planes<16>(x16.data(), j.wpr, q); break;
+  }
 }
 
 #if defined(__aarch64__)
 // ---------------------------------------------------------------------------
-// NEON integer loop (bits 2, 4, 8) on prepare_int16's planes.
+// NEON integer loop (bits 2, 4, 8) on int16_row's planes.
 #include "matvec_neon.inc"
 #endif
 
@@ -1871,65 +1855,125 @@ struct CallScratch {
 };
 thread_local CallScratch tl_call;
 
+// Rows of x from which prepare lays them out on the pool's threads (below,
+// the synchronisation costs about what the split saves).
+constexpr int kParallelPrepareRows = 8;
+
+// One call's activations being laid out: x as the call passes it, and the
+// evaluating thread's scratch, each row of which one task writes.
+struct PrepareRows {
+  const Job* j;
+  const void* x;
+  Ty xty;
+  const int64_t* x_offsets;
+  int64_t x_step;
+  float *xf, *xsum, *xscale, *xp;
+  int8_t* xq;
+  int rows_per_task;
+};
+
+// Row m of x: in f32, its group sums, and the layout j's loop reads.
+void prepare_row(const PrepareRows& r, int m) {
+  const Job& j = *r.j;
+  const int K = j.K, G = j.G;
+  float* xf = r.xf + (size_t)m * K;
+  const int64_t off = r.x_offsets[m];
+  if (r.x_step == 1) {
+#ifdef MLXCEL_X86
+    if (j.path == Path::Avx512 || j.path == Path::Avx512Vnni) convert_row_avx512(r.x, r.xty, off, K, xf);
+    else if (j.path == Path::Avx2 || j.path == Path::Avx2Int8) convert_row_avx2(r.x, r.xty, off, K, xf);
+    else
+#endif
+      convert_row_portable(r.x, r.xty, off, K, xf);
+  } else {
+    for (int k = 0; k < K; ++k) xf[k] = load_as_f32(r.x, r.xty, off + k * r.x_step);
+  }
+  for (int g = 0; g < G; ++g) {
+    const float* p = xf + (size_t)g * j.group;
+    float s = 0.0f;
+    for (int k = 0; k < j.group; ++k) s += p[k];
+    r.xsum[(size_t)m * G + g] = s;
+  }
+  int8_t* q = r.xq + (size_t)m * j.xq_stride;
+#ifdef MLXCEL_X86
+  if (j.path == Path::Avx512Vnni && !j.int16_blocks) {
+    vnni_row(j, xf, q, r.xscale + (size_t)m * G);
+    return;
+  }
+#endif
+  if (j.path == Path::Avx2Int8 || j.path == Path::NeonInt8 || j.int16_blocks) {
+    int16_row(j, xf, reinterpret_cast<int16_t*>(q), r.xscale + (size_t)m * G);
+  } else if (j.lanes > 0) {
+    const int L = j.lanes, EPW = j.epw;
+    float* dst = r.xp + (size_t)m * j.xp_stride;
+    if (j.wpr % L) std::fill(dst, dst + j.xp_stride, 0.0f);  // the last chunk's padding
+    for (int s = 0; s < EPW; ++s) {
+      int e = s < EPW - 1 ? s : s - 1;
+      float f = std::ldexp(1.0f, -j.bits * e);
+      for (int word = 0; word < j.wpr; ++word) {
+        int c = word / L, l = word % L;
+        dst[((size_t)c * EPW + s) * L + l] = xf[(size_t)word * EPW + s] * f;
+      }
+    }
+  }
+}
+
+void prepare_task(void* ctx, int t) {
+  const PrepareRows& r = *static_cast<const PrepareRows*>(ctx);
+  const int m0 = t * r.rows_per_task, m1 = std::min(r.j->M, m0 + r.rows_per_task);
+  for (int m = m0; m < m1; ++m) prepare_row(r, m);
+}
+
 // Evaluates one call. x rows are read through `x_offsets` (element offsets of
 // each row's first element) with `x_step` between consecutive elements.
 // Lays out the activations for j's loop (in this thread's scratch, valid
-// until the next call on this thread) and sets j's activation pointers.
+// until the next call on this thread) and sets j's activation pointers. From
+// kParallelPrepareRows rows on, the pool's threads share the rows (each
+// row's layout is the same whichever thread writes it).
 void prepare(Job& j, const void* x, Ty xty, const std::vector<int64_t>& x_offsets, int64_t x_step) {
   CallScratch& cs = tl_call;
-  const int M = j.M, K = j.K;
+  const int M = j.M, K = j.K, G = j.G;
   cs.xf.resize((size_t)M * K);
-  for (int m = 0; m < M; ++m) {
-    float* dst = cs.xf.data() + (size_t)m * K;
-    int64_t off = x_offsets[m];
-    if (x_step == 1) {
-#ifdef MLXCEL_X86
-      if (j.path == Path::Avx512 || j.path == Path::Avx512Vnni) convert_row_avx512(x, xty, off, K, dst);
-      else if (j.path == Path::Avx2 || j.path == Path::Avx2Int8) convert_row_avx2(x, xty, off, K, dst);
-      else
-#endif
-        convert_row_portable(x, xty, off, K, dst);
-    } else {
-      for (int k = 0; k < K; ++k) dst[k] = load_as_f32(x, xty, off + k * x_step);
-    }
-  }
   // Zero-padded past the last row for the tiles' vector reads.
-  cs.xsum.assign((size_t)M * j.G + 8, 0.0f);
-  for (int m = 0; m < M; ++m) {
-    for (int g = 0; g < j.G; ++g) {
-      const float* p = cs.xf.data() + (size_t)m * K + (size_t)g * j.group;
-      float s = 0.0f;
-      for (int k = 0; k < j.group; ++k) s += p[k];
-      cs.xsum[(size_t)m * j.G + g] = s;
-    }
-  }
+  cs.xsum.resize((size_t)M * G + 8);
+  std::fill(cs.xsum.end() - 8, cs.xsum.end(), 0.0f);
+  PrepareRows r{&j, x, xty, x_offsets.data(), x_step, cs.xf.data(), cs.xsum.data(), nullptr, nullptr, nullptr, 0};
+  constexpr int L = 8;
 #ifdef MLXCEL_X86
   if (j.path == Path::Avx512Vnni && !j.int16_blocks) {
-    prepare_vnni(j, cs.xf.data(), cs.xq, cs.xscale);
+    // Per row of x, int8 planes of chunks * 64 bytes (vnni_row).
+    j.xq_stride = (size_t)j.chunks * 64 * (j.bits == 4 ? 4 : 2);
+    cs.xq.resize((size_t)M * j.xq_stride);
+    cs.xscale.resize((size_t)M * G);
   } else
 #endif
   if (j.path == Path::Avx2Int8 || j.path == Path::NeonInt8 || j.int16_blocks) {
-    prepare_int16(j, cs.xf.data(), cs.xq, cs.xscale);
+    // Per row of x, int16 planes in chunks of 8 words (the VNNI path's
+    // j.chunks count 16).
+    const int chunks = j.path == Path::Avx512Vnni ? (j.wpr + L - 1) / L : j.chunks;
+    j.xq_stride = (size_t)chunks * (j.epw / 2) * L * 2 * sizeof(int16_t);
+    cs.xq.resize((size_t)M * j.xq_stride);
+    // The tile reads 8 scales from a chunk's first group: the zero padding
+    // keeps the lanes past the last group finite and normal (a denormal there
+    // costs a microcode assist per multiply).
+    cs.xscale.resize((size_t)M * G + 16);
+    std::fill(cs.xscale.end() - 16, cs.xscale.end(), 0.0f);
   } else if (j.lanes > 0) {
-    const int L = j.lanes, EPW = j.epw;
-    j.xp_stride = (size_t)j.chunks * EPW * L;
-    cs.xp.assign((size_t)M * j.xp_stride, 0.0f);
-    for (int m = 0; m < M; ++m) {
-      const float* src = cs.xf.data() + (size_t)m * K;
-      float* dst = cs.xp.data() + (size_t)m * j.xp_stride;
-      for (int s = 0; s < EPW; ++s) {
-        int e = s < EPW - 1 ? s : s - 1;
-        float f = std::ldexp(1.0f, -j.bits * e);
-        for (int word = 0; word < j.wpr; ++word) {
-          int c = word / L, l = word % L;
-          dst[((size_t)c * EPW + s) * L + l] = src[(size_t)word * EPW + s] * f;
-        }
-      }
-    }
-    j.xp = cs.xp.data();
+    j.xp_stride = (size_t)j.chunks * j.epw * j.lanes;
+    cs.xp.resize((size_t)M * j.xp_stride);
+    r.xp = cs.xp.data();
+    j.xp = r.xp;
   }
+  r.xq = cs.xq.data();
+  r.xscale = cs.xscale.data();
+  Pool& p = pool();
+  const int tasks = M >= kParallelPrepareRows ? std::min(M, p.threads()) : 1;
+  r.rows_per_task = (M + tasks - 1) / tasks;
+  p.run(tasks, prepare_task, &r);
   j.xf = cs.xf.data();
   j.xsum = cs.xsum.data();
+  j.xq = cs.xq.data();
+  j.xscale = cs.xscale.data();
 }
 
 // Splits j's output rows into tasks, never below ~32K weights per task: one
