@@ -376,7 +376,7 @@ void rms_norm(const float* x, const VectorRef& w, float eps, int n, float* y) {
 void rms_norm_rows(const float* x, const VectorRef& w, float eps, int n, float* y, int r0, int r1) {
   thread_local std::vector<float> wf;
   wf.resize((size_t)n);
-  for (int i = 0; i < n; ++i) wf[i] = w[i];
+  detail::load_row_f32(w.data, w.type, 0, w.stride, n, wf.data());
   const VectorOps ops = vector_ops();
   for (int r = r0; r < r1; ++r) {
     const float* xr = x + (size_t)r * n;

@@ -26,6 +26,9 @@ mlx::core::array row_contiguous(const mlx::core::array& a, mlx::core::Stream str
 // Throws std::invalid_argument naming `what` for a dtype other than f32/f16/bf16.
 Scalar scalar_of(mlx::core::Dtype dtype, const char* what);
 float load_f32(const void* p, Scalar type, size_t i);
+// n elements of a vector of `type` from element `at` on, `stride` elements
+// apart, as f32 into dst (vectorized where stride is 1).
+void load_row_f32(const void* p, Scalar type, size_t at, int64_t stride, int n, float* dst);
 
 // An affine-quantized [n, k] weight in MLX's layout, read in place.
 struct QuantizedView {

@@ -2176,6 +2176,20 @@ Scalar scalar_of(mx::Dtype dtype, const char* what) {
 
 float load_f32(const void* p, Scalar type, size_t i) { return load_as_f32(p, static_cast<Ty>(type), i); }
 
+void load_row_f32(const void* p, Scalar type, size_t at, int64_t stride, int n, float* dst) {
+  const Ty ty = static_cast<Ty>(type);
+  if (stride != 1) {
+    for (int i = 0; i < n; ++i) dst[i] = load_as_f32(p, ty, at + (size_t)i * stride);
+    return;
+  }
+#ifdef MLXCEL_X86
+  const Path path = resolve_path_impl(Path::Auto);
+  if (path == Path::Avx512 || path == Path::Avx512Vnni) return convert_row_avx512(p, ty, at, n, dst);
+  if (path == Path::Avx2 || path == Path::Avx2Int8) return convert_row_avx2(p, ty, at, n, dst);
+#endif
+  convert_row_portable(p, ty, at, n, dst);
+}
+
 namespace {
 
 // Reads the interleaved copy of `w`, when it has one, where j runs a loop that reads it.
