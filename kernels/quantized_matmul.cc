@@ -1737,6 +1737,61 @@ void int16_planes(const int16_t* x16, int words, int16_t* q) {
   }
 }
 
+#ifdef MLXCEL_X86
+// int16_planes over the whole chunks of `words` words with AVX2 shuffles, for
+// 4 and 8 values per word (the same int16s in the same places); returns the
+// words laid out (0 for other widths).
+__attribute__((target("avx2"))) int int16_planes_avx2(const int16_t* x16, int words, int epw, int16_t* q) {
+  const int chunks = words / 8;
+  if (epw == 4) {
+    // Per word (a0 a1 a2 a3): the pairs (a0, a2), (a1, a3) as two dwords.
+    const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15, 0, 1, 4, 5, 2, 3, 6, 7,
+                                           8, 9, 12, 13, 10, 11, 14, 15);
+    for (int c = 0; c < chunks; ++c) {
+      const int16_t* src = x16 + (size_t)c * 32;
+      const __m256 a = _mm256_castsi256_ps(
+          _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), pairs));
+      const __m256 b = _mm256_castsi256_ps(
+          _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)), pairs));
+      // Even dwords (plane 0) and odd ones (plane 1), words back in order.
+      const __m256i p0 = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                  _MM_SHUFFLE(3, 1, 2, 0));
+      const __m256i p1 = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))),
+                                                  _MM_SHUFFLE(3, 1, 2, 0));
+      int16_t* dst = q + (size_t)c * 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), p0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), p1);
+    }
+    return chunks * 8;
+  }
+  if (epw == 8) {
+    // Per word (a0 .. a7): the pairs (a0, a4) .. (a3, a7) as four dwords.
+    const __m256i pairs = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11,
+                                           4, 5, 12, 13, 6, 7, 14, 15);
+    const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int c = 0; c < chunks; ++c) {
+      const int16_t* src = x16 + (size_t)c * 64;
+      __m256i v[4];
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i)), pairs);
+      }
+      // A 4 x 4 dword transpose per 128-bit lane: plane p's dwords, words
+      // in the order 0 2 4 6 1 3 5 7, then put back in order.
+      const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+      const __m256i planes[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                                 _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+      int16_t* dst = q + (size_t)c * 64;
+      for (int p = 0; p < 4; ++p) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * p), _mm256_permutevar8x32_epi32(planes[p], in_order));
+      }
+    }
+    return chunks * 8;
+  }
+  return 0;
+}
+#endif
+
 // Lays out one row of the int16 activation planes tile_avx2_int8 reads: per
 // group, s = max|x| / 32512 and x16 = round(x / s) (to nearest even,
 // |x16| <= 32512), arranged by int16_planes into q, the scales into xscale.
@@ -1765,10 +1820,17 @@ void int16_row(const Job& j, const float* x, int16_t* q, float* xscale) {
     xscale[g] = amax / 32512.0f;
     quantize(xg, group, inv, x16.data() + (size_t)g * group);
   }
+  // Whole chunks by shuffles where the CPU has AVX2, the rest word by word.
+  int done = 0;
+#ifdef MLXCEL_X86
+  if (j.path == Path::Avx2Int8 || j.path == Path::Avx512Vnni) done = int16_planes_avx2(x16.data(), j.wpr, j.epw, q);
+#endif
+  const int16_t* rest = x16.data() + (size_t)done * j.epw;
+  int16_t* rest_q = q + (size_t)done * j.epw;  // whole chunks: (done / 8) * planes * 8 * 2 int16s
   switch (j.epw) {
-    case 4: int16_planes<4>(x16.data(), j.wpr, q); break;
-    case 8: int16_planes<8>(x16.data(), j.wpr, q); break;
-    default: int16_planes<16>(x16.data(), j.wpr, q); break;
+    case 4: int16_planes<4>(rest, j.wpr - done, rest_q); break;
+    case 8: int16_planes<8>(rest, j.wpr - done, rest_q); break;
+    default: int16_planes<16>(rest, j.wpr - done, rest_q); break;
   }
 }
 
