@@ -1,12 +1,13 @@
 // How many integer multiply-adds one core retires per second in the
 // instructions the kernels' integer loops are built from, with no memory
-// traffic: 12 independent accumulators, each fed one multiply instruction and
-// (where the instruction does not accumulate) one add per step. A multiply
-// that does not accumulate reads its own accumulator as an operand, so that
-// the compiler cannot compute it once for all twelve (the values wrap; only
-// the rate matters). It tells whether a loop runs at its instructions' rate,
-// and how two instruction choices compare on this CPU (AMD Zen 4 retires
-// about one 256-bit vpmaddwd a cycle, where Zen 5 retires two).
+// traffic: 8 independent accumulators (few enough to stay in registers),
+// each fed one multiply instruction and (where the instruction does not
+// accumulate) one add per step. A multiply that does not accumulate reads
+// its own accumulator as an operand, so that the compiler cannot compute it
+// once for all eight (the values wrap; only the rate matters). It tells
+// whether a loop runs at its instructions' rate, and how two instruction
+// choices compare on this CPU (AMD Zen 4: about 1.4 256-bit vpmaddwd + vpaddd
+// a cycle, 1.8 multiplies a cycle in llama.cpp's vpmaddubsw + vpmaddwd step).
 //
 //   cc -O2 benches/int_dot_rate.c -o /tmp/int_dot_rate && /tmp/int_dot_rate
 //
@@ -21,7 +22,7 @@
 #include <time.h>
 
 #define STEPS 100000000L
-#define ACCS 12
+#define ACCS 8
 
 static double cpu_seconds(void) {
   struct timespec t;
@@ -38,17 +39,18 @@ static void report(const char* name, double seconds, int products, int sink) {
 // Runs STEPS steps of `step` (an expression of acc[i], a and b) on the ACCS
 // accumulators acc, first set to `init` (an expression of i), and reports
 // the rate; `sink` reads the sums afterwards so that the loop stays. The
-// empty asm keeps the compiler from treating a and b as constants.
-#define RATE(name, products, acc, init, a, b, step, sink)         \
-  do {                                                            \
-    for (int i = 0; i < ACCS; i++) acc[i] = (init);               \
-    double t = cpu_seconds();                                     \
-    for (long n = 0; n < STEPS; n++) {                            \
-      _Pragma("GCC unroll 12") for (int i = 0; i < ACCS; i++) acc[i] = (step); \
-      __asm__ volatile("" : "+x"(a), "+x"(b));                    \
-    }                                                             \
-    t = cpu_seconds() - t;                                        \
-    report(name, t, products, (sink));                            \
+// empty asm keeps the compiler from treating a and b as constants; every
+// step reads acc[i], so nothing in the loop can be computed once.
+#define RATE(name, products, acc, init, a, b, step, sink)                      \
+  do {                                                                         \
+    for (int i = 0; i < ACCS; i++) acc[i] = (init);                            \
+    __asm__ volatile("" : "+x"(a), "+x"(b));                                   \
+    double t = cpu_seconds();                                                  \
+    for (long n = 0; n < STEPS; n++) {                                         \
+      _Pragma("GCC unroll 8") for (int i = 0; i < ACCS; i++) acc[i] = (step); \
+    }                                                                          \
+    t = cpu_seconds() - t;                                                     \
+    report(name, t, products, (sink));                                         \
   } while (0)
 
 __attribute__((target("avx2"))) static int sum256(const __m256i* acc) {
