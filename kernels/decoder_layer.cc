@@ -386,15 +386,15 @@ void rms_norm_rows(const float* x, const VectorRef& w, float eps, int n, float* 
   }
 }
 
-// Rows r0 .. r1 (of n) of out = residual + o, o first normed in place where
-// the block has that norm (Gemma 3's norms after attention and the MLP);
-// `scratch` takes the normed rows on the way.
-void add_residual_rows(const VectorRef& norm, float eps, int n, float* o, float* scratch, const float* residual,
+// Rows r0 .. r1 (of n) of out = residual + o, o normed first where the
+// block has that norm (Gemma 3's norms after attention and the MLP), into
+// `scratch`.
+void add_residual_rows(const VectorRef& norm, float eps, int n, const float* o, float* scratch, const float* residual,
                        float* out, int r0, int r1) {
   const size_t i0 = (size_t)r0 * n, i1 = (size_t)r1 * n;
   if (norm) {
     rms_norm_rows(o, norm, eps, n, scratch, r0, r1);
-    std::copy(scratch + i0, scratch + i1, o + i0);
+    o = scratch;
   }
   for (size_t i = i0; i < i1; ++i) out[i] = residual[i] + o[i];
 }

@@ -194,6 +194,20 @@ void convert_row_avx2(const void* p, Ty ty, size_t i, int n, float* dst) {
 }
 #endif  // MLXCEL_X86
 
+// n elements of p from element `at` on, `step` apart, as f32 into dst, with
+// the row converter of `path`'s instruction set where step is 1.
+void convert_row_for(Path path, const void* p, Ty ty, size_t at, int64_t step, int n, float* dst) {
+  if (step != 1) {
+    for (int i = 0; i < n; ++i) dst[i] = load_as_f32(p, ty, at + (size_t)i * step);
+    return;
+  }
+#ifdef MLXCEL_X86
+  if (path == Path::Avx512 || path == Path::Avx512Vnni) return convert_row_avx512(p, ty, at, n, dst);
+  if (path == Path::Avx2 || path == Path::Avx2Int8) return convert_row_avx2(p, ty, at, n, dst);
+#endif
+  convert_row_portable(p, ty, at, n, dst);
+}
+
 // ---------------------------------------------------------------------------
 // CPU features and path selection.
 
@@ -1953,17 +1967,7 @@ void prepare_row(const PrepareRows& r, int m) {
   const Job& j = *r.j;
   const int K = j.K, G = j.G;
   float* xf = r.xf + (size_t)m * K;
-  const int64_t off = r.x_offsets[m];
-  if (r.x_step == 1) {
-#ifdef MLXCEL_X86
-    if (j.path == Path::Avx512 || j.path == Path::Avx512Vnni) convert_row_avx512(r.x, r.xty, off, K, xf);
-    else if (j.path == Path::Avx2 || j.path == Path::Avx2Int8) convert_row_avx2(r.x, r.xty, off, K, xf);
-    else
-#endif
-      convert_row_portable(r.x, r.xty, off, K, xf);
-  } else {
-    for (int k = 0; k < K; ++k) xf[k] = load_as_f32(r.x, r.xty, off + k * r.x_step);
-  }
+  convert_row_for(j.path, r.x, r.xty, (size_t)r.x_offsets[m], r.x_step, K, xf);
   for (int g = 0; g < G; ++g) r.xsum[(size_t)m * G + g] = group_sum(xf + (size_t)g * j.group, j.group);
   int8_t* q = r.xq + (size_t)m * j.xq_stride;
 #ifdef MLXCEL_X86
@@ -2248,17 +2252,7 @@ Scalar scalar_of(mx::Dtype dtype, const char* what) {
 float load_f32(const void* p, Scalar type, size_t i) { return load_as_f32(p, static_cast<Ty>(type), i); }
 
 void load_row_f32(const void* p, Scalar type, size_t at, int64_t stride, int n, float* dst) {
-  const Ty ty = static_cast<Ty>(type);
-  if (stride != 1) {
-    for (int i = 0; i < n; ++i) dst[i] = load_as_f32(p, ty, at + (size_t)i * stride);
-    return;
-  }
-#ifdef MLXCEL_X86
-  const Path path = resolve_path_impl(Path::Auto);
-  if (path == Path::Avx512 || path == Path::Avx512Vnni) return convert_row_avx512(p, ty, at, n, dst);
-  if (path == Path::Avx2 || path == Path::Avx2Int8) return convert_row_avx2(p, ty, at, n, dst);
-#endif
-  convert_row_portable(p, ty, at, n, dst);
+  convert_row_for(resolve_path_impl(Path::Auto), p, static_cast<Ty>(type), at, stride, n, dst);
 }
 
 namespace {
